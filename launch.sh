@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One entry point. Sets up .venv on first use, then starts every rank with torchrun:
+#   bash launch.sh                                   # the embedded tiny default (CPU or GPU)
+#   bash launch.sh train_ppo.py --config configs/x.yaml --actor.lr 1e-6
+#   NPROC=8 bash launch.sh train_grpo.py ...         # ranks per node (default: GPUs, or 2 on CPU)
+# Under SLURM (SLURM_JOB_ID set, one task per node via srun) the node count, node rank and rendezvous
+# address come from SLURM's variables; see slurm/.
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+
+script=train_grpo.py
+if [ $# -gt 0 ] && [[ "$1" == *.py ]]; then script="$1"; shift; fi
+if [ -f "$script" ]; then target=("$script"); else target=(-m lib.smoke); fi  # before the scripts exist
+
+if [ -z "${NPROC:-}" ]; then
+  if has_gpu; then NPROC=$(nvidia-smi -L | wc -l); else NPROC=$(( $(nproc) >= 2 ? 2 : 1 )); fi
+fi
+
+if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_NODEID:-}" ]; then
+  master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  rdzv=(--nnodes "${SLURM_NNODES:-1}" --node-rank "$SLURM_NODEID" --rdzv-id "$SLURM_JOB_ID"
+        --rdzv-backend c10d --rdzv-endpoint "$master:${MASTER_PORT:-29500}")
+else
+  rdzv=(--standalone --nnodes 1)
+fi
+# A CPU rank per core: more threads per rank than cores makes gloo runs slower, not faster.
+has_gpu || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
+exec torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "${target[@]}" "$@"

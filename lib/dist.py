@@ -1,0 +1,263 @@
+"""Process groups, the rank Topology, and collectives on DataProto.
+
+One ``Topology`` is built at start (``init_topology``) and passed to whatever needs a mesh or a group;
+nothing in ``lib/`` calls ``dist.get_rank()`` on its own.
+
+Meshes (all over the same ranks, built once):
+
+- ``fsdp_mesh``: 1-D ``("shard",)`` over the world, or 2-D ``("replicate", "shard")`` (HSDP) when
+  ``fsdp_shard_size`` is smaller than the world; consecutive ranks share a shard group (a node, usually).
+- ``ulysses_mesh``: ``("dp", "sp")``; consecutive ranks form one sequence-parallel group.
+- ``rollout_mesh``: ``("dp", "tp")``; consecutive ranks form one rollout tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lib.protocol import DataProto
+
+
+def check_sizes(world_size: int, sp_size: int = 1, fsdp_shard_size: int = 0, rollout_tp_size: int = 1) -> None:
+    """Refuse impossible parallel sizes with one message that names the fix. Pure: no process group needed."""
+    problems = []
+    for name, value in (("sp_size", sp_size), ("rollout_tp_size", rollout_tp_size)):
+        if value < 1:
+            problems.append(f"{name}={value} must be >= 1")
+        elif world_size % value:
+            problems.append(f"{name}={value} does not divide the world size {world_size}; "
+                            f"use one of {divisors(world_size)} or launch a multiple of {value} ranks")
+    if fsdp_shard_size < 0:
+        problems.append(f"fsdp_shard_size={fsdp_shard_size} must be >= 0 (0 means shard over the whole world)")
+    elif fsdp_shard_size and world_size % fsdp_shard_size:
+        problems.append(f"fsdp_shard_size={fsdp_shard_size} does not divide the world size {world_size}; "
+                        f"use one of {divisors(world_size)} (0 shards over all ranks)")
+    if problems:
+        raise ValueError("impossible parallel sizes: " + "; ".join(problems))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Topology:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    fsdp_mesh: DeviceMesh
+    ulysses_mesh: DeviceMesh
+    rollout_mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # Ulysses axes: the data-parallel size of the *training* batch is dp_size, not the world.
+    @property
+    def sp_size(self) -> int:
+        return self.ulysses_mesh.size(1)
+
+    @property
+    def sp_rank(self) -> int:
+        return self.ulysses_mesh.get_local_rank("sp")
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        return self.ulysses_mesh.get_group("sp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.ulysses_mesh.size(0)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.ulysses_mesh.get_local_rank("dp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.ulysses_mesh.get_group("dp")
+
+    @property
+    def rollout_tp_size(self) -> int:
+        return self.rollout_mesh.size(1)
+
+    @property
+    def rollout_tp_rank(self) -> int:
+        return self.rollout_mesh.get_local_rank("tp")
+
+    @property
+    def rollout_tp_group(self) -> dist.ProcessGroup:
+        return self.rollout_mesh.get_group("tp")
+
+    @property
+    def rollout_dp_rank(self) -> int:
+        return self.rollout_mesh.get_local_rank("dp")
+
+    @property
+    def rollout_dp_size(self) -> int:
+        return self.rollout_mesh.size(0)
+
+    def __repr__(self) -> str:
+        return (f"Topology(rank={self.rank}/{self.world_size}, device={self.device}, backend={self.backend}, "
+                f"fsdp={tuple(self.fsdp_mesh.mesh.shape)}{self.fsdp_mesh.mesh_dim_names}, "
+                f"dp={self.dp_size}, sp={self.sp_size}, rollout_tp={self.rollout_tp_size})")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but torch sees no CUDA GPU; use device=auto or cpu")
+    return torch.device(device)
+
+
+def init_topology(sp_size: int = 1, fsdp_shard_size: int = 0, rollout_tp_size: int = 1,
+                  device: str = "auto", timeout_s: float = 1800.0) -> Topology:
+    """Start (or reuse) the default process group and build every mesh once.
+
+    Under torchrun the rendezvous comes from its environment; a plain ``python`` run is a world of one.
+    """
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if os.environ["WORLD_SIZE"] == "1":
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    check_sizes(world_size, sp_size, fsdp_shard_size, rollout_tp_size)  # before any collective can hang
+
+    dev = resolve_device(device)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    backend = dist.get_backend()
+    shard = fsdp_shard_size or world_size
+    if shard == world_size:
+        fsdp_mesh = init_device_mesh(dev.type, (world_size,), mesh_dim_names=("shard",))
+    else:
+        fsdp_mesh = init_device_mesh(dev.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    ulysses_mesh = init_device_mesh(dev.type, (world_size // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    rollout_mesh = init_device_mesh(dev.type, (world_size // rollout_tp_size, rollout_tp_size),
+                                    mesh_dim_names=("dp", "tp"))
+    return Topology(dist.get_rank(), local_rank, world_size, dev, backend, fsdp_mesh, ulysses_mesh, rollout_mesh)
+
+
+# ---- collectives on DataProto
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL moves CUDA tensors only; gloo moves CPU tensors.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather(data: DataProto, group: dist.ProcessGroup | None = None,
+               pad_values: Mapping[str, float | int] | None = None,
+               return_sizes: bool = False) -> DataProto | tuple[DataProto, list[int]]:
+    """Every rank of ``group`` gets the rows of all ranks, in group-rank order.
+
+    Ranks may hold different numbers of rows and different trailing sizes (sequence lengths): each
+    tensor is padded to the largest shape (at the end of every dim after the first, with
+    ``pad_values[key]``, default 0), gathered, and the row padding trimmed; the result keeps the
+    largest trailing sizes. Object arrays and meta_info travel pickled (ranks are trusted peers).
+    With ``return_sizes`` also returns the row count each rank sent, to chunk the result back.
+    """
+    pad_values = pad_values or {}
+    world = dist.get_world_size(group)
+    schema = {"len": len(data), "shapes": {k: tuple(v.shape[1:]) for k, v in data.batch.items()},
+              "dtypes": {k: v.dtype for k, v in data.batch.items()}, "non_tensor": data.non_tensor_batch}
+    schemas: list[Any] = [None] * world
+    # One object collective carries the shapes and the object arrays, so only tensors are left.
+    dist.all_gather_object(schemas, schema, group=group)
+    sizes = [s["len"] for s in schemas]
+    for r, s in enumerate(schemas):
+        if s["shapes"].keys() != schema["shapes"].keys() or s["non_tensor"].keys() != data.non_tensor_batch.keys():
+            raise ValueError(f"all_gather: rank {r} has keys {sorted(s['shapes'])} + {sorted(s['non_tensor'])}, "
+                             f"this rank has {sorted(schema['shapes'])} + {sorted(data.non_tensor_batch)}")
+        for k, dt in s["dtypes"].items():
+            if dt != schema["dtypes"][k] or len(s["shapes"][k]) != len(schema["shapes"][k]):
+                raise ValueError(f"all_gather: batch[{k!r}] is {dt} {s['shapes'][k]} on rank {r} but "
+                                 f"{schema['dtypes'][k]} {schema['shapes'][k]} here")
+    max_rows = max(sizes)
+    comm_device = _comm_device(group)
+    batch = {}
+    for key, local in data.batch.items():
+        trailing = tuple(max(s["shapes"][key][d] for s in schemas) for d in range(local.dim() - 1))
+        buf = torch.full((max_rows, *trailing), pad_values.get(key, 0), dtype=local.dtype, device=comm_device)
+        buf[tuple(slice(0, n) for n in local.shape)] = local.to(comm_device)
+        out = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(out, buf, group=group)
+        batch[key] = torch.cat([o[:n] for o, n in zip(out, sizes)], dim=0).to(local.device)
+    non_tensor = {k: np.concatenate([s["non_tensor"][k] for s in schemas], axis=0) for k in data.non_tensor_batch}
+    gathered = DataProto(batch, non_tensor, dict(data.meta_info))
+    return (gathered, sizes) if return_sizes else gathered
+
+
+def reshard(data: DataProto, assignment: Sequence[Sequence[int]], group: dist.ProcessGroup | None = None,
+            pad_values: Mapping[str, float | int] | None = None) -> DataProto:
+    """Give each rank the rows assigned to it.
+
+    ``assignment[r]`` lists, for group rank r, indices into the concatenation of all ranks' rows
+    (rank 0's rows first). Every rank must pass the same assignment, usually computed from
+    all-gathered lengths. Built on ``all_gather``: each rank briefly holds the whole batch.
+    """
+    world = dist.get_world_size(group)
+    if len(assignment) != world:
+        raise ValueError(f"reshard: assignment has {len(assignment)} entries for a group of {world} ranks")
+    gathered = all_gather(data, group, pad_values)
+    return gathered.select_idxs(np.asarray(assignment[dist.get_rank(group)], dtype=np.int64))
+
+
+_REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+def reduce_metrics(metrics: Mapping[str, float | torch.Tensor], group: dist.ProcessGroup | None = None,
+                   op: str | Mapping[str, str] = "mean") -> dict[str, float]:
+    """Reduce scalar metrics over the ranks of ``group``: one op for all, or ``{key: op}`` (default mean).
+
+    Two small collectives whatever the number of keys or ops: a fixed-size check that every rank has
+    the same key names (a mismatch would otherwise hang or mix values), then one all-gather of the values.
+    """
+    ops = {k: (op if isinstance(op, str) else op.get(k, "mean")) for k in metrics}
+    bad = {k: o for k, o in ops.items() if o not in _REDUCE_OPS}
+    if bad:
+        raise ValueError(f"reduce_metrics: unknown op(s) {bad}; use one of {_REDUCE_OPS}")
+    keys = sorted(metrics)
+    device = _comm_device(group)
+    world = dist.get_world_size(group)
+    header = torch.tensor([len(keys), zlib.crc32("\0".join(keys).encode())], dtype=torch.float64, device=device)
+    headers = [torch.empty_like(header) for _ in range(world)]
+    dist.all_gather(headers, header, group=group)
+    if not all(bool((h == header).all()) for h in headers):
+        raise ValueError(f"reduce_metrics: ranks passed different metric keys; this rank has {keys}")
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(values) for _ in range(world)]
+    dist.all_gather(gathered, values, group=group)
+    reduce = {"mean": lambda c: c.mean(), "sum": lambda c: c.sum(), "max": lambda c: c.max(),
+              "min": lambda c: c.min()}
+    columns = torch.stack(gathered).cpu().unbind(1)
+    return {k: float(reduce[ops[k]](c)) for k, c in zip(keys, columns)}

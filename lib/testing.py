@@ -1,0 +1,99 @@
+"""Run a function on N gloo ranks in fresh processes, for tests and benches.
+
+``run_distributed(fn, world_size=2)`` spawns N processes, sets the torchrun environment, starts a gloo
+process group, calls ``fn(*args)`` on every rank and returns the per-rank results. A rank that raises
+has its traceback shown; ranks that hang (a mismatched collective, usually) are killed at the timeout.
+``fn`` must be a module-level function (it is imported by file path in the child).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+from lib.dist import _free_port
+
+
+def _load(path: str, module: str, qualname: str) -> Callable:
+    mod = sys.modules.get(module)
+    if mod is None or getattr(mod, "__file__", None) != path:
+        spec = importlib.util.spec_from_file_location(module, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[module] = mod
+        spec.loader.exec_module(mod)
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args: tuple, results: Any) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # N ranks share a small CPU; oversubscription makes gloo tests crawl
+        dist.init_process_group("gloo")
+        try:
+            results.put((rank, "ok", _load(*target)(*args), 0.0))
+        except BaseException:  # noqa: BLE001 - the parent shows it
+            # Report before the group is torn down: that teardown is what makes the other ranks fail.
+            results.put((rank, "error", traceback.format_exc(), time.time()))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        results.put((rank, "error", traceback.format_exc(), time.time()))
+
+
+def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 180.0) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` gloo ranks; returns ``[result of rank 0, rank 1, ...]``."""
+    target = (os.path.abspath(sys.modules[fn.__module__].__file__), fn.__module__, fn.__qualname__)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) + len(errors) < world_size:
+            # After one rank fails the others usually wait in a collective forever: give them a moment only.
+            wait = min(deadline, time.monotonic() + 10) if errors else deadline
+            try:
+                rank, status, payload, when = results.get(timeout=max(0.1, wait - time.monotonic()))
+            except queue.Empty:
+                if errors or time.monotonic() >= deadline:
+                    break
+                if not any(p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            if status == "ok":
+                outputs[rank] = payload
+            else:
+                errors[rank] = (when, payload)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank = min(errors, key=lambda r: errors[r][0])  # the first to fail is the cause, usually
+        others = f" (then also ranks {sorted(set(errors) - {rank})})" if len(errors) > 1 else ""
+        raise AssertionError(f"rank {rank} of {world_size} failed{others}:\n{errors[rank][1]}")
+    missing = [r for r in range(world_size) if r not in outputs]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise AssertionError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
+                             f"(exit codes {codes}); a collective is probably mismatched")
+    return [outputs[r] for r in range(world_size)]
