@@ -1,0 +1,133 @@
+"""Vectorized RL math vs the plain references, printed as ratios measured in the same run.
+
+    python bench/bench_algos.py [--batch 16384] [--n 16] [--vocab 151936] [--tokens 4096] [--device auto]
+
+1. GRPO and RLOO advantages at B sequences in groups of n: ms for lib/algos.py vs lib/algos_ref.py.
+2. Token log-probs (+ entropy) from logits (tokens x vocab): peak extra memory and time of the chunked
+   version vs the naive ``log_softmax(logits.float()).gather(...)``. On CUDA memory is the allocator's peak;
+   on CPU it is the peak RSS growth of a fresh process per variant (so the numbers do not share an allocator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from lib import algos, algos_ref  # noqa: E402
+from lib.logprobs import log_probs_from_logits, log_probs_naive  # noqa: E402
+
+
+def bench_advantages(batch: int, n: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    T = 16
+    rewards = torch.zeros(batch, T)
+    rewards[:, -1] = torch.randint(0, 2, (batch,), generator=g).float()
+    mask = torch.ones(batch, T)
+    index = np.array([f"uid-{i // n}" for i in range(batch)], dtype=object)
+    print(f"advantages: B={batch}, n={n} ({batch // n} groups), string uids, CPU")
+    print(f"{'estimator':<12}{'vectorized ms':>15}{'loop ms':>12}{'speed-up':>10}")
+    for name, fast, slow in (("grpo", algos.grpo, algos_ref.grpo_ref), ("rloo", algos.rloo, algos_ref.rloo_ref)):
+        fast(rewards, mask, index)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            a = fast(rewards, mask, index)[0]
+        t_fast = (time.perf_counter() - t0) / 5 * 1e3
+        t0 = time.perf_counter()
+        b = slow(rewards, mask, index)[0]
+        t_slow = (time.perf_counter() - t0) * 1e3
+        assert torch.allclose(a, b, atol=1e-5), name
+        print(f"{name:<12}{t_fast:>15.1f}{t_slow:>12.1f}{t_slow / t_fast:>9.0f}x")
+
+
+def _run_logprob_variant(variant: str, tokens: int, vocab: int, dtype: str, device: str, backward: bool) -> dict:
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    logits = torch.randn(tokens, vocab, device=device).to(dt).requires_grad_(backward)
+    labels = torch.randint(0, vocab, (tokens,), device=device)
+
+    def run():
+        if variant == "naive":
+            logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+        else:
+            logp, _ = log_probs_from_logits(logits, labels)
+        if backward:
+            logp.sum().backward()
+            logits.grad = None
+        return logp
+
+    if device == "cuda":
+        run()  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:  # the high-water mark only rises: take it before the first call, with the logits already touched
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        run()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        del out
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {"peak_extra_bytes": peak, "ms": min(times) * 1e3}
+
+
+def bench_logprobs(tokens: int, vocab: int, device: str) -> None:
+    if device == "cuda":
+        dtypes = ["bfloat16", "float32"]
+    else:
+        dtypes = ["float32"]
+    print(f"\nlog-probs: {tokens} tokens x vocab {vocab}, {device}; peak memory beyond the logits, best-of-3 time")
+    print(f"{'case':<28}{'naive GB':>10}{'chunked GB':>12}{'mem ratio':>11}{'naive ms':>10}{'chunked ms':>12}"
+          f"{'time ratio':>12}")
+    for dtype in dtypes:
+        for backward in (False, True):
+            res = {}
+            for variant in ("naive", "chunked"):
+                if device == "cuda":
+                    res[variant] = _run_logprob_variant(variant, tokens, vocab, dtype, device, backward)
+                    torch.cuda.empty_cache()
+                else:  # a fresh process per variant: ru_maxrss is a high-water mark
+                    code = (f"import sys, json; sys.path.insert(0, {ROOT!r}); from bench.bench_algos import "
+                            f"_run_logprob_variant as r; print(json.dumps(r({variant!r}, {tokens}, {vocab}, "
+                            f"{dtype!r}, 'cpu', {backward})))")
+                    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+                    res[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+            n, c = res["naive"], res["chunked"]
+            case = f"{dtype} {'fwd+bwd' if backward else 'fwd'}"
+            print(f"{case:<28}{n['peak_extra_bytes'] / 2**30:>10.2f}{c['peak_extra_bytes'] / 2**30:>12.2f}"
+                  f"{c['peak_extra_bytes'] / max(n['peak_extra_bytes'], 1):>11.2f}{n['ms']:>10.1f}{c['ms']:>12.1f}"
+                  f"{c['ms'] / n['ms']:>12.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=16384)
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    bench_advantages(args.batch, args.n)
+    bench_logprobs(args.tokens, args.vocab, device)
+
+
+if __name__ == "__main__":
+    main()
