@@ -146,6 +146,8 @@ def init_topology(sp_size: int = 1, fsdp_shard_size: int = 0, rollout_tp_size: i
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     check_sizes(world_size, sp_size, fsdp_shard_size, rollout_tp_size)  # before any collective can hang
 
+    if device == "auto" and dist.is_initialized():  # an existing group decides: gloo ranks compute on CPU
+        device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
     dev = resolve_device(device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if dev.type == "cuda":
