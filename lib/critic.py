@@ -1,0 +1,71 @@
+"""The critic: values of the states before each response token, and the clipped value update.
+
+Same normalisation as the actor (global mini-batch counts, loss scaled by the FSDP rank count), so the
+update does not depend on micro-batching or the number of ranks.
+
+Batch keys read: input_ids, attention_mask, position_ids, responses, response_mask, values (old), returns.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+from torch import nn
+
+from lib import algos
+from lib.actor import Trainee, _micro, global_counts, mini_batches
+from lib.config import BatchingConfig, CriticConfig
+from lib.dist import Topology, reduce_metrics
+from lib.forward import response_values
+from lib.optim import clipped_step
+from lib.protocol import DataProto
+
+
+@torch.no_grad()
+def compute_values(critic: nn.Module, data: DataProto, batching: BatchingConfig, topo: Topology) -> torch.Tensor:
+    """V (B, R) for every row of ``data``, in the rows' order; zero outside the response mask."""
+    pieces, restore = _micro(data.select(["input_ids", "attention_mask", "position_ids", "responses",
+                                          "response_mask"]), batching, topo)
+    values = torch.cat([response_values(critic, m.to(topo.device), batching.use_remove_padding) for m in pieces])
+    return values[torch.as_tensor(restore, device=values.device)] if restore is not None else values
+
+
+def update_critic(critic: Trainee, data: DataProto, cfg: CriticConfig, mini_batch_size_per_rank: int | None = None,
+                  seed: int = 0) -> dict[str, float]:
+    """``ppo_epochs`` x mini-batches x micro-batches of the clipped value loss; one lr-schedule step."""
+    topo, model = critic.topo, critic.model
+    mb_size = mini_batch_size_per_rank or len(data)
+    world = topo.world_size
+    model.train()
+    sums: dict[str, list[float]] = defaultdict(list)
+    for epoch in range(cfg.ppo_epochs):
+        for mini in mini_batches(data, mb_size, False, seed * 1000 + epoch):
+            num_tokens, num_seqs = global_counts(mini.batch["response_mask"], topo)
+            pieces, _ = _micro(mini, cfg.batching, topo)
+            step: dict[str, float] = defaultdict(float)
+            for micro in pieces:
+                micro = micro.to(topo.device)
+                b = micro.batch
+                mask = b["response_mask"].to(torch.float32)
+                vpreds = response_values(model, micro, cfg.batching.use_remove_padding)
+                loss, m = algos.value_loss(vpreds, b["returns"], b["values"], mask, cfg.cliprange_value,
+                                           cfg.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs)
+                (loss * world).backward()
+                share = mask.sum().item() / max(num_tokens.item(), 1.0)
+                step["critic/vf_loss"] += loss.item()
+                step["critic/vf_clipfrac"] += m["vf_clipfrac"].item() * share
+                step["critic/vpred_mean"] += algos.masked_mean(vpreds.detach(), mask).item() * share
+            grad_norm, stepped = clipped_step(model, critic.optimizer, cfg.optim.max_grad_norm)
+            for k, v in step.items():
+                sums[k].append(v)
+            sums["critic/grad_norm"].append(grad_norm if stepped else float("nan"))
+            sums["critic/skipped_steps"].append(0.0 if stepped else 1.0)
+    critic.scheduler.step()
+    local = {k: float(np.nanmean(v)) if not all(np.isnan(v)) else 0.0 for k, v in sums.items()}
+    local["critic/skipped_steps"] = float(np.sum(sums["critic/skipped_steps"]))
+    local["critic/lr"] = critic.optimizer.param_groups[0]["lr"]
+    ops = {"critic/vf_loss": "sum", "critic/vf_clipfrac": "sum", "critic/vpred_mean": "sum",
+           "critic/grad_norm": "mean", "critic/skipped_steps": "max", "critic/lr": "max"}
+    return reduce_metrics(local, topo.dp_group, ops)

@@ -1,0 +1,140 @@
+"""FSDP2 wrapping in one place: shard each decoder layer then the root, fill from rank 0, offload, full tensors.
+
+- Mixed precision: bf16 compute with fp32 gradient reduction on GPU; plain fp32 on CPU. Parameters (the
+  optimizer's master copy) stay fp32 on every device.
+- Mesh: the Topology's ``fsdp_mesh``; a 2-D (replicate, shard) mesh gives HSDP.
+- Init: every rank builds the model on the meta device; rank 0 alone reads the weights and
+  ``set_model_state_dict(..., broadcast_from_rank0=True)`` scatters them into the shards. Buffers are not
+  in the state dict when non-persistent (rotary ``inv_freq``), so they are broadcast one by one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lib.dist import Topology
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: the classes HF lists in ``_no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} lists no decoder layer class in _no_split_modules; "
+                         f"FSDP2 would put the whole model in one unit")
+    return layers
+
+
+def apply_fsdp(model: nn.Module, topo: Topology, mixed_precision: bool = True, reshard_after_forward: bool = True,
+               gradient_checkpointing: bool = False) -> nn.Module:
+    """fully_shard every decoder layer, then the root (embeddings, final norm, head) on the fsdp mesh."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mixed_precision and topo.device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=topo.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=topo.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+@torch.no_grad()
+def load_from_rank0(model: nn.Module, full_model: nn.Module | None, topo: Topology) -> None:
+    """Materialise the sharded meta ``model`` on the device and fill it from rank 0's ``full_model``
+    (None on other ranks): parameters and persistent buffers through the state dict, every buffer by broadcast."""
+    model.to_empty(device=topo.device)
+    if topo.is_main and full_model is None:
+        raise ValueError("rank 0 must pass the loaded model")
+    full_sd = full_model.state_dict() if topo.is_main else {}
+    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    full_buffers = dict(full_model.named_buffers()) if topo.is_main else {}
+    for name, buf in model.named_buffers():
+        if topo.is_main:
+            buf.copy_(full_buffers[name].to(buf.device))
+        # every rank needs rank 0's buffers (rotary caches are computed at init, which meta skipped)
+        dist.broadcast(buf, src=0)
+
+
+def set_trainable(model: nn.Module, trainable: bool) -> nn.Module:
+    model.requires_grad_(trainable)
+    return model.train(trainable)
+
+
+# ---- offload between phases (rollout frees the training state, training brings it back)
+
+
+@torch.no_grad()
+def offload_model(model: nn.Module) -> None:
+    model.to("cpu")  # FSDP2 re-registers its sharded parameters after .to()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def load_model(model: nn.Module, device: torch.device) -> None:
+    model.to(device)
+
+
+@torch.no_grad()
+def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+    if torch.device(device).type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ---- full tensors, layer by layer, in HF names (weight sync and export)
+
+_WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_fsdp_wrapped_module\.|_orig_mod\.)")
+
+
+def hf_name(name: str) -> str:
+    return _WRAPPER_PARTS.sub("", name)
+
+
+def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) per parameter in registration order (embeddings, layer 0, layer 1, ...).
+    Every rank must consume the iterator in step: each ``full_tensor()`` is an all-gather."""
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if isinstance(param, DTensor) else param
+        yield hf_name(name), (tensor.to(dtype) if dtype is not None else tensor).detach()
+
+
+def full_state_dict_on_rank0(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
+    """The full parameters on CPU on rank 0 (empty elsewhere), one tensor gathered at a time."""
+    out: dict[str, Any] = {}
+    for name, tensor in iter_full_params(model):
+        if topo.is_main:
+            out[name] = tensor.cpu()
+        del tensor
+    return out
+
+
+def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str = "causal_lm",
+                        trainable: bool = True) -> nn.Module:
+    """Meta-device model -> FSDP2 shards on the Topology's device, weights read on rank 0 only."""
+    from lib import models
+
+    attn = models.attn_implementation(topo.device, model_cfg.attn_implementation)
+    config = models.load_config(model_cfg.path, model_cfg.trust_remote_code)
+    model = models.build_empty(config, kind, attn, model_cfg.trust_remote_code)
+    apply_fsdp(model, topo, fsdp_cfg.mixed_precision, fsdp_cfg.reshard_after_forward,
+               model_cfg.gradient_checkpointing and trainable)
+    full = models.load_full(model_cfg.path, kind, attn, model_cfg.trust_remote_code) if topo.is_main else None
+    load_from_rank0(model, full, topo)
+    del full
+    models.check_not_meta(model)
+    return set_trainable(model, trainable)

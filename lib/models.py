@@ -1,0 +1,108 @@
+"""Hugging Face model and tokenizer loading: causal LM (policy, reference) and critic (scalar value head).
+
+Models are built on the meta device on every rank; only rank 0 reads weights from disk, and lib/fsdp.py
+broadcasts them into the shards, so a node holds one CPU copy of the weights, not one per rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+KINDS = ("causal_lm", "critic")
+
+
+def attn_implementation(device: torch.device, requested: str = "auto") -> str:
+    """flash_attention_2 on CUDA when the package is installed, else sdpa (CPU, or GPU without flash-attn)."""
+    if requested != "auto":
+        if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise ValueError("attn_implementation=flash_attention_2 but flash_attn is not installed; "
+                             "pip install -e '.[gpu]' or use attn_implementation=auto")
+        return requested
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def check_model_path(path: str) -> None:
+    """Fail early (before any weights load) with a message that names the fix."""
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ValueError(f"model path {path!r} has no config.json; point --model.path at a Hugging Face "
+                             f"model folder (config.json + *.safetensors)")
+        return
+    if os.path.exists(path):
+        raise ValueError(f"model path {path!r} is a file; point it at the model's folder")
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or path.startswith(("/", ".", "~")):
+        raise ValueError(f"model path {path!r} does not exist; check the path (hub downloads are off or it "
+                         f"looks like a local path)")
+
+
+def load_config(path: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoConfig
+
+    check_model_path(path)
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer; a missing pad token is set to eos (with a warning), left padding for prompts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ValueError(f"tokenizer at {path!r} has neither a pad nor an eos token; add one to its "
+                             f"tokenizer_config.json")
+        log.warning("tokenizer at %s has no pad token; using eos (%r) as pad", path, tok.eos_token)
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def _auto_class(kind: str) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if kind == "causal_lm":
+        return AutoModelForCausalLM
+    if kind == "critic":
+        # Qwen2/Qwen3/Llama ...ForTokenClassification: the base model + a Linear(hidden, 1) "score" head
+        return AutoModelForTokenClassification
+    raise ValueError(f"model kind must be one of {KINDS}, got {kind!r}")
+
+
+def _critic_kwargs(kind: str) -> dict:
+    return {"num_labels": 1, "classifier_dropout": 0.0} if kind == "critic" else {}
+
+
+def build_empty(config: Any, kind: str, attn_impl: str, trust_remote_code: bool = False) -> nn.Module:
+    """The model on the meta device (no memory), ready for fully_shard + to_empty + broadcast."""
+    cls = _auto_class(kind)
+    cfg = config
+    if kind == "critic":
+        cfg = type(config).from_dict({**config.to_dict(), **_critic_kwargs(kind)})
+    with torch.device("meta"):
+        model = cls.from_config(cfg, attn_implementation=attn_impl, trust_remote_code=trust_remote_code,
+                                torch_dtype=torch.float32)
+    return model
+
+
+def load_full(path: str, kind: str, attn_impl: str, trust_remote_code: bool = False) -> nn.Module:
+    """The model with its weights on CPU in float32 (rank 0 only). A critic built from a causal LM checkpoint
+    gets a freshly initialised value head (transformers warns about it)."""
+    cls = _auto_class(kind)
+    return cls.from_pretrained(path, attn_implementation=attn_impl, trust_remote_code=trust_remote_code,
+                               torch_dtype=torch.float32, **_critic_kwargs(kind))
+
+
+def check_not_meta(model: nn.Module) -> None:
+    bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if bad:
+        raise RuntimeError(f"tensors still on the meta device after loading: {bad[:5]}")

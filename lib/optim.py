@@ -1,0 +1,42 @@
+"""AdamW, the warm-up + constant/cosine schedule, and a clipped step that skips non-finite gradients."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lib.config import OptimConfig
+
+
+def lr_multiplier(step: int, cfg: OptimConfig) -> float:
+    """Fraction of the peak lr at optimizer step ``step`` (0-based)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant" or cfg.total_steps <= cfg.warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+    return optimizer, scheduler
+
+
+def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> tuple[float, bool]:
+    """Clip the global grad norm (over all shards: DTensor norms reduce across the mesh) and step.
+    A non-finite norm skips the step and clears the gradients. Returns (norm, stepped)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    norm = float(norm)
+    stepped = math.isfinite(norm)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, stepped

@@ -1,0 +1,61 @@
+"""Tiny random models and RL batches for tests (no hub, no tokenizer)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lib.protocol import DataProto
+
+VOCAB = 97
+
+
+def tiny_config(arch: str = "qwen2", **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                  attention_dropout=0.0, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    common.update(overrides)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=8, **common)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(arch)
+
+
+def save_tiny_model(path: str, arch: str = "qwen2", seed: int = 0, **overrides) -> str:
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), torch_dtype=torch.float32)
+        model.save_pretrained(path)
+    return path
+
+
+def rl_batch(num_rows: int, prompt_len: int = 6, response_len: int = 5, seed: int = 0,
+             min_prompt: int = 2, min_response: int = 0) -> DataProto:
+    """Left-padded prompts + right-padded responses of random lengths, with masks and position ids."""
+    g = torch.Generator().manual_seed(seed)
+    p_lens = torch.randint(min_prompt, prompt_len + 1, (num_rows,), generator=g)
+    r_lens = torch.randint(min_response, response_len + 1, (num_rows,), generator=g)
+    prompts = torch.zeros(num_rows, prompt_len, dtype=torch.long)
+    responses = torch.zeros(num_rows, response_len, dtype=torch.long)
+    p_mask = torch.zeros(num_rows, prompt_len, dtype=torch.long)
+    r_mask = torch.zeros(num_rows, response_len, dtype=torch.long)
+    for i in range(num_rows):
+        p, r = int(p_lens[i]), int(r_lens[i])
+        prompts[i, prompt_len - p:] = torch.randint(3, VOCAB, (p,), generator=g)
+        p_mask[i, prompt_len - p:] = 1
+        responses[i, :r] = torch.randint(3, VOCAB, (r,), generator=g)
+        r_mask[i, :r] = 1
+    attention_mask = torch.cat([p_mask, r_mask], 1)
+    position_ids = (torch.cumsum(attention_mask, 1) - 1).clamp(min=0)
+    return DataProto.from_dict({
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": r_mask.float(),
+    }, {"uid": [f"g{i // 2}" for i in range(num_rows)]})
