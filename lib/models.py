@@ -6,6 +6,7 @@ broadcasts them into the shards, so a node holds one CPU copy of the weights, no
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -78,19 +79,23 @@ def _auto_class(kind: str) -> Any:
     raise ValueError(f"model kind must be one of {KINDS}, got {kind!r}")
 
 
-def _critic_kwargs(kind: str) -> dict:
-    return {"num_labels": 1, "classifier_dropout": 0.0} if kind == "critic" else {}
+def _model_config(config: Any, kind: str) -> Any:
+    """The config to build ``kind`` from: a critic gets one label (the value) and no dropout on its head
+    (transformers' default for the generic head is 0.1, which would make values noisy in train mode)."""
+    if kind != "critic":
+        return config
+    config = copy.deepcopy(config)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    return config
 
 
 def build_empty(config: Any, kind: str, attn_impl: str, trust_remote_code: bool = False) -> nn.Module:
     """The model on the meta device (no memory), ready for fully_shard + to_empty + broadcast."""
     cls = _auto_class(kind)
-    cfg = config
-    if kind == "critic":
-        cfg = type(config).from_dict({**config.to_dict(), **_critic_kwargs(kind)})
     with torch.device("meta"):
-        model = cls.from_config(cfg, attn_implementation=attn_impl, trust_remote_code=trust_remote_code,
-                                torch_dtype=torch.float32)
+        model = cls.from_config(_model_config(config, kind), attn_implementation=attn_impl, trust_remote_code=trust_remote_code,
+                                dtype=torch.float32)
     return model
 
 
@@ -98,8 +103,9 @@ def load_full(path: str, kind: str, attn_impl: str, trust_remote_code: bool = Fa
     """The model with its weights on CPU in float32 (rank 0 only). A critic built from a causal LM checkpoint
     gets a freshly initialised value head (transformers warns about it)."""
     cls = _auto_class(kind)
-    return cls.from_pretrained(path, attn_implementation=attn_impl, trust_remote_code=trust_remote_code,
-                               torch_dtype=torch.float32, **_critic_kwargs(kind))
+    config = _model_config(load_config(path, trust_remote_code), kind)
+    return cls.from_pretrained(path, config=config, attn_implementation=attn_impl,
+                               trust_remote_code=trust_remote_code, dtype=torch.float32)
 
 
 def check_not_meta(model: nn.Module) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import sys
 import time
@@ -43,7 +44,8 @@ def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args
         torch.set_num_threads(1)  # N ranks share a small CPU; oversubscription makes gloo tests crawl
         dist.init_process_group("gloo")
         try:
-            results.put((rank, "ok", _load(*target)(*args), 0.0))
+            # plain pickle bytes: torch's queue pickler would share tensors by file descriptor, gone when we exit
+            results.put((rank, "ok", pickle.dumps(_load(*target)(*args)), 0.0))
         except BaseException:  # noqa: BLE001 - the parent shows it
             # Report before the group is torn down: that teardown is what makes the other ranks fail.
             results.put((rank, "error", traceback.format_exc(), time.time()))
@@ -78,7 +80,7 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: floa
                     break
                 continue
             if status == "ok":
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
             else:
                 errors[rank] = (when, payload)
     finally:

@@ -32,7 +32,7 @@ def save_tiny_model(path: str, arch: str = "qwen2", seed: int = 0, **overrides) 
 
     if not os.path.exists(os.path.join(path, "config.json")):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
         model.save_pretrained(path)
     return path
 
