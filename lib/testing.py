@@ -34,7 +34,8 @@ def _load(path: str, module: str, qualname: str) -> Callable:
     return obj
 
 
-def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args: tuple, results: Any) -> None:
+def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args: tuple, results: Any,
+            backend: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -42,7 +43,9 @@ def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args
         import torch.distributed as dist
 
         torch.set_num_threads(1)  # N ranks share a small CPU; oversubscription makes gloo tests crawl
-        dist.init_process_group("gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend)
         try:
             # plain pickle bytes: torch's queue pickler would share tensors by file descriptor, gone when we exit
             results.put((rank, "ok", pickle.dumps(_load(*target)(*args)), 0.0))
@@ -54,13 +57,15 @@ def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args
         results.put((rank, "error", traceback.format_exc(), time.time()))
 
 
-def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 180.0) -> list[Any]:
-    """``fn(*args)`` on ``world_size`` gloo ranks; returns ``[result of rank 0, rank 1, ...]``."""
+def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 180.0,
+                    backend: str = "gloo") -> list[Any]:
+    """``fn(*args)`` on ``world_size`` ranks (gloo, or nccl with one GPU per rank); returns
+    ``[result of rank 0, rank 1, ...]``."""
     target = (os.path.abspath(sys.modules[fn.__module__].__file__), fn.__module__, fn.__qualname__)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, args, results, backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
