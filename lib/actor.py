@@ -25,7 +25,7 @@ from torch import nn
 from lib import algos
 from lib.balance import micro_batches
 from lib.config import ActorConfig, BatchingConfig
-from lib.dist import Topology, reduce_metrics
+from lib.dist import Topology, all_gather, reduce_metrics
 from lib.forward import response_log_probs
 from lib.optim import clipped_step
 from lib.protocol import DataProto
@@ -42,24 +42,35 @@ class Trainee:
 
 
 def _micro(data: DataProto, batching: BatchingConfig, topo: Topology):
-    max_tokens = batching.max_tokens_per_rank if batching.use_dynamic_batching else None
-    return micro_batches(data, batching.micro_batch_size_per_rank, max_tokens, topo.dp_group)
+    # an SP group shares its rows and splits each sequence: the token budget covers sp ranks
+    max_tokens = batching.max_tokens_per_rank * topo.sp_size if batching.use_dynamic_batching else None
+    return micro_batches(data, batching.micro_batch_size_per_rank * topo.sp_size, max_tokens, topo.dp_group)
+
+
+def gather_sp(data: DataProto, topo: Topology) -> tuple[DataProto, slice]:
+    """All-gather the SP group's rows (DESIGN step 7): every rank of the group then runs the same rows, each on
+    its slice of the sequence. Returns the gathered batch and where this rank's own rows are in it."""
+    if topo.sp_size == 1:
+        return data, slice(0, len(data))
+    gathered, sizes = all_gather(data, topo.sp_group, return_sizes=True)
+    start = sum(sizes[:topo.sp_rank])
+    return gathered, slice(start, start + sizes[topo.sp_rank])
 
 
 @torch.no_grad()
 def compute_log_probs(model: nn.Module, data: DataProto, batching: BatchingConfig, topo: Topology,
                       temperature: float = 1.0, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response log-probs (B, R) (and entropy) for every row of ``data``, in the rows' order."""
-    pieces, restore = _micro(data.select(["input_ids", "attention_mask", "position_ids", "responses"]), batching,
-                             topo)
-    outs = [response_log_probs(model, m.to(topo.device), temperature, batching.use_remove_padding, with_entropy)
-            for m in pieces]
+    data, mine = gather_sp(data.select(["input_ids", "attention_mask", "position_ids", "responses"]), topo)
+    pieces, restore = _micro(data, batching, topo)
+    outs = [response_log_probs(model, m.to(topo.device), temperature, batching.use_remove_padding, with_entropy,
+                               sp=topo) for m in pieces]
     logp = torch.cat([o[0] for o in outs]) if outs else torch.zeros(0)
     entropy = torch.cat([o[1] for o in outs]) if with_entropy and outs else None
     if restore is not None:
         logp = logp[torch.as_tensor(restore, device=logp.device)]
         entropy = entropy[torch.as_tensor(restore, device=logp.device)] if entropy is not None else None
-    return logp, entropy
+    return logp[mine], (entropy[mine] if entropy is not None else None)
 
 
 def global_counts(mask: torch.Tensor, topo: Topology) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +95,8 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
     """``ppo_epochs`` x mini-batches x micro-batches with gradient accumulation; one lr-schedule step.
     Returns metrics averaged over steps and reduced over the data-parallel ranks."""
     topo, model = actor.topo, actor.model
-    mb_size = mini_batch_size_per_rank or len(data)
+    mb_size = (mini_batch_size_per_rank or len(data)) * topo.sp_size
+    data, _ = gather_sp(data, topo)
     on_policy = "old_log_probs" not in data.batch
     if on_policy and (cfg.ppo_epochs != 1 or mb_size < len(data)):
         raise ValueError("old_log_probs are missing: compute them first, or use the on-policy shortcut "
@@ -92,7 +104,9 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
     if cfg.use_kl_loss and "ref_log_prob" not in data.batch:
         raise ValueError("use_kl_loss needs ref_log_prob in the batch (compute it with the reference model)")
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
-    world = topo.world_size  # FSDP averages gradients over every rank of its mesh
+    # FSDP averages gradients over all ranks; the sp ranks of a group each back-propagate the same (gathered)
+    # loss, and their slices' gradients add up through the all-reduce in forward.py
+    loss_scale = topo.world_size / topo.sp_size
     model.train()
     sums: dict[str, list[float]] = defaultdict(list)
     for epoch in range(cfg.ppo_epochs):
@@ -105,7 +119,7 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
                 b = micro.batch
                 mask = b["response_mask"].to(torch.float32)
                 logp, entropy = response_log_probs(model, micro, temperature, cfg.batching.use_remove_padding,
-                                                   with_entropy=True)
+                                                   with_entropy=True, sp=topo)
                 old = logp.detach() if on_policy else b["old_log_probs"]
                 agg = {"num_global_tokens": num_tokens, "num_global_seqs": num_seqs}
                 pg_loss, pg_metrics = loss_fn(old, logp, b["advantages"], mask, clip_ratio_low=cfg.clip_ratio_low,
@@ -121,7 +135,7 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
                                         cfg.loss_agg_mode, **agg)
                     loss = loss + cfg.kl_loss_coef * kl
                     step_metrics["actor/kl_loss"] += kl.item()
-                (loss * world).backward()
+                (loss * loss_scale).backward()
                 # the aggregated terms are this micro-batch's share of the mini-batch value: they add up
                 step_metrics["actor/pg_loss"] += pg_loss.item()
                 step_metrics["actor/entropy"] += ent.item()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lib import algos
-from lib.actor import Trainee, _micro, global_counts, mini_batches
+from lib.actor import Trainee, _micro, gather_sp, global_counts, mini_batches
 from lib.config import BatchingConfig, CriticConfig
 from lib.dist import Topology, reduce_metrics
 from lib.forward import response_values
@@ -26,18 +26,22 @@ from lib.protocol import DataProto
 @torch.no_grad()
 def compute_values(critic: nn.Module, data: DataProto, batching: BatchingConfig, topo: Topology) -> torch.Tensor:
     """V (B, R) for every row of ``data``, in the rows' order; zero outside the response mask."""
-    pieces, restore = _micro(data.select(["input_ids", "attention_mask", "position_ids", "responses",
-                                          "response_mask"]), batching, topo)
-    values = torch.cat([response_values(critic, m.to(topo.device), batching.use_remove_padding) for m in pieces])
-    return values[torch.as_tensor(restore, device=values.device)] if restore is not None else values
+    data, mine = gather_sp(data.select(["input_ids", "attention_mask", "position_ids", "responses",
+                                        "response_mask"]), topo)
+    pieces, restore = _micro(data, batching, topo)
+    values = torch.cat([response_values(critic, m.to(topo.device), batching.use_remove_padding, sp=topo)
+                        for m in pieces])
+    values = values[torch.as_tensor(restore, device=values.device)] if restore is not None else values
+    return values[mine]
 
 
 def update_critic(critic: Trainee, data: DataProto, cfg: CriticConfig, mini_batch_size_per_rank: int | None = None,
                   seed: int = 0) -> dict[str, float]:
     """``ppo_epochs`` x mini-batches x micro-batches of the clipped value loss; one lr-schedule step."""
     topo, model = critic.topo, critic.model
-    mb_size = mini_batch_size_per_rank or len(data)
-    world = topo.world_size
+    mb_size = (mini_batch_size_per_rank or len(data)) * topo.sp_size
+    data, _ = gather_sp(data, topo)
+    loss_scale = topo.world_size / topo.sp_size  # as in update_policy
     model.train()
     sums: dict[str, list[float]] = defaultdict(list)
     for epoch in range(cfg.ppo_epochs):
@@ -49,10 +53,10 @@ def update_critic(critic: Trainee, data: DataProto, cfg: CriticConfig, mini_batc
                 micro = micro.to(topo.device)
                 b = micro.batch
                 mask = b["response_mask"].to(torch.float32)
-                vpreds = response_values(model, micro, cfg.batching.use_remove_padding)
+                vpreds = response_values(model, micro, cfg.batching.use_remove_padding, sp=topo)
                 loss, m = algos.value_loss(vpreds, b["returns"], b["values"], mask, cfg.cliprange_value,
                                            cfg.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs)
-                (loss * world).backward()
+                (loss * loss_scale).backward()
                 share = mask.sum().item() / max(num_tokens.item(), 1.0)
                 step["critic/vf_loss"] += loss.item()
                 step["critic/vf_clipfrac"] += m["vf_clipfrac"].item() * share

@@ -14,10 +14,12 @@ Either way only the positions that predict a response token reach the LM head (`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from lib import ulysses
 from lib.logprobs import log_probs_from_logits
 from lib.protocol import DataProto
 
@@ -46,17 +48,49 @@ def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, respon
                   packed_index[flat_pos] - 1, response_valid)
 
 
+def _gather_keeps(local: Tensor, sel: Tensor, num_keep: int, group) -> Tensor:
+    """Per-rank outputs at the kept positions that fall in this rank's slice -> all K outputs on every rank.
+    The autograd all-reduce sends each rank the gradient of its own positions summed over the group."""
+    import torch.distributed.nn.functional as dist_nn
+
+    full = torch.zeros((num_keep, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    full = full.index_put((torch.nonzero(sel).flatten(),), local)
+    # sp group: every rank computed a disjoint part of the K outputs
+    return dist_nn.all_reduce(full, group=group)
+
+
+def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool) -> tuple[Tensor, Tensor]:
+    """Forward the packed row (sliced over the SP group when ``sp`` is a Topology with sp_size > 1).
+    Returns (outputs at this rank's kept positions (k, ...), bool (K,) which kept positions they are)."""
+    if sp is None or sp.sp_size == 1:
+        kw = {"logits_to_keep": p.keep} if lm_head else {}
+        out = model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False, **kw)
+        logits = out.logits[0] if lm_head else out.logits[0, p.keep]
+        return logits, torch.ones_like(p.keep, dtype=torch.bool)
+    ids, pos, full_pos, start = ulysses.pad_and_slice(p.input_ids, p.position_ids, sp.sp_size, sp.sp_rank)
+    sel = (p.keep >= start) & (p.keep < start + ids.shape[1])
+    local_keep = p.keep[sel] - start
+    kw = {"logits_to_keep": local_keep} if lm_head else {}
+    with ulysses.sequence_parallel(sp.sp_group, full_pos):
+        out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **kw)
+    return (out.logits[0] if lm_head else out.logits[0, local_keep]), sel
+
+
 def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 1.0, packed: bool = True,
-                       with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """log p(response token) (B, R) float32, and the entropy (B, R) if asked; zero where the response is padding."""
+                       with_entropy: bool = False, sp: Any = None) -> tuple[Tensor, Tensor | None]:
+    """log p(response token) (B, R) float32, and the entropy (B, R) if asked; zero where the response is padding.
+    ``sp``: the Topology, to split each packed row over its sequence-parallel group (always packed then)."""
     b = micro.batch
     responses = b["responses"]
     response_len = responses.shape[1]
-    if packed:
+    if packed or (sp is not None and sp.sp_size > 1):
         p = pack(b["input_ids"], b["attention_mask"], b["position_ids"], response_len)
-        logits = model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False,
-                       logits_to_keep=p.keep).logits[0]  # (K, V)
-        logp_k, ent_k = log_probs_from_logits(logits, responses[p.response_valid], temperature, with_entropy)
+        logits, sel = _run_packed(model, p, sp, lm_head=True)  # (k, V)
+        labels = responses[p.response_valid][sel]
+        logp_k, ent_k = log_probs_from_logits(logits, labels, temperature, with_entropy)
+        if sp is not None and sp.sp_size > 1:
+            logp_k = _gather_keeps(logp_k, sel, p.keep.numel(), sp.sp_group)
+            ent_k = _gather_keeps(ent_k, sel, p.keep.numel(), sp.sp_group) if with_entropy else None
         logp = torch.zeros(responses.shape, dtype=logp_k.dtype, device=logp_k.device)
         logp = logp.masked_scatter(p.response_valid, logp_k)
         entropy = None
@@ -70,15 +104,17 @@ def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 
     return logp * valid, (entropy * valid if with_entropy else None)
 
 
-def response_values(critic: nn.Module, micro: DataProto, packed: bool = True) -> Tensor:
+def response_values(critic: nn.Module, micro: DataProto, packed: bool = True, sp: Any = None) -> Tensor:
     """V(state before each response token) (B, R) float32, times the response mask."""
     b = micro.batch
     response_len = b["responses"].shape[1]
     mask = b["response_mask"].to(torch.float32)
-    if packed:
+    if packed or (sp is not None and sp.sp_size > 1):
         p = pack(b["input_ids"], b["attention_mask"], b["position_ids"], response_len)
-        out = critic(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False)
-        v_k = out.logits[0, p.keep, 0].float()
+        out, sel = _run_packed(critic, p, sp, lm_head=False)
+        v_k = out[:, 0].float()
+        if sp is not None and sp.sp_size > 1:
+            v_k = _gather_keeps(v_k, sel, p.keep.numel(), sp.sp_group)
         return torch.zeros(mask.shape, device=v_k.device).masked_scatter(p.response_valid, v_k) * mask
     out = critic(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"],
                  use_cache=False)

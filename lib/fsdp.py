@@ -125,11 +125,16 @@ def full_state_dict_on_rank0(model: nn.Module, topo: Topology) -> dict[str, torc
 
 def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str = "causal_lm",
                         trainable: bool = True) -> nn.Module:
-    """Meta-device model -> FSDP2 shards on the Topology's device, weights read on rank 0 only."""
-    from lib import models
+    """Meta-device model -> FSDP2 shards on the Topology's device, weights read on rank 0 only.
+    With sp_size > 1 the model attends through lib/ulysses.py (its head counts are checked first)."""
+    from lib import models, ulysses
 
     attn = models.attn_implementation(topo.device, model_cfg.attn_implementation)
     config = models.load_config(model_cfg.path, model_cfg.trust_remote_code)
+    if topo.sp_size > 1:
+        ulysses.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+                            or config.num_attention_heads, topo.sp_size)
+        attn = ulysses.register()
     model = models.build_empty(config, kind, attn, model_cfg.trust_remote_code)
     apply_fsdp(model, topo, fsdp_cfg.mixed_precision, fsdp_cfg.reshard_after_forward,
                model_cfg.gradient_checkpointing and trainable)
