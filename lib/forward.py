@@ -51,12 +51,10 @@ def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, respon
 def _gather_keeps(local: Tensor, sel: Tensor, num_keep: int, group) -> Tensor:
     """Per-rank outputs at the kept positions that fall in this rank's slice -> all K outputs on every rank.
     The autograd all-reduce sends each rank the gradient of its own positions summed over the group."""
-    import torch.distributed.nn.functional as dist_nn
-
     full = torch.zeros((num_keep, *local.shape[1:]), dtype=local.dtype, device=local.device)
     full = full.index_put((torch.nonzero(sel).flatten(),), local)
     # sp group: every rank computed a disjoint part of the K outputs
-    return dist_nn.all_reduce(full, group=group)
+    return ulysses.all_reduce_sum(full, group)
 
 
 def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool) -> tuple[Tensor, Tensor]:

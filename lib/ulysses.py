@@ -100,12 +100,34 @@ def _exchange(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim:
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the gradient of each rank's input is the sum of every rank's output gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _AllReduceSum.apply(x, group)
+
+
 def all_to_all(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, ctx: SPContext, scaling: float | None, dropout: float) -> Tensor:
-    """Causal attention within each packed segment. q, k, v: (1, heads, S, d) with equal head counts."""
+    """Causal attention within each packed segment. q: (1, H, S, d); k, v: (1, KV, S, d), KV dividing H (GQA:
+    kv head m serves query heads m*H/KV ..; the kernels handle it, so no repeated copy is kept for backward)."""
     if q.is_cuda and importlib.util.find_spec("flash_attn") is not None:
         from flash_attn import flash_attn_varlen_func
 
@@ -114,8 +136,9 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, ctx: SPContext, scaling: float | No
                                      dropout_p=dropout, softmax_scale=scaling, causal=True)
         return out.transpose(0, 1)[None]
     # the plain path: one causal sdpa per segment (no S x S mask is ever built)
+    gqa = k.shape[1] != q.shape[1]
     outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout_p=dropout,
-                                           is_causal=True, scale=scaling) for a, b in ctx.segments]
+                                           is_causal=True, scale=scaling, enable_gqa=gqa) for a, b in ctx.segments]
     return torch.cat(outs, dim=2)
 
 
@@ -135,9 +158,6 @@ def ulysses_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, at
     q = all_to_all(query, ctx.group, scatter_dim=1, gather_dim=2)  # (1, H/sp, S, d)
     k = all_to_all(key, ctx.group, scatter_dim=1, gather_dim=2)
     v = all_to_all(value, ctx.group, scatter_dim=1, gather_dim=2)
-    if k.shape[1] != q.shape[1]:  # GQA inside the rank: kv head m serves query heads m*rep .. m*rep+rep-1
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     out = _attend(q, k, v, ctx, scaling, dropout if module.training else 0.0)  # (1, H/sp, S, d)
     out = all_to_all(out, ctx.group, scatter_dim=2, gather_dim=1)  # (1, H, S_local, d)
     return out.transpose(1, 2).contiguous(), None
