@@ -1,0 +1,70 @@
+"""Rollout engines with one interface (DESIGN.md "Contracts"):
+
+``generate(DataProto, validate=False) -> DataProto``, ``sleep(level)``, ``wake_up(tags)``,
+``load_weights(iterable of (name, tensor))``, ``reset_prefix_cache()``.
+
+``hf.HFEngine`` runs everywhere (CPU tests, the embedded default, GPU fallback); ``vllm.VLLMEngine`` is the GPU
+engine. Neither imports vllm at module import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lib.protocol import DataProto
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Softmax temperature. 0: greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass. 1: off."""
+    top_k: int = 0
+    """Sample among the k most likely tokens. 0: off."""
+    n: int = 1
+    """Samples per prompt (rows are repeated interleaved: a prompt's samples stay adjacent)."""
+    max_new_tokens: int = 64
+    """Response length cap in tokens."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (the tokenizer's eos always does)."""
+    seed: int = 0
+    """Base seed; each data-parallel rollout group derives its own from it."""
+
+
+def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positions: torch.Tensor,
+                 responses: list[list[int]], log_probs: list[list[float]] | None, pad_id: int,
+                 response_width: int | None = None) -> dict[str, torch.Tensor]:
+    """The rollout fields from left-padded prompts and each row's generated ids (eos included).
+
+    responses (B, R) right-padded with pad_id; response_mask 1 on generated tokens; input_ids = prompts +
+    responses; attention_mask likewise; position_ids continue each prompt's last position through R
+    (padding too, as the reference does); rollout_log_probs (B, R) with 0 on padding."""
+    # prompts, prompt_mask, prompt_positions: (B, P)
+    batch = prompts.shape[0]
+    width = response_width if response_width is not None else max((len(r) for r in responses), default=0)
+    device = prompts.device
+    out = torch.full((batch, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    logp = torch.zeros(batch, width, dtype=torch.float32)
+    for i, ids in enumerate(responses):
+        n = min(len(ids), width)
+        out[i, :n] = torch.tensor(ids[:n], dtype=torch.long)
+        mask[i, :n] = 1
+        if log_probs is not None:
+            logp[i, :n] = torch.tensor(log_probs[i][:n], dtype=torch.float32)
+    out, mask, logp = out.to(device), mask.to(device), logp.to(device)
+    last = prompt_positions[:, -1:]
+    positions = last + torch.arange(1, width + 1, device=device)[None, :]
+    fields = {"prompts": prompts, "responses": out, "response_mask": mask.to(torch.float32),
+              "input_ids": torch.cat([prompts, out], 1), "attention_mask": torch.cat([prompt_mask.long(), mask], 1),
+              "position_ids": torch.cat([prompt_positions, positions], 1)}
+    if log_probs is not None:
+        fields["rollout_log_probs"] = logp
+    return fields
+
+
+def expand_samples(data: DataProto, n: int) -> DataProto:
+    return data.repeat(n, interleave=True) if n > 1 else data

@@ -1,0 +1,174 @@
+"""The Hugging Face rollout engine: an unsharded replica with the vLLM lifecycle, for CPU and as GPU fallback.
+
+The replica holds no memory while asleep at level 2 (parameters on the meta device) and sits on CPU at
+level 1. ``load_weights`` fills it from the streamed full tensors of the FSDP model (lib/sync.py), so CPU
+tests exercise the same sync path as GPU runs. Generation is a batched sampling loop with a KV cache;
+the sampler draws from its own ``torch.Generator``, never from the training RNG.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from lib.engine import SamplingConfig, build_output, expand_samples
+from lib.protocol import DataProto
+
+
+def _no_init():
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) all but the top-k tokens, then all outside the smallest set with mass >= top_p."""
+    # logits: (B, V) already divided by the temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class HFEngine:
+    def __init__(self, config: Any, device: torch.device, pad_token_id: int, eos_token_ids: list[int],
+                 sampling: SamplingConfig, val_sampling: SamplingConfig | None = None, dtype: torch.dtype | None = None,
+                 rank_seed: int = 0, attn_implementation: str = "sdpa"):
+        from transformers import AutoModelForCausalLM
+
+        self.device, self.pad_id, self.eos_ids = device, pad_token_id, list(eos_token_ids)
+        self.sampling, self.val_sampling = sampling, val_sampling or SamplingConfig(temperature=0.0,
+                                                                                    max_new_tokens=sampling.max_new_tokens)
+        self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.rank_seed = rank_seed
+        self.calls = 0
+        with torch.device("cpu"), _no_init():
+            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                          dtype=self.dtype)
+        self.model.eval().requires_grad_(False)
+        # buffers (rotary inv_freq) are computed in __init__, not loaded: keep them to restore after a wake
+        self._buffers = {n: b.clone() for n, b in self.model.named_buffers()}
+        self._params = dict(self.model.named_parameters())
+        self.level = 0
+        self.metrics: dict[str, float] = {}
+        self.sleep(2)
+
+    # ---- lifecycle
+
+    def _mem(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) / 2**30
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.is_meta) / 2**30
+
+    def sleep(self, level: int = 2) -> None:
+        """Level 1: the replica moves to CPU (weights kept). Level 2: the replica's memory is freed."""
+        self.metrics["engine/mem_before_sleep_gb"] = self._mem()
+        self.model.to("meta" if level == 2 else "cpu")
+        self._params = dict(self.model.named_parameters())
+        self.level = level
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.metrics["engine/mem_after_sleep_gb"] = self._mem()
+
+    def wake_up(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        """``weights``: allocate (level 2, contents undefined until load_weights) or bring back (level 1).
+        ``kv_cache``: nothing to do; the HF cache is allocated per generate call."""
+        if "weights" in tags and self.level:
+            self.metrics["engine/mem_before_wake_gb"] = self._mem()
+            if self.level == 2:
+                self.model.to_empty(device=self.device)
+                for name, buf in self.model.named_buffers():
+                    buf.copy_(self._buffers[name])
+            else:
+                self.model.to(self.device)
+            self._params = dict(self.model.named_parameters())
+            self.level = 0
+            self.metrics["engine/mem_after_wake_gb"] = self._mem()
+
+    def reset_prefix_cache(self) -> None:
+        pass  # no cross-request cache to invalidate
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.level:
+            raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
+        for name, tensor in weights:
+            if name not in self._params:
+                raise KeyError(f"engine has no parameter {name!r} (tied or renamed?)")
+            self._params[name].copy_(tensor)
+
+    # ---- generation
+
+    def _generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        # reproducible per (seed, call), different across data-parallel rollout groups
+        g.manual_seed(hash((seed, self.rank_seed, self.calls)) % (2**63))
+        return g
+
+    @torch.no_grad()
+    def generate(self, data: DataProto, validate: bool = False) -> DataProto:
+        """Rows: left-padded ``input_ids``/``attention_mask``/``position_ids`` prompts. Returns the rollout fields
+        (lib.engine.build_output) plus the input's non-tensors, ``n`` samples per prompt, interleaved."""
+        if self.level:
+            raise RuntimeError("generate on a sleeping engine: call wake_up() first")
+        sp = self.val_sampling if validate else self.sampling
+        t0 = time.perf_counter()
+        data = expand_samples(data, sp.n)
+        ids = data.batch["input_ids"].to(self.device)
+        mask = data.batch["attention_mask"].to(self.device)
+        pos = data.batch["position_ids"].to(self.device)
+        batch = ids.shape[0]
+        gen = self._generator(sp.seed)
+        stop = torch.tensor(sorted(set(self.eos_ids) | set(sp.stop_token_ids)), device=self.device)
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out_tokens, out_logp = [], []
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        step_ids, step_pos, full_mask = ids, pos, mask
+        for _ in range(sp.max_new_tokens):
+            logits = self.model(input_ids=step_ids, attention_mask=full_mask, position_ids=step_pos,
+                                past_key_values=cache, use_cache=True).logits[:, -1].float()
+            if sp.temperature > 0:
+                scaled = logits / sp.temperature
+                probs = torch.softmax(filter_logits(scaled, sp.top_k, sp.top_p), dim=-1)
+                token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            else:
+                scaled = logits
+                token = logits.argmax(-1)
+            # log-prob under the temperature-scaled distribution, what the trainer recomputes
+            logp = torch.log_softmax(scaled, -1).gather(-1, token[:, None]).squeeze(-1)
+            token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            out_tokens.append(token)
+            out_logp.append(torch.where(done, torch.zeros_like(logp), logp))
+            done = done | torch.isin(token, stop)
+            if bool(done.all()):
+                break
+            step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
+            full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)
+        self.calls += 1
+        tokens = torch.stack(out_tokens, 1).cpu() if out_tokens else torch.zeros(batch, 0, dtype=torch.long)
+        logps = torch.stack(out_logp, 1).cpu() if out_logp else torch.zeros(batch, 0)
+        responses, logprob_lists = [], []
+        stop_set = set(stop.tolist())
+        for row, lp in zip(tokens.tolist(), logps.tolist()):
+            end = next((j + 1 for j, t in enumerate(row) if t in stop_set), len(row))
+            responses.append(row[:end])
+            logprob_lists.append(lp[:end])
+        fields = build_output(ids, mask, pos, responses, logprob_lists, self.pad_id)
+        elapsed = time.perf_counter() - t0
+        num_tokens = sum(len(r) for r in responses)
+        meta = {"generate_s": elapsed, "generated_tokens": num_tokens, "tokens_per_s": num_tokens / max(elapsed, 1e-9)}
+        return DataProto.from_dict(fields, dict(data.non_tensor_batch), {**data.meta_info, **meta})

@@ -1,0 +1,85 @@
+"""Streamed, bucketed weight sync from FSDP2 shards into a rollout engine, and the rollout-mode switch.
+
+Every rank walks the parameters in the same order and calls ``full_tensor()`` on each (an all-gather over
+the FSDP mesh: no rank-0-only sends), casts it to the engine's dtype, and hands the engine buckets of
+at most ``bucket_bytes``. The extra memory at any moment is one bucket plus the tensor being gathered,
+never the whole model. The order of a step (vLLM's sleep-mode rules):
+
+    empty_cache -> wake_up(["weights"]) -> stream weights -> [offload training params]
+    -> wake_up(["kv_cache"]) -> reset_prefix_cache -> generate -> sleep(level)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from lib.fsdp import iter_full_params, load_model, offload_model
+
+
+def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def sync_weights(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20) -> dict[str, float]:
+    """Stream the FSDP ``model``'s full parameters into an awake ``engine``. Returns time, GB sent, peak extra GB."""
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    sent = 0
+    largest_bucket = 0
+    for bucket in buckets(iter_full_params(model, dtype), bucket_bytes):
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        sent += nbytes
+        largest_bucket = max(largest_bucket, nbytes)
+        engine.load_weights(bucket)
+        del bucket
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    else:
+        peak = largest_bucket / 2**30  # what the bucketing bounds on CPU, where no allocator peak is kept
+    elapsed = time.perf_counter() - t0
+    return {"sync/seconds": elapsed, "sync/gb": sent / 2**30, "sync/peak_extra_gb": peak,
+            "sync/s_per_gb": elapsed / max(sent / 2**30, 1e-9)}
+
+
+def enter_rollout(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
+                  offload_params: bool = False) -> dict[str, float]:
+    """Training -> rollout: wake the engine's weights, stream ours in, optionally park the training shards on
+    CPU, then wake the KV cache and drop any cached prefixes (computed with the old weights)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.wake_up(["weights"])
+    metrics = sync_weights(model, engine, dtype, bucket_bytes)
+    if offload_params:
+        offload_model(model)
+    engine.wake_up(["kv_cache"])
+    engine.reset_prefix_cache()
+    return {**metrics, **getattr(engine, "metrics", {})}
+
+
+def exit_rollout(model: nn.Module, engine: Any, device: torch.device, level: int = 2,
+                 offload_params: bool = False) -> None:
+    """Rollout -> training: the engine sleeps (level 2 drops its weights: the next sync sends all of them)."""
+    engine.sleep(level)
+    if offload_params:
+        load_model(model, device)
