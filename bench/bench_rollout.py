@@ -1,0 +1,114 @@
+"""Rollout engine throughput, weight-sync cost, wake/sleep time.
+
+    python bench/bench_rollout.py [--prompts 64] [--new-tokens 128] [--hidden 512] [--layers 8]
+
+HF engine (always): generated tokens/s through our engine vs the same model's bare ``generate`` loop in
+transformers on the same prompts (ratio), sync seconds per GB from the FSDP model, wake and sleep seconds.
+vLLM (when installed, on GPU): tokens/s through VLLMEngine vs bare ``LLM.generate`` on the same prompts
+(target >= 0.95x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from lib.config import FSDPConfig, ModelConfig  # noqa: E402
+from lib.dist import init_topology  # noqa: E402
+from lib.engine import SamplingConfig  # noqa: E402
+from lib.engine.hf import HFEngine  # noqa: E402
+from lib.fsdp import build_sharded_model  # noqa: E402
+from lib.protocol import DataProto  # noqa: E402
+from lib.sync import sync_weights  # noqa: E402
+
+
+def timed(fn):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    topo = init_topology()
+    dtype = torch.bfloat16 if topo.device.type == "cuda" else torch.float32
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                          num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+                          num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=2048,
+                          tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
+        model = build_sharded_model(ModelConfig(path=tmp), FSDPConfig(), topo, trainable=False)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, args.vocab, (args.prompts, args.prompt_len), generator=g)
+        prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                       "position_ids": torch.arange(args.prompt_len).repeat(args.prompts, 1)})
+        # sample with eos unreachable in practice so both sides generate the full length
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+        engine = HFEngine(cfg, topo.device, 0, [1], sampling, dtype=dtype)
+        _, wake_s = timed(lambda: engine.wake_up(["weights"]))
+        metrics, _ = timed(lambda: sync_weights(model, engine, dtype))
+        engine.generate(prompts[:2])  # warm-up
+        out, gen_s = timed(lambda: engine.generate(prompts))
+        tokens = int(out.batch["response_mask"].sum())
+        bare = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(topo.device).eval()
+        bare.load_state_dict(engine.model.state_dict())
+        dev_ids = ids.to(topo.device)
+        with torch.no_grad():
+            bare_out, bare_s = timed(lambda: bare.generate(dev_ids, attention_mask=torch.ones_like(dev_ids),
+                                                           do_sample=True, max_new_tokens=args.new_tokens,
+                                                           min_new_tokens=args.new_tokens, top_k=0, top_p=1.0,
+                                                           eos_token_id=1, pad_token_id=0))
+        bare_tokens = (bare_out.shape[1] - args.prompt_len) * args.prompts
+        _, sleep_s = timed(lambda: engine.sleep(2))
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"model {n_params / 1e6:.1f}M params, {args.prompts} prompts x {args.prompt_len} tokens, "
+              f"{args.new_tokens} new tokens, {topo.device}, {dtype}")
+        print(f"HF engine: {tokens / gen_s:,.0f} tokens/s vs bare transformers generate "
+              f"{bare_tokens / bare_s:,.0f} tokens/s: {tokens / gen_s / (bare_tokens / bare_s):.2f}x")
+        print(f"sync: {metrics['sync/gb']:.3f} GB in {metrics['sync/seconds']:.3f} s = {metrics['sync/s_per_gb']:.2f} s/GB, "
+              f"peak extra {metrics['sync/peak_extra_gb']:.3f} GB; wake {wake_s * 1e3:.1f} ms, sleep {sleep_s * 1e3:.1f} ms")
+        if topo.device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
+            bench_vllm(tmp, model, topo, prompts, sampling)
+        elif topo.device.type == "cuda":
+            print("vLLM: not installed here (pip install -e '.[gpu]'); engine-vs-bare vLLM ratio not measured")
+
+
+def bench_vllm(path, model, topo, prompts, sampling) -> None:
+    from lib.engine.vllm import VLLMEngine, _sampling_params
+    from lib.sync import enter_rollout
+
+    engine = VLLMEngine(path, topo, 0, [1], sampling, gpu_memory_utilization=0.4)
+    enter_rollout(model, engine, torch.bfloat16)
+    out, ours_s = timed(lambda: engine.generate(prompts))
+    ours = int(out.batch["response_mask"].sum()) / ours_s
+    reqs = [{"prompt_token_ids": row.tolist()} for row in prompts.batch["input_ids"]]
+    outs, bare_s = timed(lambda: engine.llm.generate(reqs, _sampling_params(sampling, [1]), use_tqdm=False))
+    bare = sum(len(o.outputs[0].token_ids) for o in outs) / bare_s
+    print(f"vLLM engine: {ours:,.0f} tokens/s vs bare LLM.generate {bare:,.0f} tokens/s: {ours / bare:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Rollout engines and weight sync: HF engine everywhere (CPU here), vLLM where installed on a GPU."""
+
+import pytest
+import torch
+
+from lib.engine import SamplingConfig, build_output
+from lib.engine.hf import HFEngine, filter_logits
+from lib.protocol import DataProto
+from lib.sync import buckets
+from lib.testing import run_distributed
+from tests.helpers import rl_batch, save_tiny_model, tiny_config
+
+EOS = 1
+
+
+def prompts(n=4, seed=0):
+    d = rl_batch(n, prompt_len=6, response_len=1, seed=seed)
+    return DataProto.from_dict({"input_ids": d.batch["prompts"], "attention_mask": d.batch["attention_mask"][:, :6],
+                                "position_ids": d.batch["position_ids"][:, :6]}, {"uid": list(d.non_tensor_batch["uid"])})
+
+
+def engine(model, sampling, rank_seed=0):
+    e = HFEngine(model.config, torch.device("cpu"), pad_token_id=0, eos_token_ids=[EOS], sampling=sampling,
+                 rank_seed=rank_seed)
+    e.wake_up(["weights"])
+    e.load_weights(model.named_parameters())
+    e.wake_up(["kv_cache"])
+    return e
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation="sdpa").eval()
+
+
+def test_greedy_is_deterministic_and_sampling_reproducible_per_seed(model):
+    greedy = engine(model, SamplingConfig(temperature=0.0, max_new_tokens=8))
+    a, b = greedy.generate(prompts()), greedy.generate(prompts())
+    assert torch.equal(a.batch["responses"], b.batch["responses"])
+    s = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=7, n=2)
+    one, two = engine(model, s), engine(model, s)
+    other_rank = engine(model, s, rank_seed=1)
+    r1, r2, r3 = one.generate(prompts()), two.generate(prompts()), other_rank.generate(prompts())
+    assert torch.equal(r1.batch["responses"], r2.batch["responses"])
+    assert not torch.equal(r1.batch["responses"], r3.batch["responses"])  # data-parallel ranks differ
+    assert not torch.equal(r1.batch["responses"], one.generate(prompts()).batch["responses"])  # next call differs
+    assert list(r1.non_tensor_batch["uid"]) == ["g0", "g0", "g0", "g0", "g1", "g1", "g1", "g1"]  # n=2 interleaved
+
+
+def test_training_rng_is_untouched(model):
+    e = engine(model, SamplingConfig(temperature=1.0, max_new_tokens=4))
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    e.generate(prompts())
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_ragged_responses_masks_and_positions(model):
+    from lib.forward import response_log_probs
+
+    out = engine(model, SamplingConfig(temperature=1.5, max_new_tokens=12, seed=3, stop_token_ids=[5, 6, 7, 8, 9]),
+                 ).generate(prompts(6))
+    b = out.batch
+    lengths = b["response_mask"].sum(-1).long()
+    assert len(set(lengths.tolist())) > 1  # ragged
+    R = b["responses"].shape[1]
+    for i, n in enumerate(lengths.tolist()):
+        assert b["response_mask"][i, :n].eq(1).all() and b["response_mask"][i, n:].eq(0).all()
+        assert b["responses"][i, n:].eq(0).all()  # pad id after the end
+        if n < R:
+            assert b["responses"][i, n - 1].item() in (EOS, 5, 6, 7, 8, 9)  # ended by a stop token
+        assert b["attention_mask"][i, 6:].tolist() == b["response_mask"][i].long().tolist()
+        last = b["position_ids"][i, 5]
+        assert b["position_ids"][i, 6:].tolist() == list(range(last + 1, last + 1 + R))
+    assert torch.equal(b["input_ids"], torch.cat([b["prompts"], b["responses"]], 1))
+    # the engine's log-probs are what the trainer recomputes (same temperature)
+    logp, _ = response_log_probs(model, out, temperature=1.5)
+    torch.testing.assert_close(logp * b["response_mask"], b["rollout_log_probs"], rtol=1e-4, atol=1e-4)
+
+
+def test_sleep_frees_the_replica(model):
+    e = engine(model, SamplingConfig(max_new_tokens=2))
+    assert e.metrics["engine/mem_after_wake_gb"] > 0
+    e.sleep(2)
+    assert all(p.is_meta for p in e.model.parameters()) and e.metrics["engine/mem_after_sleep_gb"] == 0
+    with pytest.raises(RuntimeError, match="wake_up"):
+        e.generate(prompts())
+    e.wake_up()
+    e.load_weights(model.named_parameters())
+    e.sleep(1)  # level 1 keeps the weights on CPU
+    e.wake_up()
+    torch.testing.assert_close(e.model(prompts().batch["input_ids"]).logits, model(prompts().batch["input_ids"]).logits)
+
+
+def test_top_k_top_p_filter():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, 2, 1.0)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, 0, 0.7)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, 0, 0.5)).tolist() == [[False, True, True, True]]
+
+
+def test_buckets_bound_the_size():
+    ts = [(str(i), torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]
+    out = list(buckets(iter(ts), bucket_bytes=4 * 25))
+    assert [[n for n, _ in b] for b in out] == [["0", "1"], ["2"], ["3"], ["4"], ["5"]]
+
+
+def test_build_output_empty_responses():
+    f = build_output(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), torch.arange(3).repeat(2, 1),
+                     [[], [4]], [[], [-0.5]], pad_id=0)
+    assert f["responses"].tolist() == [[0], [4]] and f["response_mask"].tolist() == [[0.0], [1.0]]
+    assert f["position_ids"][:, 3].tolist() == [3, 3]
+
+
+def _sync_body(path):
+    from lib.actor import Trainee, update_policy
+    from lib.config import ActorConfig, ModelConfig, OptimConfig
+    from lib.dist import init_topology
+    from lib.fsdp import build_sharded_model
+    from lib.models import load_config
+    from lib.optim import build_optimizer
+    from lib.sync import enter_rollout, exit_rollout
+
+    topo = init_topology(device="cpu")
+    cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-2))
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo)
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    data = rl_batch(4, seed=topo.rank)
+    data.batch["advantages"] = torch.randn(data.batch["response_mask"].shape) * data.batch["response_mask"]
+    update_policy(Trainee(model, optimizer, scheduler, topo), data, cfg)  # weights now differ from disk
+    eng = HFEngine(load_config(path), topo.device, 0, [EOS], SamplingConfig(max_new_tokens=3, seed=1),
+                   rank_seed=topo.rank)
+    metrics = enter_rollout(model, eng, torch.float32, bucket_bytes=20_000)
+    ids = prompts(3, seed=9).batch["input_ids"]
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+        theirs = eng.model(input_ids=ids).logits
+    out = eng.generate(prompts(3, seed=9))
+    exit_rollout(model, eng, topo.device, level=2)
+    return {"diff": float((ours - theirs).abs().max()), "metrics": metrics, "asleep": eng.level == 2,
+            "responses": out.batch["responses"]}
+
+
+def test_sync_after_a_step_matches_the_fsdp_model(tmp_path):
+    path = save_tiny_model(str(tmp_path / "m"), "qwen2")
+    r0, r1 = run_distributed(_sync_body, path)
+    for r in (r0, r1):
+        assert r["diff"] < 1e-5 and r["asleep"]
+        m = r["metrics"]
+        assert m["sync/gb"] > 0 and m["sync/peak_extra_gb"] * 2**30 <= max(20_000, 97 * 32 * 4)  # one bucket
+    assert not torch.equal(r0["responses"], r1["responses"]) or r0["responses"].numel() == 0
+
+
+@pytest.mark.gpu
+def test_hf_engine_on_gpu(model):
+    e = HFEngine(model.config, torch.device("cuda"), 0, [EOS], SamplingConfig(temperature=0.0, max_new_tokens=6))
+    e.wake_up()
+    e.load_weights((n, t.cuda().to(torch.bfloat16)) for n, t in model.named_parameters())
+    out = e.generate(prompts())
+    assert out.batch["responses"].is_cuda and out.batch["responses"].shape[0] == 4
+    e.sleep(2)
+    assert e.metrics["engine/mem_after_sleep_gb"] < e.metrics["engine/mem_before_sleep_gb"]
+
+
+def _vllm_body(path):
+    from lib.config import ActorConfig, ModelConfig
+    from lib.dist import init_topology
+    from lib.engine.vllm import VLLMEngine
+    from lib.fsdp import build_sharded_model
+    from lib.sync import enter_rollout, exit_rollout
+
+    topo = init_topology()
+    model = build_sharded_model(ActorConfig(model=ModelConfig(path=path)).model, ActorConfig().fsdp, topo)
+    eng = VLLMEngine(path, topo, 0, [EOS], SamplingConfig(temperature=0.0, max_new_tokens=8), max_model_len=64,
+                     gpu_memory_utilization=0.2, dtype="float32", enforce_eager=True)
+    base = torch.cuda.mem_get_info()[0]
+    enter_rollout(model, eng, torch.float32)
+    greedy = [eng.generate(prompts()).batch["responses"].cpu() for _ in range(2)]
+    exit_rollout(model, eng, topo.device)
+    hf = HFEngine(model.config, topo.device, 0, [EOS], SamplingConfig(temperature=0.0, max_new_tokens=8),
+                  dtype=torch.float32)
+    enter_rollout(model, hf, torch.float32)
+    ref = hf.generate(prompts()).batch["responses"].cpu()
+    return {"same": torch.equal(greedy[0], greedy[1]), "match_hf": torch.equal(greedy[0], ref),
+            "free_after_sleep_gb": torch.cuda.mem_get_info()[0] / 2**30, "free_before_gb": base / 2**30}
+
+
+@pytest.mark.vllm
+def test_vllm_engine_matches_hf_greedy(tmp_path):
+    path = save_tiny_model(str(tmp_path / "m"), "qwen2", hidden_size=64, num_attention_heads=4)
+    (r,) = run_distributed(_vllm_body, path, world_size=1, backend="nccl", timeout=600)
+    assert r["same"] and r["match_hf"]
+    assert r["free_after_sleep_gb"] >= r["free_before_gb"] - 0.5  # memory back near its baseline after sleep
