@@ -1,13 +1,16 @@
 """The config tree: one set of dataclasses, every field documented with units and sentinels.
 
-(The tyro command line, YAML presets and the pre-flight validation of the whole run arrive with the
-training scripts; the training-engine parts are defined here so that lib/ never reads loose dicts.)
+``parse(argv)``: defaults <- a YAML preset (``--config configs/x.yaml`` or a preset name; it holds only
+changes, and an unknown key is an error) <- tyro command-line overrides (``--actor.optim.lr 1e-6``).
+``validate(cfg, world_size)`` checks every size relation before any model loads and returns the derived
+per-rank sizes; a problem raises one ValueError that lists each problem with its fix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import os
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Literal
 
 
 @dataclass
@@ -109,3 +112,279 @@ class CriticConfig:
     cliprange_value: float = 0.5
     """Value clipping around the old values."""
     loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["toy"])
+    """Parquet/jsonl prompt files. "toy": the embedded task (lib/toy.py), built under trainer.output_root."""
+    val_files: list[str] = field(default_factory=lambda: ["toy"])
+    max_prompt_length: int = 512
+    """Prompt budget in tokens; every prompt is left-padded to this width."""
+    truncation: Literal["filter", "left", "right", "error"] = "filter"
+    """What to do with longer prompts: drop them, keep their end/start, or stop with an error."""
+    apply_chat_template: bool = True
+    shuffle: bool = True
+    limit: int = 0
+    """Use only the first N rows of each file (0: all), for quick trials."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """auto: vllm on GPU when installed, else the HF engine."""
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_response_length: int = 512
+    """Generated tokens per response, at most."""
+    tp_size: int = 1
+    """vLLM tensor-parallel size (ranks per engine)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take for weights + KV cache while awake."""
+    sync_bucket_mb: int = 512
+    """Weight-sync bucket size."""
+    val_temperature: float = 0.0
+    """Validation sampling temperature (0: greedy)."""
+    val_n: int = 1
+    """Validation samples per prompt (mean@N, best@N, maj@N)."""
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """A key of lib.algos.ADVANTAGE_ESTIMATORS."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group std. False (+ loss_agg_mode seq-mean-token-sum-norm) is Dr.GRPO."""
+    gamma: float = 1.0
+    lam: float = 1.0
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "k1"
+    """KL estimator for the in-reward penalty."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: bool = False
+    """DAPO dynamic sampling: keep generating until the batch holds train_batch_size groups whose scores differ."""
+    max_gen_batches: int = 4
+    """Generation rounds per step with filter_groups (then the step goes on with what it has)."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty over the last N tokens before max_response_length (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    rollout_correction: Literal["off", "token", "sequence"] = "off"
+    """Importance weights from the engine's log-probs (train/rollout mismatch)."""
+    rollout_correction_threshold: float = 2.0
+    rollout_correction_mode: Literal["truncate", "mask"] = "truncate"
+    critic_warmup: int = 0
+    """PPO: steps that update only the critic."""
+
+
+@dataclass
+class RewardConfig:
+    custom_fn: str = ""
+    """path/to/file.py:function(data_source, solution_str, ground_truth, extra_info) -> float | dict."""
+    reward_model: str = ""
+    """Path of a sequence-classification reward model added to the rule score ("" : none)."""
+    timeout_s: float = 10.0
+    """Per-sample scorer time limit; a sample past it scores 0 (counted)."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 0
+    """Training steps. 0: epochs x steps per epoch."""
+    epochs: int = 1
+    train_batch_size: int = 64
+    """Prompts per step over all ranks (each gets rollout.n samples)."""
+    val_every: int = 10
+    """Validate every N steps, and before the first and after the last (0: never)."""
+    save_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    output_root: str = "runs"
+    run_name: str = ""
+    """Run folder under output_root ("" : a timestamp). metrics.jsonl, config.yaml, checkpoints go there."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Any of console, jsonl, wandb (offline unless WANDB_API_KEY or WANDB_MODE is set)."""
+    project: str = "spmd-rl"
+    log_samples: int = 2
+    """Prompt/response pairs printed per step."""
+    seed: int = 1
+    device: str = "auto"
+    sp_size: int = 1
+    """Ulysses sequence-parallel size."""
+    resume: bool = True
+    """Continue from the run folder's latest checkpoint when there is one."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(model=ModelConfig(path="toy")))
+    """The policy; its model is also the reference and (unless critic.model.path is set) the critic's base."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ---- loading
+
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def presets() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".yaml")) if os.path.isdir(PRESET_DIR) else []
+
+
+def apply_delta(obj: Any, delta: dict, where: str = "") -> None:
+    """Set the preset's values on the dataclass tree; an unknown key is an error naming the valid ones."""
+    names = {f.name: f for f in fields(obj)}
+    for key, value in delta.items():
+        if key not in names:
+            raise ValueError(f"unknown config key {where}{key!r}; valid keys there: {sorted(names)}")
+        current = getattr(obj, key)
+        if is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {where}{key} is a section; give it a mapping, not {value!r}")
+            apply_delta(current, value, f"{where}{key}.")
+        else:
+            setattr(obj, key, tuple(value) if isinstance(current, tuple) else value)
+
+
+def load_preset(name_or_path: str) -> dict:
+    import yaml
+
+    path = name_or_path if os.path.isfile(name_or_path) else os.path.join(PRESET_DIR, f"{name_or_path}.yaml")
+    if not os.path.isfile(path):
+        raise ValueError(f"no config file or preset {name_or_path!r}; presets: {presets()}")
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def parse(argv: list[str], default_preset: str = "") -> Config:
+    argv = list(argv)
+    preset = default_preset
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ValueError("--config needs a YAML path or a preset name")
+        preset = argv[i + 1]
+        del argv[i:i + 2]
+    base = Config()
+    if preset:
+        apply_delta(base, load_preset(preset))
+    import tyro
+
+    return tyro.cli(Config, default=base, args=argv, description=__doc__)
+
+
+def to_dict(cfg: Any) -> dict:
+    return asdict(cfg)
+
+
+# ---- validation (before any model loads)
+
+
+@dataclass
+class Sizes:
+    world: int
+    dp: int
+    prompts_per_rank: int
+    samples_per_rank: int
+    mini_batch_per_rank: int
+    """Actor samples per optimizer step on one rank (before the SP gather)."""
+    critic_mini_batch_per_rank: int
+    on_policy: bool
+    """ppo_epochs == 1 and one mini-batch: old log-probs are the current ones (no extra forward)."""
+
+
+def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic: bool = False) -> Sizes:
+    from lib import algos
+
+    problems: list[str] = []
+    t, a, r = cfg.trainer, cfg.actor, cfg.rollout
+    sp = t.sp_size
+    if sp < 1 or world_size % sp:
+        problems.append(f"trainer.sp_size={sp} must divide the {world_size} ranks")
+        sp = 1
+    if r.tp_size < 1 or world_size % r.tp_size:
+        problems.append(f"rollout.tp_size={r.tp_size} must divide the {world_size} ranks")
+    dp = world_size // sp
+    if t.train_batch_size % world_size:
+        problems.append(f"trainer.train_batch_size={t.train_batch_size} prompts must divide by the {world_size} "
+                        f"ranks; use a multiple of {world_size}")
+    samples = t.train_batch_size * r.n
+    sizes = {}
+    for name, section in (("actor", a), ("critic", cfg.critic)):
+        mini = section.mini_batch_size or samples
+        if samples % mini:
+            problems.append(f"{name}.mini_batch_size={mini} samples must divide the batch of {samples} "
+                            f"(train_batch_size x rollout.n)")
+        if mini % world_size:
+            problems.append(f"{name}.mini_batch_size={mini} samples must divide by the {world_size} ranks")
+        sizes[name] = max(1, mini // world_size)
+        if section.batching.micro_batch_size_per_rank < 1:
+            problems.append(f"{name}.batching.micro_batch_size_per_rank must be >= 1")
+        if section.ppo_epochs < 1:
+            problems.append(f"{name}.ppo_epochs must be >= 1")
+        if section.loss_agg_mode not in algos.LOSS_AGG_MODES:
+            problems.append(f"{name}.loss_agg_mode={section.loss_agg_mode!r}; use one of {algos.LOSS_AGG_MODES}")
+        if section.batching.use_dynamic_batching and \
+                section.batching.max_tokens_per_rank < cfg.data.max_prompt_length + r.max_response_length:
+            problems.append(f"{name}.batching.max_tokens_per_rank={section.batching.max_tokens_per_rank} is below "
+                            f"one full sequence ({cfg.data.max_prompt_length + r.max_response_length} tokens)")
+    if a.policy_loss not in algos.POLICY_LOSSES:
+        problems.append(f"actor.policy_loss={a.policy_loss!r}; use one of {sorted(algos.POLICY_LOSSES)}")
+    if a.clip_ratio_c <= 1:
+        problems.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1")
+    for name, est in (("actor.kl_loss_type", a.kl_loss_type), ("algorithm.kl_penalty", cfg.algorithm.kl_penalty)):
+        if est.rstrip("+") not in algos.KL_ESTIMATORS:
+            problems.append(f"{name}={est!r}; use one of {sorted(algos.KL_ESTIMATORS)} (optionally with +)")
+    if cfg.algorithm.adv_estimator not in algos.ADVANTAGE_ESTIMATORS:
+        problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r}; use one of "
+                        f"{sorted(algos.ADVANTAGE_ESTIMATORS)}")
+    if cfg.algorithm.adv_estimator == "gae" and not need_critic:
+        problems.append("algorithm.adv_estimator=gae needs a critic: run train_ppo.py")
+    if cfg.algorithm.adv_estimator == "remax":
+        problems.append("algorithm.adv_estimator=remax needs greedy baselines per prompt, which the GRPO script "
+                        "does not generate yet; use grpo, rloo, reinforce_plus_plus(_baseline), opo or gpg")
+    if cfg.algorithm.overlong_buffer >= r.max_response_length:
+        problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} must be below "
+                        f"rollout.max_response_length={r.max_response_length}")
+    if r.engine == "vllm":
+        import importlib.util
+
+        import torch
+
+        if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+            problems.append("rollout.engine=vllm needs a CUDA GPU and the vllm package (pip install -e '.[gpu]'); "
+                            "or use rollout.engine=hf")
+    if model_config is not None:
+        limit = getattr(model_config, "max_position_embeddings", None)
+        total = cfg.data.max_prompt_length + r.max_response_length
+        if limit and total > limit:
+            problems.append(f"data.max_prompt_length + rollout.max_response_length = {total} exceeds the model's "
+                            f"{limit} positions; lower one of them")
+        if sp > 1:
+            from lib.ulysses import check_heads
+
+            try:
+                check_heads(model_config.num_attention_heads,
+                            getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads, sp)
+            except ValueError as e:
+                problems.append(str(e))
+    if problems:
+        raise ValueError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
+    on_policy = a.ppo_epochs == 1 and (a.mini_batch_size or samples) == samples
+    return Sizes(world_size, dp, t.train_batch_size // world_size, t.train_batch_size // world_size * r.n,
+                 sizes["actor"], sizes["critic"], on_policy)

@@ -1,0 +1,101 @@
+"""Run output on rank 0: console progress, metrics.jsonl, wandb, the resolved config, sample responses.
+
+Per-stage wall time and peak memory come from ``stage(name, metrics)``, used around each RL stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any, Iterator
+
+import torch
+import yaml
+
+
+@contextlib.contextmanager
+def stage(name: str, metrics: dict[str, float]) -> Iterator[None]:
+    """Record ``timing/<name>_s`` and ``memory/<name>_peak_gb`` (GPU allocator peak, or process RSS peak)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    yield
+    if cuda:
+        torch.cuda.synchronize()
+        metrics[f"memory/{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        metrics[f"memory/{name}_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    metrics[f"timing/{name}_s"] = time.perf_counter() - t0
+
+
+def run_dir(output_root: str, run_name: str) -> str:
+    return os.path.join(output_root, run_name or time.strftime("%Y%m%d-%H%M%S"))
+
+
+class RunLogger:
+    def __init__(self, path: str, config: dict, total_steps: int, loggers: list[str], project: str,
+                 is_main: bool, start_step: int = 0):
+        self.path, self.total, self.is_main = path, total_steps, is_main
+        self.loggers = set(loggers)
+        self.start_time, self.start_step = time.time(), start_step
+        self.wandb = None
+        if not is_main:
+            return
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.yaml"), "w") as f:
+            yaml.safe_dump(config, f, sort_keys=False)
+        self.jsonl = open(os.path.join(path, "metrics.jsonl"), "a") if "jsonl" in self.loggers else None
+        if "wandb" in self.loggers:
+            import wandb
+
+            if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+                os.environ["WANDB_MODE"] = "offline"  # no key: keep the run on disk (wandb sync later)
+            self.wandb = wandb.init(project=project, name=os.path.basename(path), dir=path, config=config,
+                                    resume="allow")
+
+    def print(self, *args: Any) -> None:
+        if self.is_main and "console" in self.loggers:
+            print(*args, flush=True)
+
+    def log(self, step: int, metrics: dict[str, float], samples: list[tuple[str, str, float]] = ()) -> None:
+        if not self.is_main:
+            return
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if "console" in self.loggers:
+            done = step - self.start_step
+            eta = (time.time() - self.start_time) / max(done, 1) * (self.total - step)
+            width = 24
+            filled = int(width * step / max(self.total, 1))
+            bar = "#" * filled + "." * (width - filled)
+            keys = [k for k in ("reward/mean", "val/mean@1", "val/score_mean", "actor/pg_loss", "actor/entropy",
+                                "response/length_mean", "perf/tokens_per_s") if k in metrics]
+            shown = "  ".join(f"{k.split('/')[-1]} {metrics[k]:.3g}" for k in keys)
+            print(f"[{bar}] step {step}/{self.total}  eta {eta:5.0f}s  {shown}", flush=True)
+            for prompt, response, score in samples:
+                print(f"    {prompt!r} -> {response!r}  score {score:.2f}", flush=True)
+
+    def close(self) -> None:
+        if self.is_main and self.jsonl is not None:
+            self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def excepthook_rank(rank: int) -> None:
+    """Prefix uncaught errors with the rank, so a multi-rank traceback says where it came from."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        sys.stderr.write(f"[rank {rank}] ")
+        previous(kind, value, tb)
+
+    sys.excepthook = hook

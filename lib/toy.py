@@ -1,0 +1,113 @@
+"""The embedded default: a character-level tokenizer, a tiny Qwen2 model, and a task with a checkable answer.
+
+Task: continue an arithmetic sequence modulo 10. The prompt shows three terms ("3,7,1,"), the answer is the
+next three ("5,9,3"), and the reward is the fraction of the answer reproduced from its start. The 100
+(start, step) pairs are split 80 / 20 into train and held-out validation prompts. The model is warm-started
+with a few seconds of supervised training on the train pairs so that it knows the format; RL does the rest.
+Everything is built offline, deterministically, under ``<dir>`` (default ``runs/toy_assets``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import torch
+
+CHARS = list("0123456789,")
+SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
+SHOWN, ANSWER = 3, 3
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def sequence(start: int, step: int, n: int) -> list[int]:
+    return [(start + i * step) % 10 for i in range(n)]
+
+
+def example(start: int, step: int) -> tuple[str, str]:
+    terms = sequence(start, step, SHOWN + ANSWER)
+    return ",".join(map(str, terms[:SHOWN])) + ",", ",".join(map(str, terms[SHOWN:]))
+
+
+def split_pairs(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    pairs = [(a, d) for a in range(10) for d in range(10)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[:80], pairs[80:]
+
+
+def build_tokenizer(path: str):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def _write_jsonl(path: str, pairs: list[tuple[int, int]], repeats: int) -> None:
+    with open(path, "w") as f:
+        for r in range(repeats):
+            for i, (a, d) in enumerate(pairs):
+                prompt, answer = example(a, d)
+                f.write(json.dumps({"prompt": [{"role": "user", "content": prompt}], "data_source": "toy",
+                                    "reward_model": {"ground_truth": answer, "style": "rule"},
+                                    "extra_info": {"index": r * len(pairs) + i, "start": a, "step": d}}) + "\n")
+
+
+def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
+    """A few supervised steps on prompt + answer + eos so the format is known (loss on the answer only)."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(0, len(pairs), (32,), generator=g).tolist()
+        rows, labels = [], []
+        for i in idx:
+            prompt, answer = example(*pairs[i])
+            p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            rows.append(p + a)
+            labels.append([-100] * len(p) + a)
+        ids = torch.tensor(rows)
+        loss = model(input_ids=ids, labels=torch.tensor(labels)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 40) -> dict[str, str]:
+    """Build (once) the tokenizer, the warm-started model and the data files; returns their paths."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    model_dir, data_dir = os.path.join(path, "model"), os.path.join(path, "data")
+    out = {"model": model_dir, "train": os.path.join(data_dir, "train.jsonl"),
+           "val": os.path.join(data_dir, "val.jsonl")}
+    if os.path.exists(os.path.join(model_dir, "model.safetensors")) and os.path.exists(out["val"]):
+        return out
+    os.makedirs(data_dir, exist_ok=True)
+    tokenizer = build_tokenizer(model_dir)
+    train_pairs, val_pairs = split_pairs(seed)
+    _write_jsonl(out["train"], train_pairs, repeats=25)
+    _write_jsonl(out["val"], val_pairs, repeats=1)
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(SPECIAL) + len(CHARS), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                         bos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    warm_start(model, tokenizer, train_pairs, warm_steps, seed)
+    model.generation_config.pad_token_id = 0
+    tmp = model_dir + ".tmp"
+    model.save_pretrained(tmp)
+    for name in os.listdir(tmp):  # weights appear in the model folder only once complete
+        os.replace(os.path.join(tmp, name), os.path.join(model_dir, name))
+    os.rmdir(tmp)
+    return out
