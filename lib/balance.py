@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lib.dist import reshard
+from lib.dist import all_gather, reshard
 from lib.protocol import DataProto
 
 DEFAULT_LINEAR_WEIGHT = 24576  # a in a*L + L^2: per-token (projection/MLP) cost against attention's per pair
@@ -159,3 +159,27 @@ def micro_batches(data: DataProto, micro_batch_size: int, max_tokens: int | None
     lengths = data.batch["attention_mask"].sum(-1).tolist()
     parts = dynamic_micro_batches(lengths, max_tokens, group)
     return [data.select_idxs(p) for p in parts], restore_order(parts)
+
+
+def balance_groups(data: DataProto, group: dist.ProcessGroup | None = None, keep_groups: int = 0,
+                   linear_weight: float = DEFAULT_LINEAR_WEIGHT, group_key: str = "uid",
+                   ) -> tuple[DataProto, dict[str, float]]:
+    """Reshard so every rank gets an equal compute load, moving whole groups (the n samples of a prompt stay
+    together, so group statistics stay local). ``keep_groups`` > 0 keeps only the first that many groups
+    (in rank order), as dynamic sampling needs. Equal group counts per rank when they divide evenly."""
+    world = dist.get_world_size(group)
+    gathered = all_gather(data, group)
+    uids = gathered.non_tensor_batch[group_key]
+    order: dict = {}
+    for i, u in enumerate(uids):
+        order.setdefault(u, []).append(i)
+    groups = list(order.values())
+    if keep_groups:
+        groups = groups[:keep_groups]
+    lengths = gathered.batch["attention_mask"].sum(-1).cpu().numpy()
+    loads = [float(workload(lengths[g], linear_weight).sum()) for g in groups]
+    parts = karmarkar_karp(loads, world, equal_size=len(groups) % world == 0)
+    per_rank = [float(sum(loads[j] for j in p)) for p in parts]
+    mine = sorted(i for j in parts[dist.get_rank(group)] for i in groups[j])
+    metrics = {"balance/imbalance": max(per_rank) / max(np.mean(per_rank), 1e-9), "balance/groups": len(groups)}
+    return gathered.select_idxs(np.asarray(mine, dtype=np.int64)), metrics

@@ -1,9 +1,10 @@
 """The embedded default: a character-level tokenizer, a tiny Qwen2 model, and a task with a checkable answer.
 
-Task: continue an arithmetic sequence modulo 10. The prompt shows three terms ("3,7,1,"), the answer is the
-next three ("5,9,3"), and the reward is the fraction of the answer reproduced from its start. The 100
-(start, step) pairs are split 80 / 20 into train and held-out validation prompts. The model is warm-started
-with a few seconds of supervised training on the train pairs so that it knows the format; RL does the rest.
+Task: write a sequence of digits backwards. The prompt shows four digits ("3,7,1,5,"), the answer is
+"5,1,7,3", and the reward is the length of the correct prefix over the longer of answer and response.
+2000 distinct sequences train, 100 others are held out for validation. The model is warm-started with a
+few seconds of supervised training so that it knows the format and gets some answers partly right; RL does
+the rest.
 Everything is built offline, deterministically, under ``<dir>`` (default ``runs/toy_assets``).
 """
 
@@ -17,23 +18,22 @@ import torch
 
 CHARS = list("0123456789,")
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
-SHOWN, ANSWER = 3, 3
+DIGITS = 4
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
-def sequence(start: int, step: int, n: int) -> list[int]:
-    return [(start + i * step) % 10 for i in range(n)]
+def example(digits: tuple[int, ...]) -> tuple[str, str]:
+    return "".join(f"{d}," for d in digits), ",".join(str(d) for d in reversed(digits))
 
 
-def example(start: int, step: int) -> tuple[str, str]:
-    terms = sequence(start, step, SHOWN + ANSWER)
-    return ",".join(map(str, terms[:SHOWN])) + ",", ",".join(map(str, terms[SHOWN:]))
-
-
-def split_pairs(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    pairs = [(a, d) for a in range(10) for d in range(10)]
-    random.Random(seed).shuffle(pairs)
-    return pairs[:80], pairs[80:]
+def split_pairs(seed: int = 0, num_train: int = 2000, num_val: int = 100) -> tuple[list[tuple], list[tuple]]:
+    """Distinct digit sequences: the first ``num_train`` for training, the next ``num_val`` held out."""
+    rng = random.Random(seed)
+    seen: dict[tuple, None] = {}
+    while len(seen) < num_train + num_val:
+        seen[tuple(rng.randrange(10) for _ in range(DIGITS))] = None
+    items = list(seen)
+    return items[:num_train], items[num_train:]
 
 
 def build_tokenizer(path: str):
@@ -54,11 +54,11 @@ def build_tokenizer(path: str):
 def _write_jsonl(path: str, pairs: list[tuple[int, int]], repeats: int) -> None:
     with open(path, "w") as f:
         for r in range(repeats):
-            for i, (a, d) in enumerate(pairs):
-                prompt, answer = example(a, d)
+            for i, digits in enumerate(pairs):
+                prompt, answer = example(digits)
                 f.write(json.dumps({"prompt": [{"role": "user", "content": prompt}], "data_source": "toy",
                                     "reward_model": {"ground_truth": answer, "style": "rule"},
-                                    "extra_info": {"index": r * len(pairs) + i, "start": a, "step": d}}) + "\n")
+                                    "extra_info": {"index": r * len(pairs) + i}}) + "\n")
 
 
 def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
@@ -70,7 +70,7 @@ def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
         idx = torch.randint(0, len(pairs), (32,), generator=g).tolist()
         rows, labels = [], []
         for i in idx:
-            prompt, answer = example(*pairs[i])
+            prompt, answer = example(pairs[i])
             p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             rows.append(p + a)
@@ -83,7 +83,7 @@ def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
     model.eval()
 
 
-def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 40) -> dict[str, str]:
+def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60) -> dict[str, str]:
     """Build (once) the tokenizer, the warm-started model and the data files; returns their paths."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -95,7 +95,7 @@ def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 40) 
     os.makedirs(data_dir, exist_ok=True)
     tokenizer = build_tokenizer(model_dir)
     train_pairs, val_pairs = split_pairs(seed)
-    _write_jsonl(out["train"], train_pairs, repeats=25)
+    _write_jsonl(out["train"], train_pairs, repeats=1)
     _write_jsonl(out["val"], val_pairs, repeats=1)
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(SPECIAL) + len(CHARS), hidden_size=64, intermediate_size=128,

@@ -94,7 +94,8 @@ def math_answer(solution_str: str, ground_truth: str, extra_info: Any = None) ->
 
 
 def toy(solution_str: str, ground_truth: str, extra_info: Any = None) -> dict:
-    """Fraction of the expected answer reproduced from its start (the toy task's dense reward)."""
+    """The toy task's dense reward: the length of the correct prefix over the longer of answer and response,
+    so trailing extra characters cost as much as missing ones (the policy must also learn to stop)."""
     expected = str(ground_truth)
     got = solution_str.strip()
     prefix = 0
@@ -103,4 +104,4 @@ def toy(solution_str: str, ground_truth: str, extra_info: Any = None) -> dict:
             break
         prefix += 1
     exact = got == expected
-    return {"score": prefix / max(len(expected), 1), "acc": float(exact)}
+    return {"score": prefix / max(len(expected), len(got), 1), "acc": float(exact)}

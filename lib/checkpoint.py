@@ -1,0 +1,94 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), written atomically, and HF export.
+
+``runs/<run>/checkpoints/step_<k>/`` holds every rank's shards of the models and optimizers plus
+``trainer.json`` (step, KL coefficient, ...). A checkpoint is written to ``step_<k>.tmp`` and renamed only
+when complete, and ``latest`` is updated after the rename: a crash never leaves a half checkpoint that a
+resume would pick up, and earlier checkpoints are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from lib.dist import Topology
+from lib.fsdp import full_state_dict_on_rank0
+
+
+def _dir(run_path: str, step: int) -> str:
+    return os.path.join(run_path, "checkpoints", f"step_{step}")
+
+
+def latest_step(run_path: str) -> int | None:
+    marker = os.path.join(run_path, "checkpoints", "latest")
+    if not os.path.isfile(marker):
+        return None
+    step = int(open(marker).read().strip())
+    return step if os.path.isdir(_dir(run_path, step)) else None
+
+
+def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trainer_state: dict, topo: Topology) -> str:
+    """Save {name: (model, optimizer or None)} and the trainer state for ``step``."""
+    final = _dir(run_path, step)
+    tmp = final + ".tmp"
+    if topo.is_main and os.path.exists(tmp):
+        shutil.rmtree(tmp)  # a crashed earlier attempt
+    dist.barrier()
+    state = {}
+    for name, (model, optimizer) in parts.items():
+        state[f"{name}.model"] = get_model_state_dict(model)
+        if optimizer is not None:
+            state[f"{name}.optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=tmp)
+    dist.barrier()
+    if topo.is_main:
+        with open(os.path.join(tmp, "trainer.json"), "w") as f:
+            json.dump({"step": step, **trainer_state}, f)
+        os.replace(tmp, final)
+        marker = os.path.join(run_path, "checkpoints", "latest")
+        with open(marker + ".tmp", "w") as f:
+            f.write(str(step))
+        os.replace(marker + ".tmp", marker)
+    dist.barrier()
+    return final
+
+
+def load(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]]) -> dict:
+    path = _dir(run_path, step)
+    state = {}
+    for name, (model, optimizer) in parts.items():
+        state[f"{name}.model"] = get_model_state_dict(model)
+        if optimizer is not None:
+            state[f"{name}.optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    for name, (model, optimizer) in parts.items():
+        set_model_state_dict(model, state[f"{name}.model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state[f"{name}.optim"])
+    with open(os.path.join(path, "trainer.json")) as f:
+        return json.load(f)
+
+
+def export_hf(model: nn.Module, model_path: str, out_dir: str, topo: Topology, tokenizer: Any = None) -> None:
+    """Full weights as safetensors + the model's config (and tokenizer): a folder transformers and vLLM load."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    full = full_state_dict_on_rank0(model, topo)
+    if topo.is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(out_dir, "model.safetensors"),
+                  metadata={"format": "pt"})
+        AutoConfig.from_pretrained(model_path).save_pretrained(out_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    dist.barrier()

@@ -1,0 +1,172 @@
+"""GRPO and its relatives for Hugging Face causal LMs: one torchrun launch, every rank identical.
+
+    torchrun --nproc-per-node 8 train_grpo.py --config configs/qwen2.5_0.5b_gsm8k_grpo.yaml
+    bash launch.sh                     # the embedded tiny default on CPU (configs/tiny_cpu_grpo.yaml)
+
+The algorithm (Shao et al. 2024, DeepSeekMath): n samples per prompt, advantage = (r - group mean) / group std,
+PPO-clipped policy loss, KL to the reference as a loss term. By config the same loop runs RLOO,
+REINFORCE++(-baseline), OPO, GPG, Dr.GRPO (no std, seq-mean-token-sum-norm), DAPO (clip-higher,
+dynamic sampling, overlong penalty, token-mean), GSPO and CISPO losses, and rollout correction.
+
+Where this departs from the paper:
+- The KL term uses the k3 estimator by default (as the paper), aggregated like the policy loss
+  (token-mean by default, where the paper averages per sequence first).
+- One policy update per rollout batch by default (ppo_epochs=1, one mini-batch): old log-probs are then the
+  current ones, detached (the on-policy shortcut), so the ratio is 1 and clipping only acts with more epochs.
+- Batches are rebalanced across ranks by whole groups (Karmarkar-Karp on a*L + L^2) before the update.
+- Dynamic sampling draws extra prompts from the steps' stream (step * max_gen_batches + round).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lib import algos, checkpoint, config, pipeline
+from lib.actor import compute_log_probs as actor_log_probs
+from lib.actor import update_policy
+from lib.balance import balance_groups
+from lib.logging import stage
+from lib.protocol import DataProto
+
+
+def kl_controller(cfg: config.Config):
+    k = cfg.algorithm.kl_ctrl
+    if k.type == "adaptive":
+        return algos.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
+    return algos.FixedKLController(k.kl_coef)
+
+
+# ---- stages
+
+
+def rollout(run: pipeline.Run, step: int, metrics: dict) -> DataProto:
+    """Generate and score; with dynamic sampling, keep only groups whose scores differ, generating more
+    rounds until the batch is full. Then rebalance whole groups across ranks."""
+    cfg = run.cfg
+    rounds = cfg.algorithm.max_gen_batches if cfg.algorithm.filter_groups else 1
+    kept, total_kept, kept_frac = [], 0, []
+    for r in range(rounds):
+        prompts = pipeline.load_batch(run, step * rounds + r if cfg.algorithm.filter_groups else step)
+        batch, m = pipeline.rollout(run, prompts)
+        metrics.update(m)
+        metrics.update(score(run, batch))
+        if cfg.algorithm.filter_groups:
+            idx, frac = algos.filter_groups(batch.batch["token_level_scores"].sum(-1),
+                                            batch.non_tensor_batch["uid"])
+            batch = batch.select_idxs(idx)
+            kept_frac.append(frac)
+        kept.append(batch)
+        count = torch.tensor([len(set(batch.non_tensor_batch["uid"]))])
+        dist.all_reduce(count)  # world: are there enough informative groups over all ranks yet?
+        total_kept += int(count)
+        if total_kept >= cfg.trainer.train_batch_size:
+            break
+    batch = DataProto.concat(kept)
+    keep = 0
+    if cfg.algorithm.filter_groups:
+        world = run.topo.world_size
+        keep = min(total_kept, cfg.trainer.train_batch_size) // world * world  # equal groups per rank
+        metrics["algorithm/kept_group_frac"] = float(np.mean(kept_frac))
+        metrics["algorithm/gen_rounds"] = len(kept)
+        if keep == 0:
+            raise RuntimeError("dynamic sampling found no group with differing scores; raise "
+                               "algorithm.max_gen_batches or turn algorithm.filter_groups off")
+    batch, m = balance_groups(batch, keep_groups=keep)
+    metrics.update(m)
+    return batch
+
+
+def score(run: pipeline.Run, batch: DataProto) -> dict:
+    return pipeline.score(run, batch)
+
+
+def compute_log_probs(run: pipeline.Run, batch: DataProto) -> None:
+    """old_log_probs (skipped on-policy: the update uses its own, detached) and ref_log_prob."""
+    cfg, topo = run.cfg, run.topo
+    needs_old = not run.sizes.on_policy or cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollout_correction != "off"
+    t = cfg.rollout.temperature
+    if needs_old:
+        batch.batch["old_log_probs"], _ = actor_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
+    if run.ref is not None:
+        batch.batch["ref_log_prob"], _ = actor_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
+
+
+def compute_advantages(run: pipeline.Run, batch: DataProto, kl_ctrl, metrics: dict) -> None:
+    cfg, b = run.cfg, batch.batch
+    a, mask = cfg.algorithm, b["response_mask"]
+    rewards = b["token_level_scores"]
+    if a.use_kl_in_reward:
+        rewards, seq_kl = algos.apply_kl_penalty(rewards, b["old_log_probs"], b["ref_log_prob"], mask,
+                                                 kl_ctrl.value, a.kl_penalty)
+        kl = torch.tensor([float(seq_kl.sum()), float(len(seq_kl))])
+        dist.all_reduce(kl)  # world: the controller follows the batch mean KL over all ranks
+        metrics.update({"algorithm/kl_in_reward": float(kl[0] / kl[1]), "algorithm/kl_coef": kl_ctrl.value})
+        kl_ctrl.update(float(kl[0] / kl[1]), int(kl[1]))
+    b["token_level_rewards"] = rewards
+    adv, ret = algos.ADVANTAGE_ESTIMATORS[a.adv_estimator](
+        rewards, mask, index=batch.non_tensor_batch["uid"], gamma=a.gamma, lam=a.lam,
+        norm_adv_by_std=a.norm_adv_by_std)
+    b["advantages"], b["returns"] = adv, ret
+    if a.rollout_correction != "off":
+        w, keep, m = algos.rollout_correction(b["old_log_probs"], b["rollout_log_probs"], mask,
+                                              a.rollout_correction, a.rollout_correction_threshold,
+                                              a.rollout_correction_mode)
+        b["rollout_is_weights"], b["response_mask"] = w, keep
+        metrics.update({k: float(v) for k, v in m.items()})
+
+
+def log_step(run: pipeline.Run, step: int, batch: DataProto, metrics: dict) -> None:
+    metrics.update(pipeline.response_metrics(batch, run.cfg.rollout.max_response_length))
+    tokens = float(batch.batch["attention_mask"].sum())
+    metrics["perf/tokens_per_s"] = tokens / max(metrics["timing/step_s"], 1e-9)
+    metrics = pipeline.global_metrics(run, metrics)
+    run.logger.log(step + 1, metrics, pipeline.samples_to_log(run, batch, run.cfg.trainer.log_samples))
+
+
+# ---- the loop
+
+
+def main(argv: list[str]) -> None:
+    cfg = config.parse(argv, default_preset="tiny_cpu_grpo")
+    run = pipeline.start(cfg)
+    pipeline.build_models(run, with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+    kl_ctrl = kl_controller(cfg)
+    parts = {"actor": (run.actor.model, run.actor.optimizer)}
+    start = 0
+    last = checkpoint.latest_step(run.path) if cfg.trainer.resume else None
+    if last is not None:
+        state = checkpoint.load(run.path, last, parts)
+        start, kl_ctrl.value = state["step"], state.get("kl_coef", kl_ctrl.value)
+        run.logger.print(f"resumed from step {start}")
+    val_every = cfg.trainer.val_every
+    if val_every and start == 0:
+        run.logger.log(0, pipeline.validate_policy(run, 0))
+    for step in range(start, run.total_steps):
+        metrics: dict[str, float] = {}
+        with stage("step", metrics):
+            with stage("rollout", metrics):
+                batch = rollout(run, step, metrics)
+            with stage("log_probs", metrics):
+                compute_log_probs(run, batch)
+            compute_advantages(run, batch, kl_ctrl, metrics)
+            with stage("update", metrics):
+                metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
+                                             run.sizes.mini_batch_per_rank, seed=step))
+        log_step(run, step, batch, metrics)
+        done = step + 1 == run.total_steps
+        if val_every and ((step + 1) % val_every == 0 or done):
+            run.logger.log(step + 1, pipeline.validate_policy(run, step + 1))
+        if (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0) or done:
+            checkpoint.save(run.path, step + 1, parts, {"kl_coef": kl_ctrl.value}, run.topo)
+    checkpoint.export_hf(run.actor.model, cfg.actor.model.path, f"{run.path}/hf_final", run.topo, run.tokenizer)
+    run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
+    run.logger.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
