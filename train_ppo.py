@@ -1,0 +1,149 @@
+"""PPO with a learned critic and GAE for Hugging Face causal LMs: one torchrun launch, every rank identical.
+
+    torchrun --nproc-per-node 8 train_ppo.py --config configs/qwen2.5_0.5b_gsm8k_ppo.yaml
+    bash launch.sh train_ppo.py        # the embedded tiny default on CPU (configs/tiny_cpu_ppo.yaml)
+
+The algorithm (Schulman et al. 2017; for LMs Ouyang et al. 2022): a value model (the policy's architecture
+with a scalar head), GAE(gamma, lambda) advantages whitened over the batch, the clipped policy loss, the
+clipped value loss, and the KL to the reference policy subtracted from the reward per token, with a fixed or
+adaptive coefficient (Ziegler et al. 2019).
+
+Where this departs from the papers:
+- The reward is the rule/model score on the last response token (no per-token reward model).
+- The critic starts from the policy's weights with a fresh value head; ``algorithm.critic_warmup`` steps
+  train only the critic.
+- Rows are rebalanced across ranks (Karmarkar-Karp on a*L + L^2) before the update.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lib import algos, checkpoint, config, pipeline
+from lib.actor import Trainee
+from lib.actor import compute_log_probs as actor_log_probs
+from lib.actor import update_policy
+from lib.balance import balance_groups
+from lib.critic import compute_values, update_critic
+from lib.fsdp import build_sharded_model
+from lib.logging import stage
+from lib.optim import build_optimizer
+from lib.protocol import DataProto
+
+
+def build_critic(run: pipeline.Run) -> Trainee:
+    cfg = run.cfg
+    if not cfg.critic.model.path:
+        cfg.critic.model.path = cfg.actor.model.path
+    torch.manual_seed(cfg.trainer.seed)  # the fresh value head is the same whatever ran before
+    model = build_sharded_model(cfg.critic.model, cfg.critic.fsdp, run.topo, kind="critic")
+    cfg.critic.optim.total_steps = cfg.critic.optim.total_steps or run.total_steps
+    optimizer, scheduler = build_optimizer(model, cfg.critic.optim)
+    return Trainee(model, optimizer, scheduler, run.topo)
+
+
+def kl_controller(cfg: config.Config):
+    k = cfg.algorithm.kl_ctrl
+    if k.type == "adaptive":
+        return algos.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
+    return algos.FixedKLController(k.kl_coef)
+
+
+# ---- stages
+
+
+def rollout(run: pipeline.Run, step: int, metrics: dict) -> DataProto:
+    batch, m = pipeline.rollout(run, pipeline.load_batch(run, step))
+    metrics.update(m)
+    metrics.update(score(run, batch))
+    batch, m = balance_groups(batch)
+    metrics.update(m)
+    return batch
+
+
+def score(run: pipeline.Run, batch: DataProto) -> dict:
+    return pipeline.score(run, batch)
+
+
+def compute_log_probs(run: pipeline.Run, critic: Trainee, batch: DataProto) -> None:
+    """old_log_probs (the KL in the reward needs them), ref_log_prob, and the critic's values."""
+    cfg, topo, t = run.cfg, run.topo, run.cfg.rollout.temperature
+    batch.batch["old_log_probs"], _ = actor_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
+    if run.ref is not None:
+        batch.batch["ref_log_prob"], _ = actor_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
+    batch.batch["values"] = compute_values(critic.model, batch, cfg.critic.batching, topo)
+
+
+def compute_advantages(run: pipeline.Run, batch: DataProto, kl_ctrl, metrics: dict) -> None:
+    cfg, b = run.cfg, batch.batch
+    a, mask = cfg.algorithm, b["response_mask"]
+    rewards = b["token_level_scores"]
+    if a.use_kl_in_reward:
+        rewards, seq_kl = algos.apply_kl_penalty(rewards, b["old_log_probs"], b["ref_log_prob"], mask,
+                                                 kl_ctrl.value, a.kl_penalty)
+        kl = torch.tensor([float(seq_kl.sum()), float(len(seq_kl))])
+        dist.all_reduce(kl)  # world: the controller follows the batch mean KL over all ranks
+        metrics.update({"algorithm/kl_in_reward": float(kl[0] / kl[1]), "algorithm/kl_coef": kl_ctrl.value})
+        kl_ctrl.update(float(kl[0] / kl[1]), int(kl[1]))
+    b["token_level_rewards"] = rewards
+    # GAE whitens over this rank's batch (as each data-parallel worker of the reference does)
+    b["advantages"], b["returns"] = algos.gae(rewards, mask, values=b["values"], gamma=a.gamma, lam=a.lam)
+
+
+def log_step(run: pipeline.Run, step: int, batch: DataProto, metrics: dict) -> None:
+    metrics.update(pipeline.response_metrics(batch, run.cfg.rollout.max_response_length))
+    metrics["critic/values_mean"] = float(algos.masked_mean(batch.batch["values"], batch.batch["response_mask"]))
+    metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / max(metrics["timing/step_s"], 1e-9)
+    metrics = pipeline.global_metrics(run, metrics)
+    run.logger.log(step + 1, metrics, pipeline.samples_to_log(run, batch, run.cfg.trainer.log_samples))
+
+
+# ---- the loop
+
+
+def main(argv: list[str]) -> None:
+    cfg = config.parse(argv, default_preset="tiny_cpu_ppo")
+    run = pipeline.start(cfg, need_critic=True)
+    pipeline.build_models(run, with_ref=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss)
+    critic = build_critic(run)
+    kl_ctrl = kl_controller(cfg)
+    parts = {"actor": (run.actor.model, run.actor.optimizer), "critic": (critic.model, critic.optimizer)}
+    start = 0
+    last = checkpoint.latest_step(run.path) if cfg.trainer.resume else None
+    if last is not None:
+        state = checkpoint.load(run.path, last, parts)
+        start, kl_ctrl.value = state["step"], state.get("kl_coef", kl_ctrl.value)
+        run.logger.print(f"resumed from step {start}")
+    val_every = cfg.trainer.val_every
+    if val_every and start == 0:
+        run.logger.log(0, pipeline.validate_policy(run, 0))
+    for step in range(start, run.total_steps):
+        metrics: dict[str, float] = {}
+        with stage("step", metrics):
+            with stage("rollout", metrics):
+                batch = rollout(run, step, metrics)
+            with stage("log_probs", metrics):
+                compute_log_probs(run, critic, batch)
+            compute_advantages(run, batch, kl_ctrl, metrics)
+            with stage("update", metrics):
+                metrics.update(update_critic(critic, batch, cfg.critic, run.sizes.critic_mini_batch_per_rank, step))
+                if step >= cfg.algorithm.critic_warmup:
+                    metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
+                                                 run.sizes.mini_batch_per_rank, seed=step))
+        log_step(run, step, batch, metrics)
+        done = step + 1 == run.total_steps
+        if val_every and ((step + 1) % val_every == 0 or done):
+            run.logger.log(step + 1, pipeline.validate_policy(run, step + 1))
+        if (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0) or done:
+            checkpoint.save(run.path, step + 1, parts, {"kl_coef": kl_ctrl.value}, run.topo)
+    checkpoint.export_hf(run.actor.model, cfg.actor.model.path, f"{run.path}/hf_final", run.topo, run.tokenizer)
+    run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
+    run.logger.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
