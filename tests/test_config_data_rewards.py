@@ -1,0 +1,139 @@
+"""Config presets and validation, prompt data and sampling, rule-based rewards."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lib import config
+from lib.data import Sampler, check_files, collate, load_prompts
+from lib.protocol import DataProto
+from lib.rewards import Scorer, builtin, load_custom
+from tests.helpers import tiny_config
+
+
+def test_preset_delta_and_cli_override():
+    cfg = config.parse(["--config", "tiny_cpu_grpo", "--actor.optim.lr", "3e-4"])
+    assert cfg.rollout.max_response_length == 10 and cfg.actor.optim.lr == 3e-4
+    assert cfg.actor.clip_ratio_c == 3.0  # untouched default
+    assert "tiny_cpu_ppo" in config.presets()
+
+
+def test_unknown_preset_key_is_an_error(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("actor:\n  optim:\n    learning_rate: 1\n")
+    with pytest.raises(ValueError, match=r"unknown config key actor\.optim\.'learning_rate'.*'lr'"):
+        config.parse(["--config", str(p)])
+    with pytest.raises(ValueError, match="no config file or preset 'nope'"):
+        config.parse(["--config", "nope"])
+
+
+def test_validation_lists_every_problem_with_its_fix():
+    cfg = config.Config()
+    cfg.trainer.train_batch_size = 30
+    cfg.actor.mini_batch_size = 7
+    cfg.actor.loss_agg_mode = "mean"
+    cfg.trainer.sp_size = 3
+    cfg.data.max_prompt_length, cfg.rollout.max_response_length = 200, 100
+    with pytest.raises(ValueError) as e:
+        config.validate(cfg, 4, tiny_config("qwen2"))
+    msg = str(e.value)
+    for part in ("train_batch_size=30 prompts must divide by the 4 ranks", "mini_batch_size=7",
+                 "loss_agg_mode='mean'", "sp_size=3 must divide the 4 ranks", "exceeds the model's 256 positions"):
+        assert part in msg, (part, msg)
+    ok = config.Config()
+    ok.data.max_prompt_length, ok.rollout.max_response_length = 64, 64
+    sizes = config.validate(ok, 2, tiny_config("qwen2"))
+    assert sizes.prompts_per_rank == 32 and sizes.samples_per_rank == 256 and sizes.on_policy
+    cfg = config.Config()
+    cfg.data.max_prompt_length, cfg.rollout.max_response_length = 64, 64
+    cfg.trainer.sp_size = 4
+    with pytest.raises(ValueError, match="key/value heads"):
+        config.validate(cfg, 4, tiny_config("qwen2", num_key_value_heads=3, num_attention_heads=12, hidden_size=48))
+
+
+def test_data_files_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        check_files([str(tmp_path / "missing.parquet")], "train")
+
+
+def _tok():
+    from lib.toy import build_tokenizer
+    import tempfile
+
+    return build_tokenizer(tempfile.mkdtemp())
+
+
+def test_prompts_truncation_and_collate(tmp_path):
+    tok = _tok()
+    f = tmp_path / "d.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": "1,2,"}], "data_source": "toy",
+             "reward_model": {"ground_truth": "2,1"}, "extra_info": {"i": 0}},
+            {"prompt": [{"role": "user", "content": "1,2,3,4,5,"}], "data_source": "toy",
+             "reward_model": {"ground_truth": "x"}, "extra_info": {"i": 1}}]
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    kept = load_prompts([str(f)], tok, 6, "filter")
+    assert len(kept) == 1 and kept.stats["filtered"] == 1 and kept.ground_truth[0] == "2,1"
+    left = load_prompts([str(f)], tok, 6, "left")
+    assert left.stats["truncated"] == 1 and tok.decode(left.prompt_ids[1]) == "3,4,5,"
+    right = load_prompts([str(f)], tok, 6, "right")
+    assert tok.decode(right.prompt_ids[1]) == "1,2,3,"
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        load_prompts([str(f)], tok, 6, "error")
+    batch = collate(left, np.array([0, 1]), 8, tok.pad_token_id)
+    assert batch.batch["attention_mask"][0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert batch.batch["position_ids"][0].tolist() == [0, 0, 0, 0, 0, 1, 2, 3]
+    assert batch.non_tensor_batch["extra_info"][1] == {"i": 1}
+
+
+def test_sampler_is_deterministic_and_resumable():
+    s = Sampler(10, 4, seed=3)
+    assert s.steps_per_epoch == 2
+    again = Sampler(10, 4, seed=3)
+    assert all((s.rows(k) == again.rows(k)).all() for k in range(5))
+    assert not (s.rows(0) == s.rows(2)).all()  # epoch 1 is another permutation
+    assert sorted(np.concatenate([s.rows(0, r, 2) for r in range(2)]).tolist()) == sorted(s.rows(0).tolist())
+    with pytest.raises(ValueError, match="larger than"):
+        Sampler(3, 4, 0)
+
+
+def test_gsm8k_and_math_scorers():
+    assert builtin.gsm8k("so the answer is\n#### 1,234", "1234")["score"] == 1.0
+    assert builtin.gsm8k("the answer is 72", "72")["score"] == 0.0  # strict needs ####
+    assert builtin.gsm8k("the answer is 72.", "72", method="flexible")["score"] == 1.0
+    assert builtin.gsm8k("#### 71", "72")["score"] == 0.0
+    assert builtin.last_boxed(r"so \boxed{\frac{1}{2}} and \boxed{x^{2}}") == "x^{2}"
+    assert builtin.math_answer(r"thus $\boxed{\dfrac{1}{2}}$", r"\frac12")["score"] == 1.0
+    assert builtin.math_answer(r"\boxed{10^\circ}", "10")["score"] == 1.0
+    assert builtin.math_answer(r"\boxed{3}", "4")["score"] == 0.0
+    assert builtin.toy("5,1,7,3", "5,1,7,3")["score"] == 1.0
+    assert builtin.toy("5,1,9", "5,1,7,3")["score"] == pytest.approx(4 / 7)
+    assert builtin.toy("5,1,7,3,3,3", "5,1,7,3")["score"] == pytest.approx(7 / 11)
+
+
+def test_scorer_counts_failures_and_places_scores(tmp_path):
+    tok = _tok()
+    f = tmp_path / "r.py"
+    f.write_text("import time\n"
+                 "def score(data_source, solution_str, ground_truth, extra_info):\n"
+                 "    if solution_str == '1': raise RuntimeError('bad')\n"
+                 "    if solution_str == '2':\n"
+                 "        while True: pass\n"
+                 "    return {'score': 0.5, 'format': 1.0}\n")
+    scorer = Scorer(tok, f"{f}:score", timeout_s=0.2)
+    ids = torch.tensor([[tok.convert_tokens_to_ids("1"), 0], [tok.convert_tokens_to_ids("2"), 0],
+                        [tok.convert_tokens_to_ids("3"), tok.convert_tokens_to_ids("4")]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 1.0]])
+    data = DataProto.from_dict({"responses": ids, "response_mask": mask},
+                               {"data_source": ["x"] * 3, "ground_truth": ["a"] * 3})
+    scores, metrics, per_row = scorer(data)
+    assert per_row == [0.0, 0.0, 0.5]
+    assert metrics["reward/errors"] == 1 and metrics["reward/timeouts"] == 1 and metrics["reward/format"] == 1.0
+    assert scores.tolist() == [[0.0, 0.0], [0.0, 0.0], [0.0, 0.5]]  # on the last response token
+    with pytest.raises(ValueError, match="path/to/file.py:function_name"):
+        load_custom("nofunction")
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        load_custom(f"{f}:nope")
+    with pytest.raises(ValueError, match="no scorer for data_source 'weird'"):
+        Scorer(tok).fn_for("weird")

@@ -1,0 +1,56 @@
+"""End to end: the real launch path (torchrun, 2 gloo ranks) on the embedded toy task; reward must rise."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(script, tmp_path, *args, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           os.path.join(ROOT, script), "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run", *args]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out.stdout
+
+
+def val_curve(tmp_path):
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    return [(r["step"], r["val/score_mean"]) for r in rows if "val/score_mean" in r], rows
+
+
+@pytest.mark.slow
+def test_grpo_toy_reward_rises(tmp_path):
+    torchrun("train_grpo.py", tmp_path, "--trainer.total_steps", "60", "--trainer.val_every", "30")
+    curve, rows = val_curve(tmp_path)
+    start, end = curve[0][1], curve[-1][1]
+    assert curve[0][0] == 0 and curve[-1][0] == 60
+    assert end > start + 0.15, curve  # measured: 0.27 -> 0.61 at 60 steps (0.81 at 100)
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 60 and all(r["actor/skipped_steps"] == 0 for r in train)
+    assert os.path.isfile(tmp_path / "run" / "hf_final" / "model.safetensors")
+    assert os.path.isfile(tmp_path / "run" / "config.yaml")
+
+
+@pytest.mark.slow
+def test_ppo_toy_reward_rises(tmp_path):
+    torchrun("train_ppo.py", tmp_path, "--trainer.total_steps", "30", "--trainer.val_every", "30",
+             "--trainer.train_batch_size", "64")
+    curve, rows = val_curve(tmp_path)
+    assert curve[-1][1] > curve[0][1] + 0.05, curve
+    assert any("critic/vf_loss" in r for r in rows) and any("algorithm/kl_coef" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_resume_continues_from_the_last_checkpoint(tmp_path):
+    torchrun("train_grpo.py", tmp_path, "--trainer.total_steps", "2", "--trainer.val_every", "0")
+    out = torchrun("train_grpo.py", tmp_path, "--trainer.total_steps", "4", "--trainer.val_every", "0")
+    assert "resumed from step 2" in out
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["latest", "step_2", "step_4"]
