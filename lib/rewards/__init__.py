@@ -124,7 +124,7 @@ class Scorer:
             scores = [s + r for s, r in zip(scores, rm)]
             sums["rm_score"] = rm
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-        lengths = mask.sum(-1).long()
+        lengths = mask.sum(-1).long().cpu()  # scores are placed on CPU, then follow the batch's device
         rows = torch.nonzero(lengths > 0).flatten()
         token_scores[rows, lengths[rows] - 1] = torch.tensor(scores, dtype=torch.float32)[rows]
         metrics = {"reward/errors": counts["errors"], "reward/timeouts": counts["timeouts"]}
