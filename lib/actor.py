@@ -76,7 +76,7 @@ def compute_log_probs(model: nn.Module, data: DataProto, batching: BatchingConfi
 def global_counts(mask: torch.Tensor, topo: Topology) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, non-empty sequences) of a mini-batch, summed over the data-parallel ranks."""
     local = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(torch.float64)
-    if topo.backend == "nccl":
+    if "nccl" in topo.backend:
         local = local.to(topo.device)
     # dp group: every data-parallel rank holds different rows of the same mini-batch
     dist.all_reduce(local, group=topo.dp_group)

@@ -131,7 +131,7 @@ def dynamic_micro_batches(lengths: Sequence[int], max_tokens: int, group: dist.P
             break
         # max over the group's ranks: every rank must run the same number of micro-batches; then check that
         # the agreed count fits everywhere (more parts almost always fit; if not, everyone searches upwards)
-        t = torch.tensor([k], dtype=torch.int64, device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        t = torch.tensor([k], dtype=torch.int64, device="cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         k = int(t.item())
         t.fill_(int(fits(k) is not None))

@@ -153,7 +153,8 @@ def init_topology(sp_size: int = 1, fsdp_shard_size: int = 0, rollout_tp_size: i
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
+    # on GPU, gloo beside NCCL: small CPU-side collectives (counts, objects) need no device copy
+    backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     backend = dist.get_backend()
@@ -171,8 +172,8 @@ def init_topology(sp_size: int = 1, fsdp_shard_size: int = 0, rollout_tp_size: i
 # ---- collectives on DataProto
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    # NCCL moves CUDA tensors only; gloo moves CPU tensors.
-    if dist.get_backend(group) == "nccl":
+    # NCCL moves CUDA tensors only (a mixed "cpu:gloo,cuda:nccl" group sends big tensors through NCCL).
+    if "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

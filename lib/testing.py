@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args
         torch.set_num_threads(1)  # N ranks share a small CPU; oversubscription makes gloo tests crawl
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend)
         try:
             # plain pickle bytes: torch's queue pickler would share tensors by file descriptor, gone when we exit
             results.put((rank, "ok", pickle.dumps(_load(*target)(*args)), 0.0))
