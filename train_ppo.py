@@ -20,9 +20,8 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 
-from lib import algos, checkpoint, config, pipeline
+from lib import algos, config, pipeline
 from lib.actor import Trainee
 from lib.actor import compute_log_probs as actor_log_probs
 from lib.actor import update_policy
@@ -44,12 +43,6 @@ def build_critic(run: pipeline.Run) -> Trainee:
     optimizer, scheduler = build_optimizer(model, cfg.critic.optim)
     return Trainee(model, optimizer, scheduler, run.topo)
 
-
-def kl_controller(cfg: config.Config):
-    k = cfg.algorithm.kl_ctrl
-    if k.type == "adaptive":
-        return algos.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
-    return algos.FixedKLController(k.kl_coef)
 
 
 # ---- stages
@@ -82,23 +75,12 @@ def compute_advantages(run: pipeline.Run, batch: DataProto, kl_ctrl, metrics: di
     a, mask = cfg.algorithm, b["response_mask"]
     rewards = b["token_level_scores"]
     if a.use_kl_in_reward:
-        rewards, seq_kl = algos.apply_kl_penalty(rewards, b["old_log_probs"], b["ref_log_prob"], mask,
-                                                 kl_ctrl.value, a.kl_penalty)
-        kl = torch.tensor([float(seq_kl.sum()), float(len(seq_kl))])
-        dist.all_reduce(kl)  # world: the controller follows the batch mean KL over all ranks
-        metrics.update({"algorithm/kl_in_reward": float(kl[0] / kl[1]), "algorithm/kl_coef": kl_ctrl.value})
-        kl_ctrl.update(float(kl[0] / kl[1]), int(kl[1]))
+        rewards = pipeline.kl_in_reward(run, batch, kl_ctrl, metrics)
     b["token_level_rewards"] = rewards
+    metrics["critic/values_mean"] = float(algos.masked_mean(b["values"], mask))
     # GAE whitens over this rank's batch (as each data-parallel worker of the reference does)
     b["advantages"], b["returns"] = algos.gae(rewards, mask, values=b["values"], gamma=a.gamma, lam=a.lam)
 
-
-def log_step(run: pipeline.Run, step: int, batch: DataProto, metrics: dict) -> None:
-    metrics.update(pipeline.response_metrics(batch, run.cfg.rollout.max_response_length))
-    metrics["critic/values_mean"] = float(algos.masked_mean(batch.batch["values"], batch.batch["response_mask"]))
-    metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / max(metrics["timing/step_s"], 1e-9)
-    metrics = pipeline.global_metrics(run, metrics)
-    run.logger.log(step + 1, metrics, pipeline.samples_to_log(run, batch, run.cfg.trainer.log_samples))
 
 
 # ---- the loop
@@ -109,17 +91,9 @@ def main(argv: list[str]) -> None:
     run = pipeline.start(cfg, need_critic=True)
     pipeline.build_models(run, with_ref=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss)
     critic = build_critic(run)
-    kl_ctrl = kl_controller(cfg)
+    kl_ctrl = pipeline.kl_controller(cfg)
     parts = {"actor": (run.actor.model, run.actor.optimizer), "critic": (critic.model, critic.optimizer)}
-    start = 0
-    last = checkpoint.latest_step(run.path) if cfg.trainer.resume else None
-    if last is not None:
-        state = checkpoint.load(run.path, last, parts)
-        start, kl_ctrl.value = state["step"], state.get("kl_coef", kl_ctrl.value)
-        run.logger.print(f"resumed from step {start}")
-    val_every = cfg.trainer.val_every
-    if val_every and start == 0:
-        run.logger.log(0, pipeline.validate_policy(run, 0))
+    start = pipeline.resume(run, parts, kl_ctrl)
     for step in range(start, run.total_steps):
         metrics: dict[str, float] = {}
         with stage("step", metrics):
@@ -133,16 +107,9 @@ def main(argv: list[str]) -> None:
                 if step >= cfg.algorithm.critic_warmup:
                     metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
                                                  run.sizes.mini_batch_per_rank, seed=step))
-        log_step(run, step, batch, metrics)
-        done = step + 1 == run.total_steps
-        if val_every and ((step + 1) % val_every == 0 or done):
-            run.logger.log(step + 1, pipeline.validate_policy(run, step + 1))
-        if (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0) or done:
-            checkpoint.save(run.path, step + 1, parts, {"kl_coef": kl_ctrl.value}, run.topo)
-    checkpoint.export_hf(run.actor.model, cfg.actor.model.path, f"{run.path}/hf_final", run.topo, run.tokenizer)
-    run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
-    run.logger.close()
-    dist.destroy_process_group()
+        pipeline.log_step(run, step, batch, metrics)
+        pipeline.end_of_step(run, step, parts, kl_ctrl)
+    pipeline.finish(run)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from lib import algos, algos_ref  # noqa: E402
-from lib.logprobs import log_probs_from_logits, log_probs_naive  # noqa: E402
+from lib.logprobs import log_probs_from_logits  # noqa: E402
 
 
 def bench_advantages(batch: int, n: int) -> None:

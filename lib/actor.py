@@ -142,17 +142,26 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
                 share = mask.sum().item() / max(num_tokens.item(), 1.0)  # token-weighted mean of ratios
                 for k, v in pg_metrics.items():
                     step_metrics[f"actor/{k}"] += float(v) * share
-            grad_norm, stepped = clipped_step(model, actor.optimizer, cfg.optim.max_grad_norm)
-            for k, v in step_metrics.items():
-                sums[k].append(v)
-            sums["actor/grad_norm"].append(grad_norm if stepped else float("nan"))
-            sums["actor/skipped_steps"].append(0.0 if stepped else 1.0)
-    actor.scheduler.step()
+            step_and_record(actor, cfg.optim.max_grad_norm, step_metrics, sums, "actor")
+    return finish_update(actor, sums, "actor")
+
+
+def step_and_record(trainee: Trainee, max_grad_norm: float, step_metrics: dict, sums: dict, prefix: str) -> None:
+    """One clipped optimizer step at the end of a mini-batch; its metrics join the update's lists."""
+    grad_norm, stepped = clipped_step(trainee.model, trainee.optimizer, max_grad_norm)
+    for k, v in step_metrics.items():
+        sums[k].append(v)
+    sums[f"{prefix}/grad_norm"].append(grad_norm if stepped else float("nan"))
+    sums[f"{prefix}/skipped_steps"].append(0.0 if stepped else 1.0)
+
+
+def finish_update(trainee: Trainee, sums: dict, prefix: str) -> dict[str, float]:
+    """One lr-schedule step; metrics averaged over the update's optimizer steps and reduced over the dp ranks.
+    The loss terms and ratios are per-rank shares of the mini-batch value, so they are summed over ranks."""
+    trainee.scheduler.step()
     local = {k: float(np.nanmean(v)) if not all(np.isnan(v)) else 0.0 for k, v in sums.items()}
-    local["actor/skipped_steps"] = float(np.sum(sums["actor/skipped_steps"]))
-    local["actor/lr"] = actor.optimizer.param_groups[0]["lr"]
-    # sums over ranks: the loss terms and ratios are per-rank shares of the mini-batch value
-    ops = {k: "sum" for k in local if k.startswith("actor/") and k not in
-           ("actor/grad_norm", "actor/skipped_steps", "actor/lr")}
-    ops.update({"actor/grad_norm": "mean", "actor/skipped_steps": "max", "actor/lr": "max"})
-    return reduce_metrics(local, topo.dp_group, ops)
+    local[f"{prefix}/skipped_steps"] = float(np.sum(sums[f"{prefix}/skipped_steps"]))
+    local[f"{prefix}/lr"] = trainee.optimizer.param_groups[0]["lr"]
+    ops = {k: "sum" for k in local}
+    ops.update({f"{prefix}/grad_norm": "mean", f"{prefix}/skipped_steps": "max", f"{prefix}/lr": "max"})
+    return reduce_metrics(local, trainee.topo.dp_group, ops)

@@ -13,7 +13,6 @@ import os
 import shutil
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -36,6 +35,15 @@ def latest_step(run_path: str) -> int | None:
     return step if os.path.isdir(_dir(run_path, step)) else None
 
 
+def _state(parts: dict[str, tuple[nn.Module, Any]]) -> dict:
+    state = {}
+    for name, (model, optimizer) in parts.items():
+        state[f"{name}.model"] = get_model_state_dict(model)
+        if optimizer is not None:
+            state[f"{name}.optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
 def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trainer_state: dict, topo: Topology) -> str:
     """Save {name: (model, optimizer or None)} and the trainer state for ``step``."""
     final = _dir(run_path, step)
@@ -43,12 +51,7 @@ def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trai
     if topo.is_main and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a crashed earlier attempt
     dist.barrier()
-    state = {}
-    for name, (model, optimizer) in parts.items():
-        state[f"{name}.model"] = get_model_state_dict(model)
-        if optimizer is not None:
-            state[f"{name}.optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(_state(parts), checkpoint_id=tmp)
     dist.barrier()
     if topo.is_main:
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
@@ -64,11 +67,7 @@ def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trai
 
 def load(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]]) -> dict:
     path = _dir(run_path, step)
-    state = {}
-    for name, (model, optimizer) in parts.items():
-        state[f"{name}.model"] = get_model_state_dict(model)
-        if optimizer is not None:
-            state[f"{name}.optim"] = get_optimizer_state_dict(model, optimizer)
+    state = _state(parts)
     dcp.load(state, checkpoint_id=path)
     for name, (model, optimizer) in parts.items():
         set_model_state_dict(model, state[f"{name}.model"])

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import numpy as np
 import torch
 from torch import nn
 
 from lib import algos
-from lib.actor import Trainee, _micro, gather_sp, global_counts, mini_batches
+from lib.actor import Trainee, _micro, finish_update, gather_sp, global_counts, mini_batches, step_and_record
 from lib.config import BatchingConfig, CriticConfig
-from lib.dist import Topology, reduce_metrics
+from lib.dist import Topology
 from lib.forward import response_values
-from lib.optim import clipped_step
 from lib.protocol import DataProto
 
 
@@ -61,15 +59,5 @@ def update_critic(critic: Trainee, data: DataProto, cfg: CriticConfig, mini_batc
                 step["critic/vf_loss"] += loss.item()
                 step["critic/vf_clipfrac"] += m["vf_clipfrac"].item() * share
                 step["critic/vpred_mean"] += algos.masked_mean(vpreds.detach(), mask).item() * share
-            grad_norm, stepped = clipped_step(model, critic.optimizer, cfg.optim.max_grad_norm)
-            for k, v in step.items():
-                sums[k].append(v)
-            sums["critic/grad_norm"].append(grad_norm if stepped else float("nan"))
-            sums["critic/skipped_steps"].append(0.0 if stepped else 1.0)
-    critic.scheduler.step()
-    local = {k: float(np.nanmean(v)) if not all(np.isnan(v)) else 0.0 for k, v in sums.items()}
-    local["critic/skipped_steps"] = float(np.sum(sums["critic/skipped_steps"]))
-    local["critic/lr"] = critic.optimizer.param_groups[0]["lr"]
-    ops = {"critic/vf_loss": "sum", "critic/vf_clipfrac": "sum", "critic/vpred_mean": "sum",
-           "critic/grad_norm": "mean", "critic/skipped_steps": "max", "critic/lr": "max"}
-    return reduce_metrics(local, topo.dp_group, ops)
+            step_and_record(critic, cfg.optim.max_grad_norm, step, sums, "critic")
+    return finish_update(critic, sums, "critic")

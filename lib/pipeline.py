@@ -239,3 +239,66 @@ def global_metrics(run: Run, metrics: dict[str, float]) -> dict[str, float]:
                "min" if k.endswith(("_min", "/min")) else
                "sum" if k in ("reward/errors", "reward/timeouts") else "mean") for k in metrics}
     return reduce_metrics(metrics, None, ops)
+
+
+# ---- pieces of the loop both scripts share
+
+
+def kl_controller(cfg: Config):
+    k = cfg.algorithm.kl_ctrl
+    if k.type == "adaptive":
+        return algos.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
+    return algos.FixedKLController(k.kl_coef)
+
+
+def kl_in_reward(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> torch.Tensor:
+    """token_level_scores - beta * KL(old || ref) per token; the controller follows the global batch KL."""
+    b = batch.batch
+    rewards, seq_kl = algos.apply_kl_penalty(b["token_level_scores"], b["old_log_probs"], b["ref_log_prob"],
+                                             b["response_mask"], kl_ctrl.value, run.cfg.algorithm.kl_penalty)
+    kl = torch.tensor([float(seq_kl.sum()), float(len(seq_kl))])
+    dist.all_reduce(kl)  # world: the controller follows the batch mean KL over all ranks
+    metrics.update({"algorithm/kl_in_reward": float(kl[0] / kl[1]), "algorithm/kl_coef": kl_ctrl.value})
+    kl_ctrl.update(float(kl[0] / kl[1]), int(kl[1]))
+    return rewards
+
+
+def resume(run: Run, parts: dict, kl_ctrl) -> int:
+    """Load the run folder's latest checkpoint (if resuming); validate first on a fresh start. Returns the step."""
+    from lib import checkpoint
+
+    last = checkpoint.latest_step(run.path) if run.cfg.trainer.resume else None
+    if last is None:
+        if run.cfg.trainer.val_every:
+            run.logger.log(0, validate_policy(run, 0))
+        return 0
+    state = checkpoint.load(run.path, last, parts)
+    kl_ctrl.value = state.get("kl_coef", kl_ctrl.value)
+    run.logger.print(f"resumed from step {state['step']}")
+    return state["step"]
+
+
+def log_step(run: Run, step: int, batch: DataProto, metrics: dict) -> None:
+    metrics.update(response_metrics(batch, run.cfg.rollout.max_response_length))
+    metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / max(metrics["timing/step_s"], 1e-9)
+    run.logger.log(step + 1, global_metrics(run, metrics), samples_to_log(run, batch, run.cfg.trainer.log_samples))
+
+
+def end_of_step(run: Run, step: int, parts: dict, kl_ctrl) -> None:
+    """Validate every val_every steps and at the end; checkpoint every save_every steps and at the end."""
+    from lib import checkpoint
+
+    t, done = run.cfg.trainer, step + 1 == run.total_steps
+    if t.val_every and ((step + 1) % t.val_every == 0 or done):
+        run.logger.log(step + 1, validate_policy(run, step + 1))
+    if (t.save_every and (step + 1) % t.save_every == 0) or done:
+        checkpoint.save(run.path, step + 1, parts, {"kl_coef": kl_ctrl.value}, run.topo)
+
+
+def finish(run: Run) -> None:
+    from lib import checkpoint
+
+    checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo, run.tokenizer)
+    run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
+    run.logger.close()
+    dist.destroy_process_group()

@@ -1,6 +1,5 @@
 """2-rank gloo tests of the DataProto collectives and the Topology meshes."""
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist

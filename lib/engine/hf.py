@@ -12,7 +12,6 @@ import time
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 
 from lib.engine import SamplingConfig, build_output, expand_samples
 from lib.protocol import DataProto
