@@ -9,7 +9,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 
 script=train_grpo.py
 if [ $# -gt 0 ] && [[ "$1" == *.py ]]; then script="$1"; shift; fi
-if [ -f "$script" ]; then target=("$script"); else target=(-m lib.smoke); fi  # before the scripts exist
+[ -f "$script" ] || { echo "error: no script $script (use train_grpo.py or train_ppo.py)" >&2; exit 2; }
 
 if [ -z "${NPROC:-}" ]; then
   if has_gpu; then NPROC=$(nvidia-smi -L | wc -l); else NPROC=$(( $(nproc) >= 2 ? 2 : 1 )); fi
@@ -24,4 +24,4 @@ else
 fi
 # A CPU rank per core: more threads per rank than cores makes gloo runs slower, not faster.
 has_gpu || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
-exec torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "${target[@]}" "$@"
+exec torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "$script" "$@"

@@ -9,6 +9,7 @@ per-rank sizes; a problem raises one ValueError that lists each problem with its
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
@@ -282,7 +283,12 @@ def parse(argv: list[str], default_preset: str = "") -> Config:
         del argv[i:i + 2]
     base = Config()
     if preset:
-        apply_delta(base, load_preset(preset))
+        try:
+            apply_delta(base, load_preset(preset))
+        except ValueError as e:  # one message from rank 0, no traceback; nothing has started yet
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     import tyro
 
     return tyro.cli(Config, default=base, args=argv, description=__doc__)

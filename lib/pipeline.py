@@ -13,6 +13,7 @@ Batch keys, by the stage that writes them:
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lib import algos, toy
+from lib import algos, checkpoint, toy
 from lib.actor import Trainee
 from lib.config import Config, Sizes, to_dict, validate
 from lib.data import PromptSet, Sampler, check_files, collate, load_prompts
@@ -62,12 +63,18 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     excepthook_rank(topo.rank)
     torch.manual_seed(cfg.trainer.seed)
     resolve_toy(cfg, topo)
-    model_config = load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
-    sizes = validate(cfg, topo.world_size, model_config, need_critic)
-    check_files(cfg.data.train_files, "train")
-    check_files(cfg.data.val_files, "val")
-    if cfg.reward.custom_fn:
-        load_custom(cfg.reward.custom_fn)
+    try:
+        model_config = load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
+        sizes = validate(cfg, topo.world_size, model_config, need_critic)
+        check_files(cfg.data.train_files, "train")
+        check_files(cfg.data.val_files, "val")
+        if cfg.reward.custom_fn:
+            load_custom(cfg.reward.custom_fn)
+    except (ValueError, OSError) as e:  # user input: one message, no traceback, nothing loaded or written
+        if topo.is_main:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        raise SystemExit(2) from None
     tokenizer = load_tokenizer(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
     d = cfg.data
     train = load_prompts(d.train_files, tokenizer, d.max_prompt_length, d.truncation, d.apply_chat_template, d.limit)
@@ -265,8 +272,6 @@ def kl_in_reward(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> torch.Te
 
 def resume(run: Run, parts: dict, kl_ctrl) -> int:
     """Load the run folder's latest checkpoint (if resuming); validate first on a fresh start. Returns the step."""
-    from lib import checkpoint
-
     last = checkpoint.latest_step(run.path) if run.cfg.trainer.resume else None
     if last is None:
         if run.cfg.trainer.val_every:
@@ -286,8 +291,6 @@ def log_step(run: Run, step: int, batch: DataProto, metrics: dict) -> None:
 
 def end_of_step(run: Run, step: int, parts: dict, kl_ctrl) -> None:
     """Validate every val_every steps and at the end; checkpoint every save_every steps and at the end."""
-    from lib import checkpoint
-
     t, done = run.cfg.trainer, step + 1 == run.total_steps
     if t.val_every and ((step + 1) % t.val_every == 0 or done):
         run.logger.log(step + 1, validate_policy(run, step + 1))
@@ -296,8 +299,6 @@ def end_of_step(run: Run, step: int, parts: dict, kl_ctrl) -> None:
 
 
 def finish(run: Run) -> None:
-    from lib import checkpoint
-
     checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo, run.tokenizer)
     run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
     run.logger.close()

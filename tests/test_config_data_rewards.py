@@ -24,9 +24,11 @@ def test_unknown_preset_key_is_an_error(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("actor:\n  optim:\n    learning_rate: 1\n")
     with pytest.raises(ValueError, match=r"unknown config key actor\.optim\.'learning_rate'.*'lr'"):
-        config.parse(["--config", str(p)])
+        config.apply_delta(config.Config(), config.load_preset(str(p)))
     with pytest.raises(ValueError, match="no config file or preset 'nope'"):
-        config.parse(["--config", "nope"])
+        config.load_preset("nope")
+    with pytest.raises(SystemExit):  # the command line prints the message and exits 2
+        config.parse(["--config", str(p)])
 
 
 def test_validation_lists_every_problem_with_its_fix():
