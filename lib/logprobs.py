@@ -21,6 +21,19 @@ def _scaled(chunk: Tensor, temperature: float) -> Tensor:
     return z.div_(temperature) if temperature != 1.0 else z
 
 
+def _log_softmax(chunk: Tensor, temperature: float) -> Tensor:
+    """float32 log_softmax(chunk / temperature); at temperature 1 the cast is fused into the kernel."""
+    if temperature == 1.0:
+        return torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
+    return torch.log_softmax(_scaled(chunk, temperature), dim=-1)
+
+
+def _softmax(chunk: Tensor, temperature: float) -> Tensor:
+    if temperature == 1.0:
+        return torch.softmax(chunk, dim=-1, dtype=torch.float32)
+    return torch.softmax(_scaled(chunk, temperature), dim=-1)
+
+
 def default_chunk_tokens(logits: Tensor) -> int:
     """Tokens per chunk: ~0.3 GB of float32 logits on GPU (large kernels), ~16 MB on CPU, where the allocator
     returns big blocks to the OS and every fresh one costs page faults (measured: 2x slower at 512 tokens)."""
@@ -36,7 +49,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=logits.device)
         entropy = torch.empty_like(logp) if with_entropy else torch.zeros(0, device=logits.device)
         for s in range(0, n, chunk):
-            lsm = torch.log_softmax(_scaled(logits[s:s + chunk], temperature), dim=-1)  # one fused pass
+            lsm = _log_softmax(logits[s:s + chunk], temperature)  # one fused pass
             logp[s:s + chunk] = lsm.gather(-1, labels[s:s + chunk, None]).squeeze(-1)
             if with_entropy:
                 # H = -sum(p * log p), from log p directly (lse - E_p[z] cancels badly when both are large)
@@ -54,21 +67,21 @@ class _ChunkedLogProbs(torch.autograd.Function):
         use_entropy = ctx.with_entropy and grad_entropy is not None
         for s in range(0, logits.shape[0], ctx.chunk):
             e = s + ctx.chunk
-            lsm = torch.log_softmax(_scaled(logits[s:e], t), dim=-1)
-            gl = grad_logp[s:e, None].float()
+            # d/dlogits = d/dz / t: fold 1/t into the incoming gradients instead of a pass over the chunk
+            gl = grad_logp[s:e, None].float() / t
             if use_entropy:
                 # d logp_label/dz = onehot - p ; dH/dz = -p * (log p + H)
-                # => g = p * (-gl - ge * (log p + H)) + onehot * gl, built in place in lsm's memory
+                # => g = p * (-gl - ge * (log p + H)) + onehot * gl, built in place in log p's memory
+                lsm = _log_softmax(logits[s:e], t)
                 p = lsm.exp()
-                g = lsm.add_(entropy[s:e, None]).mul_(-grad_entropy[s:e, None].float()).sub_(gl).mul_(p)
-                del p
+                ge = grad_entropy[s:e, None].float() / t
+                g = lsm.add_(entropy[s:e, None]).mul_(-ge).sub_(gl).mul_(p)
+                del p, lsm
             else:
-                g = lsm.exp_().mul_(-gl)
+                g = _softmax(logits[s:e], t).mul_(-gl)  # (onehot - p) * gl, the onehot part below
             g.scatter_add_(-1, labels[s:e, None], gl)
-            if t != 1.0:
-                g.div_(t)
             grad[s:e] = g
-            del lsm, g
+            del g
         return grad, None, None, None, None
 
 

@@ -368,7 +368,8 @@ def test_overlong_penalty():
 # ---- log-probs and entropy
 
 
-@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.3)])
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 1.3),
+                                               (torch.bfloat16, 1.0)])
 def test_chunked_log_probs_match_the_naive_version(dtype, temperature):
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(3, 37, 101, generator=g) * 3).to(dtype).requires_grad_(True)
