@@ -54,3 +54,21 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path):
     steps = [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4]
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["latest", "step_2", "step_4"]
+
+
+# Fixed-seed metrics of the default GRPO preset (2 ranks, 1 thread each, 3 steps); a refactor must reproduce them.
+GOLDEN = {  # step: (reward/mean, actor/pg_loss, actor/grad_norm, response/length_mean)
+    1: (0.13776972144842148, -0.019522815870004706, 1.0451912134885788, 5.9765625),
+    2: (0.16571491211652756, -0.0575849852320971, 1.236599326133728, 6.19921875),
+    3: (0.187655009329319, -0.059794316432089545, 0.9095395356416702, 6.380859375),
+}
+
+
+@pytest.mark.slow
+def test_golden_run_is_reproduced(tmp_path):
+    torchrun("train_grpo.py", tmp_path, "--trainer.total_steps", "3", "--trainer.val_every", "0")
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    got = {r["step"]: (r["reward/mean"], r["actor/pg_loss"], r["actor/grad_norm"], r["response/length_mean"])
+           for r in rows}
+    for step, expected in GOLDEN.items():
+        assert got[step] == pytest.approx(expected, rel=1e-3, abs=1e-6), (step, got[step])

@@ -52,7 +52,7 @@ class HFEngine:
                                                                                     max_new_tokens=sampling.max_new_tokens)
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.rank_seed = rank_seed
-        self.calls = 0
+        self.calls = {False: 0, True: 0}  # per kind: validating never shifts the training samples
         with torch.device("cpu"), _no_init():
             self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
                                                           dtype=self.dtype)
@@ -110,10 +110,10 @@ class HFEngine:
 
     # ---- generation
 
-    def _generator(self, seed: int) -> torch.Generator:
+    def _generator(self, seed: int, validate: bool) -> torch.Generator:
         g = torch.Generator(device=self.device)
         # reproducible per (seed, call), different across data-parallel rollout groups
-        g.manual_seed(hash((seed, self.rank_seed, self.calls)) % (2**63))
+        g.manual_seed(hash((seed, self.rank_seed, validate, self.calls[validate])) % (2**63))
         return g
 
     @torch.no_grad()
@@ -129,7 +129,7 @@ class HFEngine:
         mask = data.batch["attention_mask"].to(self.device)
         pos = data.batch["position_ids"].to(self.device)
         batch = ids.shape[0]
-        gen = self._generator(sp.seed)
+        gen = self._generator(sp.seed, validate)
         stop = torch.tensor(sorted(set(self.eos_ids) | set(sp.stop_token_ids)), device=self.device)
         from transformers import DynamicCache
 
@@ -157,7 +157,7 @@ class HFEngine:
                 break
             step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
             full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)
-        self.calls += 1
+        self.calls[validate] += 1
         tokens = torch.stack(out_tokens, 1).cpu() if out_tokens else torch.zeros(batch, 0, dtype=torch.long)
         logps = torch.stack(out_logp, 1).cpu() if out_logp else torch.zeros(batch, 0)
         responses, logprob_lists = [], []

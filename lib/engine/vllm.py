@@ -60,7 +60,6 @@ class VLLMEngine:
                        skip_tokenizer_init=True, trust_remote_code=trust_remote_code, enable_prefix_caching=True,
                        **_logprobs_mode_kwargs())
         self.metrics: dict[str, float] = {}
-        self.calls = 0
         self.sleep(2)  # dummy weights: nothing worth keeping until the first sync
 
     def _mem(self) -> float:
@@ -100,7 +99,6 @@ class VLLMEngine:
         prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         params = _sampling_params(sp, self.eos_ids)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        self.calls += 1
         responses = [list(o.outputs[0].token_ids) for o in outputs]
         logps = [_sampled_logprobs(o.outputs[0]) for o in outputs]
         data = data[mine]
