@@ -30,7 +30,7 @@ def test_grpo_toy_reward_rises(tmp_path):
     curve, rows = val_curve(tmp_path)
     start, end = curve[0][1], curve[-1][1]
     assert curve[0][0] == 0 and curve[-1][0] == 60
-    assert end > start + 0.15, curve  # measured: 0.27 -> 0.61 at 60 steps (0.81 at 100)
+    assert end > start + 0.15, curve  # measured: 0.27 -> 0.48 at 60 steps (0.64 at 100)
     train = [r for r in rows if "actor/pg_loss" in r]
     assert len(train) == 60 and all(r["actor/skipped_steps"] == 0 for r in train)
     assert os.path.isfile(tmp_path / "run" / "hf_final" / "model.safetensors")
@@ -39,10 +39,9 @@ def test_grpo_toy_reward_rises(tmp_path):
 
 @pytest.mark.slow
 def test_ppo_toy_reward_rises(tmp_path):
-    torchrun("train_ppo.py", tmp_path, "--trainer.total_steps", "30", "--trainer.val_every", "30",
-             "--trainer.train_batch_size", "64")
+    torchrun("train_ppo.py", tmp_path, "--trainer.total_steps", "50", "--trainer.val_every", "50")
     curve, rows = val_curve(tmp_path)
-    assert curve[-1][1] > curve[0][1] + 0.05, curve
+    assert curve[-1][1] > curve[0][1] + 0.1, curve
     assert any("critic/vf_loss" in r for r in rows) and any("algorithm/kl_coef" in r for r in rows)
 
 
