@@ -53,14 +53,26 @@ def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args
             # Report before the group is torn down: that teardown is what makes the other ranks fail.
             results.put((rank, "error", traceback.format_exc(), time.time()))
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        results.put((rank, "error", traceback.format_exc(), time.time()))
+    except BaseException:  # noqa: BLE001 - before the body ran: the rendezvous, not the test, failed
+        results.put((rank, "setup_error", traceback.format_exc(), time.time()))
+
+
+class _SetupFailed(AssertionError):
+    pass
 
 
 def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 180.0,
                     backend: str = "gloo") -> list[Any]:
     """``fn(*args)`` on ``world_size`` ranks (gloo, or nccl with one GPU per rank); returns
-    ``[result of rank 0, rank 1, ...]``."""
+    ``[result of rank 0, rank 1, ...]``. A failure to start the process group (a port taken between our
+    pick and the bind, say) is retried once on a new port; failures of ``fn`` never are."""
+    try:
+        return _run_once(fn, args, world_size, timeout, backend)
+    except _SetupFailed:
+        return _run_once(fn, args, world_size, timeout, backend)
+
+
+def _run_once(fn: Callable, args: tuple, world_size: int, timeout: float, backend: str) -> list[Any]:
     target = (os.path.abspath(sys.modules[fn.__module__].__file__), fn.__module__, fn.__qualname__)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -87,7 +99,7 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: floa
             if status == "ok":
                 outputs[rank] = pickle.loads(payload)
             else:
-                errors[rank] = (when, payload)
+                errors[rank] = (when, payload, status)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
@@ -97,7 +109,8 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: floa
     if errors:
         rank = min(errors, key=lambda r: errors[r][0])  # the first to fail is the cause, usually
         others = f" (then also ranks {sorted(set(errors) - {rank})})" if len(errors) > 1 else ""
-        raise AssertionError(f"rank {rank} of {world_size} failed{others}:\n{errors[rank][1]}")
+        kind = _SetupFailed if errors[rank][2] == "setup_error" else AssertionError
+        raise kind(f"rank {rank} of {world_size} failed{others}:\n{errors[rank][1]}")
     missing = [r for r in range(world_size) if r not in outputs]
     if missing:
         codes = {r: procs[r].exitcode for r in missing}
