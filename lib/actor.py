@@ -95,62 +95,75 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
     """``ppo_epochs`` x mini-batches x micro-batches with gradient accumulation; one lr-schedule step.
     Returns metrics averaged over steps and reduced over the data-parallel ranks."""
     topo, model = actor.topo, actor.model
-    mb_size = (mini_batch_size_per_rank or len(data)) * topo.sp_size
-    data, _ = gather_sp(data, topo)
     on_policy = "old_log_probs" not in data.batch
-    if on_policy and (cfg.ppo_epochs != 1 or mb_size < len(data)):
+    if on_policy and (cfg.ppo_epochs != 1 or (mini_batch_size_per_rank or len(data)) < len(data)):
         raise ValueError("old_log_probs are missing: compute them first, or use the on-policy shortcut "
                          "(ppo_epochs=1 and one mini-batch per step)")
     if cfg.use_kl_loss and "ref_log_prob" not in data.batch:
         raise ValueError("use_kl_loss needs ref_log_prob in the batch (compute it with the reference model)")
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
-    # FSDP averages gradients over all ranks; the sp ranks of a group each back-propagate the same (gathered)
-    # loss, and their slices' gradients add up through the all-reduce in forward.py
-    loss_scale = topo.world_size / topo.sp_size
-    model.train()
     sums: dict[str, list[float]] = defaultdict(list)
-    for epoch in range(cfg.ppo_epochs):
-        for mini in mini_batches(data, mb_size, cfg.shuffle, seed * 1000 + epoch):
-            num_tokens, num_seqs = global_counts(mini.batch["response_mask"], topo)
-            pieces, _ = _micro(mini, cfg.batching, topo)
-            step_metrics: dict[str, float] = defaultdict(float)
-            for micro in pieces:
-                micro = micro.to(topo.device)
-                b = micro.batch
-                mask = b["response_mask"].to(torch.float32)
-                logp, entropy = response_log_probs(model, micro, temperature, cfg.batching.use_remove_padding,
-                                                   with_entropy=True, sp=topo)
-                old = logp.detach() if on_policy else b["old_log_probs"]
-                agg = {"num_global_tokens": num_tokens, "num_global_seqs": num_seqs}
-                pg_loss, pg_metrics = loss_fn(old, logp, b["advantages"], mask, clip_ratio_low=cfg.clip_ratio_low,
-                                              clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-                                              loss_agg_mode=cfg.loss_agg_mode, weights=b.get("rollout_is_weights"),
-                                              **agg)
-                loss = pg_loss
-                ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
-                if cfg.entropy_coef:
-                    loss = loss - cfg.entropy_coef * ent
-                if cfg.use_kl_loss:
-                    kl = algos.agg_loss(algos.kl_penalty(logp, b["ref_log_prob"], cfg.kl_loss_type), mask,
-                                        cfg.loss_agg_mode, **agg)
-                    loss = loss + cfg.kl_loss_coef * kl
-                    step_metrics["actor/kl_loss"] += kl.item()
-                (loss * loss_scale).backward()
-                # the aggregated terms are this micro-batch's share of the mini-batch value: they add up
-                step_metrics["actor/pg_loss"] += pg_loss.item()
-                step_metrics["actor/entropy"] += ent.item()
-                share = mask.sum().item() / max(num_tokens.item(), 1.0)  # token-weighted mean of ratios
-                for k, v in pg_metrics.items():
-                    step_metrics[f"actor/{k}"] += float(v) * share
-            step_and_record(actor, cfg.optim.max_grad_norm, step_metrics, sums, "actor")
+    for pieces, num_tokens, num_seqs in accumulation_steps(actor, data, cfg.ppo_epochs, mini_batch_size_per_rank,
+                                                            cfg.shuffle, seed, cfg.batching):
+        # metrics stay tensors until the optimizer step: one device sync per mini-batch, not per micro-batch
+        step_metrics: dict[str, Any] = defaultdict(float)
+        for micro in pieces:
+            b = micro.batch
+            mask = b["response_mask"].to(torch.float32)
+            logp, entropy = response_log_probs(model, micro, temperature, cfg.batching.use_remove_padding,
+                                               with_entropy=True, sp=topo)
+            old = logp.detach() if on_policy else b["old_log_probs"]
+            agg = {"num_global_tokens": num_tokens, "num_global_seqs": num_seqs}
+            pg_loss, pg_metrics = loss_fn(old, logp, b["advantages"], mask, clip_ratio_low=cfg.clip_ratio_low,
+                                          clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+                                          loss_agg_mode=cfg.loss_agg_mode, weights=b.get("rollout_is_weights"),
+                                          **agg)
+            loss = pg_loss
+            ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
+            if cfg.entropy_coef:
+                loss = loss - cfg.entropy_coef * ent
+            if cfg.use_kl_loss:
+                kl = algos.agg_loss(algos.kl_penalty(logp, b["ref_log_prob"], cfg.kl_loss_type), mask,
+                                    cfg.loss_agg_mode, **agg)
+                loss = loss + cfg.kl_loss_coef * kl
+                step_metrics["actor/kl_loss"] += kl.detach()
+            (loss * loss_scale(topo)).backward()
+            # the aggregated terms are this micro-batch's share of the mini-batch value: they add up
+            step_metrics["actor/pg_loss"] += pg_loss.detach()
+            step_metrics["actor/entropy"] += ent.detach()
+            share = mask.sum() / num_tokens.clamp(min=1)  # token-weighted mean of the ratios
+            for k, v in pg_metrics.items():
+                step_metrics[f"actor/{k}"] += v * share
+        step_and_record(actor, cfg.optim.max_grad_norm, step_metrics, sums, "actor")
     return finish_update(actor, sums, "actor")
+
+
+def loss_scale(topo: Topology) -> float:
+    """FSDP averages gradients over all ranks; the sp ranks of a group each back-propagate the same (gathered)
+    loss, and their slices' gradients add up through the all-reduce in forward.py."""
+    return topo.world_size / topo.sp_size
+
+
+def accumulation_steps(trainee: Trainee, data: DataProto, epochs: int, mini_batch_size_per_rank: int | None,
+                       shuffle: bool, seed: int, batching: BatchingConfig):
+    """The update's loop over ``epochs`` x mini-batches: yields (micro-batches on the device, global token count,
+    global sequence count) for each optimizer step. The SP group's rows are gathered first (DESIGN step 7)."""
+    topo = trainee.topo
+    mb_size = (mini_batch_size_per_rank or len(data)) * topo.sp_size
+    data, _ = gather_sp(data, topo)
+    trainee.model.train()
+    for epoch in range(epochs):
+        for mini in mini_batches(data, mb_size, shuffle, seed * 1000 + epoch):
+            num_tokens, num_seqs = global_counts(mini.batch["response_mask"], topo)
+            pieces, _ = _micro(mini, batching, topo)
+            yield [p.to(topo.device) for p in pieces], num_tokens, num_seqs
 
 
 def step_and_record(trainee: Trainee, max_grad_norm: float, step_metrics: dict, sums: dict, prefix: str) -> None:
     """One clipped optimizer step at the end of a mini-batch; its metrics join the update's lists."""
     grad_norm, stepped = clipped_step(trainee.model, trainee.optimizer, max_grad_norm)
     for k, v in step_metrics.items():
-        sums[k].append(v)
+        sums[k].append(float(v))
     sums[f"{prefix}/grad_norm"].append(grad_norm if stepped else float("nan"))
     sums[f"{prefix}/skipped_steps"].append(0.0 if stepped else 1.0)
 

@@ -9,12 +9,14 @@ Batch keys read: input_ids, attention_mask, position_ids, responses, response_ma
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch import nn
 
 from lib import algos
-from lib.actor import Trainee, _micro, finish_update, gather_sp, global_counts, mini_batches, step_and_record
+from lib.actor import (Trainee, _micro, accumulation_steps, finish_update, gather_sp, loss_scale,
+                       step_and_record)
 from lib.config import BatchingConfig, CriticConfig
 from lib.dist import Topology
 from lib.forward import response_values
@@ -37,27 +39,20 @@ def update_critic(critic: Trainee, data: DataProto, cfg: CriticConfig, mini_batc
                   seed: int = 0) -> dict[str, float]:
     """``ppo_epochs`` x mini-batches x micro-batches of the clipped value loss; one lr-schedule step."""
     topo, model = critic.topo, critic.model
-    mb_size = (mini_batch_size_per_rank or len(data)) * topo.sp_size
-    data, _ = gather_sp(data, topo)
-    loss_scale = topo.world_size / topo.sp_size  # as in update_policy
-    model.train()
     sums: dict[str, list[float]] = defaultdict(list)
-    for epoch in range(cfg.ppo_epochs):
-        for mini in mini_batches(data, mb_size, False, seed * 1000 + epoch):
-            num_tokens, num_seqs = global_counts(mini.batch["response_mask"], topo)
-            pieces, _ = _micro(mini, cfg.batching, topo)
-            step: dict[str, float] = defaultdict(float)
-            for micro in pieces:
-                micro = micro.to(topo.device)
-                b = micro.batch
-                mask = b["response_mask"].to(torch.float32)
-                vpreds = response_values(model, micro, cfg.batching.use_remove_padding, sp=topo)
-                loss, m = algos.value_loss(vpreds, b["returns"], b["values"], mask, cfg.cliprange_value,
-                                           cfg.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs)
-                (loss * loss_scale).backward()
-                share = mask.sum().item() / max(num_tokens.item(), 1.0)
-                step["critic/vf_loss"] += loss.item()
-                step["critic/vf_clipfrac"] += m["vf_clipfrac"].item() * share
-                step["critic/vpred_mean"] += algos.masked_mean(vpreds.detach(), mask).item() * share
-            step_and_record(critic, cfg.optim.max_grad_norm, step, sums, "critic")
+    for pieces, num_tokens, num_seqs in accumulation_steps(critic, data, cfg.ppo_epochs, mini_batch_size_per_rank,
+                                                            False, seed, cfg.batching):
+        step: dict[str, Any] = defaultdict(float)  # tensors until the optimizer step (one sync per mini-batch)
+        for micro in pieces:
+            b = micro.batch
+            mask = b["response_mask"].to(torch.float32)
+            vpreds = response_values(model, micro, cfg.batching.use_remove_padding, sp=topo)
+            loss, m = algos.value_loss(vpreds, b["returns"], b["values"], mask, cfg.cliprange_value,
+                                       cfg.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs)
+            (loss * loss_scale(topo)).backward()
+            share = mask.sum() / num_tokens.clamp(min=1)
+            step["critic/vf_loss"] += loss.detach()
+            step["critic/vf_clipfrac"] += m["vf_clipfrac"] * share
+            step["critic/vpred_mean"] += algos.masked_mean(vpreds.detach(), mask) * share
+        step_and_record(critic, cfg.optim.max_grad_norm, step, sums, "critic")
     return finish_update(critic, sums, "critic")
