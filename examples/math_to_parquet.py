@@ -6,11 +6,10 @@ Ground truth is the last \\boxed{...} of the solution; the MATH scorer compares 
 normalisation (or with math-verify when installed).
 """
 
-import argparse
 import os
 import sys
 
-from datasets import load_dataset
+from convert import run
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib.rewards.builtin import last_boxed  # noqa: E402
@@ -18,25 +17,12 @@ from lib.rewards.builtin import last_boxed  # noqa: E402
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--input", required=True)
-    ap.add_argument("--output", required=True)
-    args = ap.parse_args()
-    kind = "parquet" if args.input.endswith(".parquet") else "json"
-    ds = load_dataset(kind, data_files=args.input, split="train")
-
-    def convert(row, i):
-        return {"data_source": "DigitalLearningGmbH/MATH-lighteval",
-                "prompt": [{"role": "user", "content": f"{row['problem']} {INSTRUCTION}"}],
-                "ability": "math", "reward_model": {"style": "rule", "ground_truth": last_boxed(row["solution"])},
-                "extra_info": {"index": i, "level": row.get("level"), "type": row.get("type")}}
-
-    out = ds.map(convert, with_indices=True, remove_columns=ds.column_names)
-    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-    out.to_parquet(args.output)
-    print(f"{len(out)} rows -> {args.output}")
+def convert(row: dict, i: int, split: str) -> dict:
+    return {"data_source": "DigitalLearningGmbH/MATH-lighteval",
+            "prompt": [{"role": "user", "content": f"{row['problem']} {INSTRUCTION}"}],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": last_boxed(row["solution"])},
+            "extra_info": {"split": split, "index": i, "level": row.get("level"), "type": row.get("type")}}
 
 
 if __name__ == "__main__":
-    main()
+    run(convert, __doc__)
