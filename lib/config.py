@@ -72,7 +72,9 @@ class BatchingConfig:
 
 
 @dataclass
-class ActorConfig:
+class TrainedModelConfig:
+    """What the actor and the critic share: a sharded model, its optimizer, batching and update schedule."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -81,6 +83,12 @@ class ActorConfig:
     """Passes over the rollout batch per step."""
     mini_batch_size: int = 0
     """Samples (responses) per optimizer step, over all ranks. 0: the whole batch (one step per epoch)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)."""
+
+
+@dataclass
+class ActorConfig(TrainedModelConfig):
     shuffle: bool = False
     """Shuffle rows into mini-batches each epoch (seeded by step and epoch)."""
     policy_loss: str = "vanilla"
@@ -90,8 +98,6 @@ class ActorConfig:
     """Upper clip; larger than clip_ratio_low is DAPO's clip-higher."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (> 1)."""
-    loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (loss -= coef * entropy). 0: entropy is only logged."""
     use_kl_loss: bool = False
@@ -102,17 +108,10 @@ class ActorConfig:
 
 
 @dataclass
-class CriticConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
+class CriticConfig(TrainedModelConfig):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-    ppo_epochs: int = 1
-    mini_batch_size: int = 0
-    """Samples per critic optimizer step, over all ranks. 0: the whole batch."""
     cliprange_value: float = 0.5
     """Value clipping around the old values."""
-    loss_agg_mode: str = "token-mean"
 
 
 @dataclass
