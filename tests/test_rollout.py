@@ -189,7 +189,7 @@ def _vllm_body(path, tp):
     stop = list(range(40, 60))  # a fifth of the vocabulary ends a response: ragged lengths, eos handling
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5, n=2, stop_token_ids=stop)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=8, stop_token_ids=stop)
-    eng = VLLMEngine(path, topo, 0, [EOS], sampling, greedy, max_model_len=64, gpu_memory_utilization=0.2,
+    eng = VLLMEngine(path, topo, 0, [EOS], sampling, greedy, max_model_len=64, gpu_memory_utilization=0.1,
                      dtype="float32", enforce_eager=True)
     cuda = topo.device.type == "cuda"
     free_base = torch.cuda.mem_get_info()[0] if cuda else 0

@@ -65,6 +65,9 @@ class VLLMEngine:
         if not self.sleep_mode:
             log.warning("vLLM has no sleep mode on this platform (%s): the engine stays resident between rollouts",
                         current_platform.device_name)
+        if self.device.type == "cpu":
+            # vLLM's CPU worker takes the fraction of the node's memory, and every rank on the node asks for it
+            gpu_memory_utilization /= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         with rng_kept_apart(self.device):  # vLLM seeds the global generators at start-up
             self.llm = LLM(model=model_path, tensor_parallel_size=topo.rollout_tp_size,
                            distributed_executor_backend="external_launcher", enable_sleep_mode=self.sleep_mode,
