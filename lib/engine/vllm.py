@@ -163,7 +163,9 @@ class VLLMEngine:
 def rng_kept_apart(device: torch.device) -> Iterator[None]:
     """Run a block with the process's generators (python, numpy, torch CPU and ``device``) restored after it."""
     py_state, np_state = random.getstate(), np.random.get_state()
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     try:
         with torch.random.fork_rng(devices=devices, device_type="cuda"):
             yield
