@@ -58,6 +58,10 @@ class Run:
 def start(cfg: Config, need_critic: bool = False) -> Run:
     """Process group, toy assets, config checks, data and logger: everything that can fail on user input,
     before any model is loaded."""
+    if uses_vllm(cfg):
+        from lib.engine.vllm import strip_expandable_segments
+
+        strip_expandable_segments()  # before CUDA's allocator starts: it reads the setting once
     topo = init_topology(sp_size=cfg.trainer.sp_size, fsdp_shard_size=cfg.actor.fsdp.shard_size,
                          rollout_tp_size=cfg.rollout.tp_size, device=cfg.trainer.device)
     excepthook_rank(topo.rank)
@@ -132,8 +136,7 @@ def build_engine(run: Run) -> Any:
                          seed=cfg.trainer.seed + 1)
     tok = run.tokenizer
     eos = [tok.eos_token_id]
-    use_vllm = r.engine == "vllm" or (r.engine == "auto" and topo.device.type == "cuda" and _has_vllm())
-    if use_vllm:
+    if uses_vllm(cfg):
         from lib.engine.vllm import VLLMEngine
 
         return VLLMEngine(cfg.actor.model.path, topo, tok.pad_token_id, eos, sampling, val,
@@ -147,10 +150,15 @@ def build_engine(run: Run) -> Any:
                     dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank)
 
 
-def _has_vllm() -> bool:
+def uses_vllm(cfg: Config) -> bool:
+    """rollout.engine=vllm, or auto on a GPU machine with vllm installed."""
     import importlib.util
 
-    return importlib.util.find_spec("vllm") is not None
+    r = cfg.rollout
+    if r.engine != "auto":
+        return r.engine == "vllm"
+    on_gpu = cfg.trainer.device in ("auto", "cuda") and torch.cuda.is_available()
+    return on_gpu and importlib.util.find_spec("vllm") is not None
 
 
 # ---- stages

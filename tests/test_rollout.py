@@ -1,6 +1,7 @@
 """Rollout engines and weight sync: HF engine everywhere (CPU here), vLLM where installed on a GPU."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -127,6 +128,21 @@ def test_top_k_top_p_filter():
     assert torch.isinf(filter_logits(logits, 2, 1.0)).tolist() == [[False, False, True, True]]
     assert torch.isinf(filter_logits(logits, 0, 0.7)).tolist() == [[False, False, True, True]]
     assert torch.isinf(filter_logits(logits, 0, 0.5)).tolist() == [[False, True, True, True]]
+
+
+def test_expandable_segments_are_removed_for_vllm(monkeypatch, caplog):
+    from lib.engine.vllm import strip_expandable_segments
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:True")
+    strip_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128" and "expandable_segments" in caplog.text
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    strip_expandable_segments()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    caplog.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    strip_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64" and not caplog.text
 
 
 def test_buckets_bound_the_size():

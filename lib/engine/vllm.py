@@ -35,15 +35,19 @@ log = logging.getLogger(__name__)
 
 
 def strip_expandable_segments() -> None:
+    """Remove expandable_segments from PYTORCH_CUDA_ALLOC_CONF, with a warning. Called before CUDA starts
+    (lib.pipeline.start); if the allocator already runs with them, they are switched off in it as well."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     parts = [p for p in conf.split(",") if p and not p.replace(" ", "").startswith("expandable_segments")]
-    if len(parts) != len([p for p in conf.split(",") if p]):
-        log.warning("removing expandable_segments from PYTORCH_CUDA_ALLOC_CONF: vLLM's sleep mode does not "
-                    "work with it")
-        if parts:
-            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(parts)
-        else:
-            os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if len(parts) == len([p for p in conf.split(",") if p]):
+        return
+    log.warning("removing expandable_segments from PYTORCH_CUDA_ALLOC_CONF: vLLM's sleep mode does not work with it")
+    if parts:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(parts)
+    else:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
 
 
 class VLLMEngine:
