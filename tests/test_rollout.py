@@ -236,6 +236,12 @@ def _vllm_body(path, tp):
     cuda = topo.device.type == "cuda"
     free_base = torch.cuda.mem_get_info()[0] if cuda else 0
     mine = prompts(3, seed=11 + topo.rank)
+    refused = []
+    for call in (lambda: eng.generate(mine), lambda: eng.load_weights(model.named_parameters())):
+        try:
+            call()
+        except RuntimeError as e:  # asleep since construction: the lifecycle is enforced on every platform
+            refused.append("wake_up" in str(e))
     metrics = enter_rollout(model, eng, torch.float32, bucket_bytes=20_000)
     g1, g2 = eng.generate(mine, validate=True), eng.generate(mine, validate=True)
     torch.manual_seed(123)
@@ -266,7 +272,7 @@ def _vllm_body(path, tp):
             "rows": len(g1), "sampled": s1.batch["responses"].cpu(), "reproducible": torch.equal(
                 s1.batch["responses"], s1_again.batch["responses"]), "rng_untouched": rng_untouched,
             "logp_diff": logp_diff, "filtered_diff": filtered_diff, "lengths": b["response_mask"].sum(1).tolist(),
-            "sync_gb": metrics["sync/gb"],
+            "sync_gb": metrics["sync/gb"], "refused_asleep": refused,
             "uids": list(s1.non_tensor_batch["uid"]), "free_base_gb": free_base / 2**30,
             "free_after_sleep_gb": free_after_sleep / 2**30}
 
@@ -283,7 +289,7 @@ def test_vllm_engine_after_a_step(tmp_path, tp):
     ranks = run_distributed(_vllm_body, path, tp, world_size=world, backend="nccl" if cuda else "gloo", timeout=900)
     for r in ranks:
         assert r["greedy_same"] and r["match_hf"] and r["match_hf_fields"] and r["rows"] == 3
-        assert r["reproducible"] and r["rng_untouched"] and r["sync_gb"] > 0
+        assert r["reproducible"] and r["rng_untouched"] and r["sync_gb"] > 0 and r["refused_asleep"] == [True, True]
         assert sum(r["lengths"]) > 0 and r["logp_diff"] < 1e-4 and r["filtered_diff"] < 1e-4, r
         assert len(set(r["lengths"])) > 1, r["lengths"]  # ragged: some responses ended on a stop token
         assert r["uids"][:2] == ["g0", "g0"] and len(r["uids"]) == 6  # n=2, interleaved, own rows only

@@ -81,6 +81,7 @@ class VLLMEngine:
                            **_logprobs_mode_kwargs())
         self.metrics: dict[str, float] = {}
         self._loading = False  # inside a layerwise reload (between the first bucket and wake_up(kv_cache))
+        self.asleep: set[str] = set()
         self.sleep(2)  # dummy weights: nothing worth keeping until the first sync
 
     def _mem(self) -> float:
@@ -94,6 +95,7 @@ class VLLMEngine:
         self.metrics["engine/mem_before_sleep_gb"] = self._mem()
         if self.sleep_mode:
             self.llm.sleep(level=level)
+        self.asleep = {"weights", "kv_cache"}
         self.metrics["engine/mem_after_sleep_gb"] = self._mem()
 
     def wake_up(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
@@ -101,6 +103,7 @@ class VLLMEngine:
         self.metrics[f"engine/mem_before_wake_{'_'.join(tags)}_gb"] = self._mem()
         if self.sleep_mode:
             self.llm.wake_up(tags=tags)
+        self.asleep -= set(tags)
         self.metrics[f"engine/mem_after_wake_{'_'.join(tags)}_gb"] = self._mem()
         if "kv_cache" in tags:
             self._finish_load()  # the sync is over: process the last layers
@@ -112,6 +115,8 @@ class VLLMEngine:
         """One bucket of (HF name, tensor). The buckets of one sync form one vLLM layerwise reload: a layer
         whose weights span two buckets (q/k/v into one fused qkv) is processed once all of it has arrived;
         ``wake_up(["kv_cache"])`` (or the next generate) closes the reload."""
+        if "weights" in self.asleep:  # enforced without sleep mode too, so CPU runs catch what crashes a GPU
+            raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
         if not self._loading:
             _run_on_model(self.llm, _begin_reload)
             self._loading = True
@@ -132,6 +137,8 @@ class VLLMEngine:
     def generate(self, data: DataProto, validate: bool = False) -> DataProto:
         """Same contract as HFEngine.generate. Sampling uses the device's default generator (vLLM's batched
         sampler), seeded per call and swapped in and out around the call, so training's RNG never moves."""
+        if self.asleep:
+            raise RuntimeError(f"generate on a sleeping engine ({sorted(self.asleep)} asleep): call wake_up() first")
         self._finish_load()
         sp = self.val_sampling if validate else self.sampling
         t0 = time.perf_counter()
