@@ -126,12 +126,8 @@ def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len) -> 
         ours_best = max(ours_best, n / s)
         n, s = timed(bare)
         bare_best = max(bare_best, n / s)
-    t0 = time.perf_counter()
-    exit_rollout(model, engine, topo.device)
-    sleep_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    engine.wake_up(["weights"])
-    wake_s = time.perf_counter() - t0
+    _, sleep_s = timed(lambda: exit_rollout(model, engine, topo.device))
+    _, wake_s = timed(lambda: engine.wake_up(["weights"]))
     print(f"vLLM engine ({topo.device}): {ours_best:,.0f} tokens/s vs bare LLM.generate {bare_best:,.0f} tokens/s: "
           f"{ours_best / bare_best:.2f}x (best of {rounds} alternating rounds each)")
     print(f"vLLM sync: {metrics['sync/gb']:.3f} GB in {metrics['sync/seconds']:.3f} s = "

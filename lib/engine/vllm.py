@@ -114,18 +114,18 @@ class VLLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One bucket of (HF name, tensor). The buckets of one sync form one vLLM layerwise reload: a layer
         whose weights span two buckets (q/k/v into one fused qkv) is processed once all of it has arrived;
-        ``wake_up(["kv_cache"])`` (or the next generate) closes the reload."""
+        ``wake_up(["kv_cache"])`` closes the reload (generate needs it awake, so it never sees an open one)."""
         if "weights" in self.asleep:  # enforced without sleep mode too, so CPU runs catch what crashes a GPU
             raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
         if not self._loading:
-            _run_on_model(self.llm, _begin_reload)
+            _reload(self.llm, begin=True)
             self._loading = True
         batch = list(weights)
         _run_on_model(self.llm, lambda model: model.load_weights(batch))
 
     def _finish_load(self) -> None:
         if self._loading:
-            _run_on_model(self.llm, _finish_reload)
+            _reload(self.llm, begin=False)
             self._loading = False
 
     def close(self) -> None:
@@ -139,7 +139,6 @@ class VLLMEngine:
         sampler), seeded per call and swapped in and out around the call, so training's RNG never moves."""
         if self.asleep:
             raise RuntimeError(f"generate on a sleeping engine ({sorted(self.asleep)} asleep): call wake_up() first")
-        self._finish_load()
         sp = self.val_sampling if validate else self.sampling
         t0 = time.perf_counter()
         data = expand_samples(data, sp.n)
@@ -226,7 +225,7 @@ def _run_on_model(llm: Any, fn: Any) -> None:
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(llm.llm_engine.vllm_config):
-        llm.apply_model(lambda model: fn(model) and None)
+        llm.apply_model(fn)
 
 
 def _shutdown(llm: Any) -> None:
@@ -235,23 +234,15 @@ def _shutdown(llm: Any) -> None:
         core.shutdown()
 
 
-def _begin_reload(model: Any) -> None:
-    """Put the model back into checkpoint layout (on meta until each layer's weights arrive). Weight loading
-    must go through this: after loading, vLLM may repack weights into kernel layouts (the CPU backend does)
-    that plain ``load_weights`` cannot write into."""
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+def _reload(llm: Any, begin: bool) -> None:
+    """Open (``begin``) or close one vLLM layerwise reload. Open: the model goes back to checkpoint layout, on
+    meta until each layer's weights arrive. Weight loading must go through this: after loading, vLLM may repack
+    weights into kernel layouts (the CPU backend does) that plain ``load_weights`` cannot write into. Close:
+    process what is left and put the kernel tensors back."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    initialize_layerwise_reload(model)
-
-
-def _finish_reload(model: Any) -> None:
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-    config = _current_model_config()
-    finalize_layerwise_reload(model, config)
-
-
-def _current_model_config() -> Any:
-    from vllm.config import get_current_vllm_config
-
-    return get_current_vllm_config().model_config
+    if begin:
+        _run_on_model(llm, initialize_layerwise_reload)
+    else:
+        model_config = llm.llm_engine.vllm_config.model_config
+        _run_on_model(llm, lambda model: finalize_layerwise_reload(model, model_config))
