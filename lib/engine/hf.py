@@ -100,6 +100,9 @@ class HFEngine:
     def reset_prefix_cache(self) -> None:
         pass  # no cross-request cache to invalidate
 
+    def close(self) -> None:
+        self.sleep(2)  # nothing outside this object to shut down
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.level:
