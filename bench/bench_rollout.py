@@ -105,7 +105,7 @@ def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len) -> 
     from lib.engine.vllm import VLLMEngine, _sampling_params
     from lib.sync import enter_rollout, exit_rollout
 
-    engine = VLLMEngine(path, topo, 0, [1], sampling, gpu_memory_utilization=0.4, max_model_len=max_len,
+    engine = VLLMEngine(path, topo, 0, [1], sampling, max_model_len=max_len, max_num_seqs=len(prompts),
                         dtype=str(dtype).removeprefix("torch."))
     metrics, _ = timed(lambda: enter_rollout(model, engine, dtype))
     reqs = [{"prompt_token_ids": row.tolist()} for row in prompts.batch["input_ids"]]

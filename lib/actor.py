@@ -103,8 +103,9 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
         raise ValueError("use_kl_loss needs ref_log_prob in the batch (compute it with the reference model)")
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
     sums: dict[str, list[float]] = defaultdict(list)
-    for pieces, num_tokens, num_seqs in accumulation_steps(actor, data, cfg.ppo_epochs, mini_batch_size_per_rank,
-                                                            cfg.shuffle, seed, cfg.batching):
+    for epoch, pieces, num_tokens, num_seqs in accumulation_steps(actor, data, cfg.ppo_epochs,
+                                                                   mini_batch_size_per_rank, cfg.shuffle, seed,
+                                                                   cfg.batching):
         # metrics stay tensors until the optimizer step: one device sync per mini-batch, not per micro-batch
         step_metrics: dict[str, Any] = defaultdict(float)
         for micro in pieces:
@@ -134,6 +135,11 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
             share = mask.sum() / num_tokens.clamp(min=1)  # token-weighted mean of the ratios
             for k, v in pg_metrics.items():
                 step_metrics[f"actor/{k}"] += v * share
+            if epoch == 0 and "rollout_log_probs" in b:
+                # stale or mismatched weights in the engine show here: the trainer's log-probs of the sampled
+                # tokens (old = the policy that generated them) against the engine's own
+                diff = (old.detach() - b["rollout_log_probs"]).abs()
+                step_metrics["rollout/logp_abs_diff"] += (diff * mask).sum() / num_tokens.clamp(min=1)
         step_and_record(actor, cfg.optim.max_grad_norm, step_metrics, sums, "actor")
     return finish_update(actor, sums, "actor")
 
@@ -146,8 +152,8 @@ def loss_scale(topo: Topology) -> float:
 
 def accumulation_steps(trainee: Trainee, data: DataProto, epochs: int, mini_batch_size_per_rank: int | None,
                        shuffle: bool, seed: int, batching: BatchingConfig):
-    """The update's loop over ``epochs`` x mini-batches: yields (micro-batches on the device, global token count,
-    global sequence count) for each optimizer step. The SP group's rows are gathered first (DESIGN step 7)."""
+    """The update's loop over ``epochs`` x mini-batches: yields (epoch, micro-batches on the device, global token
+    count, global sequence count) for each optimizer step. The SP group's rows are gathered first (DESIGN step 7)."""
     topo = trainee.topo
     mb_size = (mini_batch_size_per_rank or len(data)) * topo.sp_size
     data, _ = gather_sp(data, topo)
@@ -156,7 +162,7 @@ def accumulation_steps(trainee: Trainee, data: DataProto, epochs: int, mini_batc
         for mini in mini_batches(data, mb_size, shuffle, seed * 1000 + epoch):
             num_tokens, num_seqs = global_counts(mini.batch["response_mask"], topo)
             pieces, _ = _micro(mini, batching, topo)
-            yield [p.to(topo.device) for p in pieces], num_tokens, num_seqs
+            yield epoch, [p.to(topo.device) for p in pieces], num_tokens, num_seqs
 
 
 def step_and_record(trainee: Trainee, max_grad_norm: float, step_metrics: dict, sums: dict, prefix: str) -> None:

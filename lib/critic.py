@@ -40,8 +40,8 @@ def update_critic(critic: Trainee, data: DataProto, cfg: CriticConfig, mini_batc
     """``ppo_epochs`` x mini-batches x micro-batches of the clipped value loss; one lr-schedule step."""
     topo, model = critic.topo, critic.model
     sums: dict[str, list[float]] = defaultdict(list)
-    for pieces, num_tokens, num_seqs in accumulation_steps(critic, data, cfg.ppo_epochs, mini_batch_size_per_rank,
-                                                            False, seed, cfg.batching):
+    for _, pieces, num_tokens, num_seqs in accumulation_steps(critic, data, cfg.ppo_epochs,
+                                                              mini_batch_size_per_rank, False, seed, cfg.batching):
         step: dict[str, Any] = defaultdict(float)  # tensors until the optimizer step (one sync per mini-batch)
         for micro in pieces:
             b = micro.batch

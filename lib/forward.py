@@ -5,8 +5,9 @@ Rows are ``input_ids = prompt (left-padded) + response (right-padded)`` with ``a
 
 - padded: the batch as it is, attention over the padding masked out (sdpa on CPU);
 - packed ("remove padding"): the valid tokens of all rows in one row with restarting position ids and no
-  attention mask; transformers sees the restarts and attends within each sequence only (varlen kernels
-  with flash-attn, a block-diagonal mask with sdpa). No pad token is computed.
+  attention mask. Attention stays within each sequence: lib/attention.py's varlen path (its sequence bounds,
+  computed once per micro-batch, passed in the model call) on GPU and with sequence parallelism; on CPU
+  without SP, transformers' sdpa sees the restarts. No pad token is computed.
 
 Either way only the positions that predict a response token reach the LM head (``logits_to_keep``).
 """
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lib import ulysses
+from lib import attention, ulysses
 from lib.logprobs import log_probs_from_logits
 from lib.protocol import DataProto
 
@@ -62,6 +63,8 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool) -> tuple[Te
     Returns (outputs at this rank's kept positions (k, ...), bool (K,) which kept positions they are)."""
     if sp is None or sp.sp_size == 1:
         kw = {"logits_to_keep": p.keep} if lm_head else {}
+        if attention.uses_packed_attention(model):  # the sequence bounds travel with the call (see attention.py)
+            kw[attention.KWARG] = attention.packing(p.position_ids)
         out = model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False, **kw)
         logits = out.logits[0] if lm_head else out.logits[0, p.keep]
         return logits, torch.ones_like(p.keep, dtype=torch.bool)
@@ -69,8 +72,8 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool) -> tuple[Te
     sel = (p.keep >= start) & (p.keep < start + ids.shape[1])
     local_keep = p.keep[sel] - start
     kw = {"logits_to_keep": local_keep} if lm_head else {}
-    with ulysses.sequence_parallel(sp.sp_group, full_pos):
-        out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **kw)
+    kw[attention.KWARG] = attention.packing(full_pos, sp.sp_group)
+    out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **kw)
     return (out.logits[0] if lm_head else out.logits[0, local_keep]), sel
 
 

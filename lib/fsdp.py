@@ -107,10 +107,15 @@ def hf_name(name: str) -> str:
 
 def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) per parameter in registration order (embeddings, layer 0, layer 1, ...).
-    Every rank must consume the iterator in step: each ``full_tensor()`` is an all-gather."""
-    for name, param in model.named_parameters():
-        tensor = param.full_tensor() if isinstance(param, DTensor) else param
-        yield hf_name(name), (tensor.to(dtype) if dtype is not None else tensor).detach()
+    Every rank must consume the iterator in step: each ``full_tensor()`` is an all-gather. The local shard is
+    cast to ``dtype`` before the gather (a DTensor cast stays sharded), so an fp32 model synced into a bf16
+    engine moves half the bytes; the result equals gathering then casting, bit for bit."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            tensor = param.detach()
+            if dtype is not None:
+                tensor = tensor.to(dtype)
+            yield hf_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def full_state_dict_on_rank0(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
@@ -124,17 +129,17 @@ def full_state_dict_on_rank0(model: nn.Module, topo: Topology) -> dict[str, torc
 
 
 def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str = "causal_lm",
-                        trainable: bool = True) -> nn.Module:
+                        trainable: bool = True, packed: bool = True) -> nn.Module:
     """Meta-device model -> FSDP2 shards on the Topology's device, weights read on rank 0 only.
-    With sp_size > 1 the model attends through lib/ulysses.py (its head counts are checked first)."""
+    ``packed``: the model will see packed rows (batching.use_remove_padding); with sp_size > 1 (Ulysses, head
+    counts checked first) or on GPU such a model attends through lib/attention.py's varlen path."""
     from lib import models, ulysses
 
-    attn = models.attn_implementation(topo.device, model_cfg.attn_implementation)
+    attn = models.attn_implementation(topo.device, model_cfg.attn_implementation, packed, topo.sp_size)
     config = models.load_config(model_cfg.path, model_cfg.trust_remote_code)
     if topo.sp_size > 1:
         ulysses.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
                             or config.num_attention_heads, topo.sp_size)
-        attn = ulysses.register()
     model = models.build_empty(config, kind, attn, model_cfg.trust_remote_code)
     apply_fsdp(model, topo, fsdp_cfg.mixed_precision, fsdp_cfg.reshard_after_forward,
                model_cfg.gradient_checkpointing and trainable)

@@ -20,15 +20,19 @@ log = logging.getLogger(__name__)
 KINDS = ("causal_lm", "critic")
 
 
-def attn_implementation(device: torch.device, requested: str = "auto") -> str:
-    """flash_attention_2 on CUDA when the package is installed, else sdpa (CPU, or GPU without flash-attn)."""
+def attn_implementation(device: torch.device, requested: str = "auto", packed: bool = False,
+                        sp_size: int = 1) -> str:
+    """The attention a trained model is built with. Packed rows with sequence parallelism, or on CUDA, go through
+    lib/attention.py (varlen kernels: torch's own, or flash-attn); padded rows and CPU without SP use sdpa."""
+    from lib import attention
+
+    if sp_size > 1 or (packed and device.type == "cuda" and requested == "auto"):
+        return attention.register()
     if requested != "auto":
         if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
             raise ValueError("attn_implementation=flash_attention_2 but flash_attn is not installed; "
-                             "pip install -e '.[gpu]' or use attn_implementation=auto")
+                             "pip install -e '.[flash-attn]' or use attn_implementation=auto")
         return requested
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
     return "sdpa"
 
 

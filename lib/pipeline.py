@@ -115,12 +115,13 @@ def resolve_toy(cfg: Config, topo: Topology) -> None:
 
 def build_models(run: Run, with_ref: bool) -> None:
     cfg, topo = run.cfg, run.topo
-    model = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo)
+    packed = cfg.actor.batching.use_remove_padding
+    model = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, packed=packed)
     cfg.actor.optim.total_steps = cfg.actor.optim.total_steps or run.total_steps
     optimizer, scheduler = build_optimizer(model, cfg.actor.optim)
     run.actor = Trainee(model, optimizer, scheduler, topo)
     if with_ref:  # the frozen start policy; never a second rollout engine
-        run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, trainable=False)
+        run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, trainable=False, packed=packed)
     run.engine = build_engine(run)
 
 
@@ -139,8 +140,12 @@ def build_engine(run: Run) -> Any:
     if uses_vllm(cfg):
         from lib.engine.vllm import VLLMEngine
 
+        # sequences one generate call holds at once on a rank (a TP group generates its ranks' rows together)
+        val_rows = -(-len(run.val) // topo.world_size) * r.val_n if run.val is not None else 0
+        num_seqs = max(run.sizes.samples_per_rank, val_rows) * topo.rollout_tp_size
         return VLLMEngine(cfg.actor.model.path, topo, tok.pad_token_id, eos, sampling, val,
                           max_model_len=cfg.data.max_prompt_length + r.max_response_length,
+                          max_num_seqs=min(num_seqs, r.max_num_seqs), kv_cache_bytes=int(r.kv_cache_gb * 2**30),
                           gpu_memory_utilization=r.gpu_memory_utilization,
                           dtype=str(engine_dtype(run)).removeprefix("torch."), enforce_eager=r.enforce_eager,
                           trust_remote_code=cfg.actor.model.trust_remote_code)

@@ -5,12 +5,18 @@ the FSDP mesh: no rank-0-only sends), casts it to the engine's dtype, and hands 
 at most ``bucket_bytes``. The extra memory at any moment is one bucket plus the tensor being gathered,
 never the whole model. The order of a step (vLLM's sleep-mode rules):
 
-    empty_cache -> wake_up(["weights"]) -> stream weights -> [offload training params]
-    -> wake_up(["kv_cache"]) -> reset_prefix_cache -> generate -> sleep(level)
+    gc.collect + empty_cache -> wake_up(["weights"]) -> stream weights (one post-load processing per sync)
+    -> [offload training params] -> empty_cache -> wake_up(["kv_cache"]) -> reset_prefix_cache -> generate
+    -> sleep(level)
+
+Each waking step first returns the blocks training's caching allocator holds but no longer uses, so vLLM's
+pool can take them. Weights are written only after their wake, and never reloaded from disk afterwards
+(a no-argument ``reload_weights`` brings the checkpoint back: TRL bug 5312).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any, Iterator
 
@@ -66,12 +72,16 @@ def enter_rollout(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_byte
                   offload_params: bool = False) -> dict[str, float]:
     """Training -> rollout: wake the engine's weights, stream ours in, optionally park the training shards on
     CPU, then wake the KV cache and drop any cached prefixes (computed with the old weights)."""
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
+        gc.collect()  # tensors only Python's cycle collector still holds keep their blocks in the cache
         torch.cuda.empty_cache()
     engine.wake_up(["weights"])
     metrics = sync_weights(model, engine, dtype, bucket_bytes)
     if offload_params:
         offload_model(model)
+    if cuda:
+        torch.cuda.empty_cache()  # the sync's buckets and gathered tensors
     engine.wake_up(["kv_cache"])
     engine.reset_prefix_cache()
     return {**metrics, **getattr(engine, "metrics", {})}

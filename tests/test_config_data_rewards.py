@@ -157,3 +157,19 @@ def test_scorer_counts_failures_and_places_scores(tmp_path):
         load_custom(f"{f}:nope")
     with pytest.raises(ValueError, match="no scorer for data_source 'weird'"):
         Scorer(tok).fn_for("weird")
+
+
+def test_packing_on_a_gpu_without_a_varlen_kernel_is_refused(monkeypatch):
+    import lib.attention
+
+    cfg = config.Config()
+    cfg.data.max_prompt_length, cfg.rollout.max_response_length = 64, 64
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(lib.attention, "varlen_kernel", lambda: None)  # torch < 2.10 and no flash-attn
+    with pytest.raises(ValueError, match=r"actor.batching.use_remove_padding on GPU needs a varlen attention kernel"
+                                         r".*--actor.batching.no-use-remove-padding"):
+        config.validate(cfg, 2, tiny_config("qwen2"))
+    cfg.actor.batching.use_remove_padding = False  # padded rows: sdpa with the padding mask
+    config.validate(cfg, 2, tiny_config("qwen2"))
+    monkeypatch.setattr(lib.attention, "varlen_kernel", lambda: "torch")
+    config.validate(config.Config(), 2, tiny_config("qwen2", max_position_embeddings=4096))

@@ -33,6 +33,8 @@ def test_grpo_toy_reward_rises(tmp_path):
     assert end > start + 0.15, curve  # measured: 0.27 -> 0.48 at 60 steps (0.64 at 100)
     train = [r for r in rows if "actor/pg_loss" in r]
     assert len(train) == 60 and all(r["actor/skipped_steps"] == 0 for r in train)
+    # the engine's log-probs of its samples against the trainer's: the synced weights are current every step
+    assert all(r["rollout/logp_abs_diff"] < 1e-4 for r in train), max(r["rollout/logp_abs_diff"] for r in train)
     assert os.path.isfile(tmp_path / "run" / "hf_final" / "model.safetensors")
     assert os.path.isfile(tmp_path / "run" / "config.yaml")
 
@@ -63,14 +65,23 @@ GOLDEN = {  # step: (reward/mean, actor/pg_loss, actor/grad_norm, response/lengt
 }
 
 
+# CPU kernels differ between machines (the same torch and transformers gave grad_norm 1.2366 at step 2 on one
+# Xeon and 1.2405 on another): step 1 holds to 1e-3; by step 3 the samples drift, so later steps get a band
+# that still catches a changed objective or data path (each of those moved these numbers by far more).
+TOLERANCE = {1: (1e-3, 1e-3), 2: (1e-3, 1e-2), 3: (1e-2, 1e-1)}  # step: (reward/length, loss/grad-norm) rel
+
+
 @pytest.mark.slow
 def test_golden_run_is_reproduced(tmp_path):
     torchrun("train_grpo.py", tmp_path, "--trainer.total_steps", "3", "--trainer.val_every", "0")
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     got = {r["step"]: (r["reward/mean"], r["actor/pg_loss"], r["actor/grad_norm"], r["response/length_mean"])
            for r in rows}
-    for step, expected in GOLDEN.items():
-        assert got[step] == pytest.approx(expected, rel=1e-3, abs=1e-6), (step, got[step])
+    for step, (reward, loss, norm, length) in GOLDEN.items():
+        data_rel, update_rel = TOLERANCE[step]
+        r, l, n, ln = got[step]
+        assert (r, ln) == pytest.approx((reward, length), rel=data_rel, abs=1e-6), (step, got[step])
+        assert (l, n) == pytest.approx((loss, norm), rel=update_rel, abs=1e-6), (step, got[step])
 
 
 @pytest.mark.vllm
@@ -84,8 +95,7 @@ def test_grpo_with_the_vllm_engine(tmp_path):
     tok = toy.build_tokenizer(policy)
     toy.build_policy(tok, toy.split_pairs(0)[0], heads=2, kv_heads=1).save_pretrained(policy)
     common = ("--actor.model.path", policy, "--trainer.total_steps", "2", "--trainer.val_every", "2",
-              "--algorithm.rollout_correction", "token", "--rollout.enforce_eager",
-              "--rollout.gpu_memory_utilization", "0.1")
+              "--algorithm.rollout_correction", "token", "--rollout.enforce_eager")
     torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm")
     torchrun("train_grpo.py", tmp_path / "hf", *common, "--rollout.engine", "hf")
     (v, rows), (h, _) = val_curve(tmp_path / "vllm"), val_curve(tmp_path / "hf")

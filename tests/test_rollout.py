@@ -145,6 +145,32 @@ def test_expandable_segments_are_removed_for_vllm(monkeypatch, caplog):
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64" and not caplog.text
 
 
+def test_kv_cache_is_sized_in_bytes_from_the_run():
+    from lib.engine import kv_cache_bytes
+
+    cfg = tiny_config("qwen2")  # 2 layers, 2 KV heads, head size 32 / 4 = 8
+    # 3 sequences x 300 tokens (two 256-token blocks) x 2 layers x (K, V) x 2 KV heads x 8 x 4 bytes (fp32)
+    assert kv_cache_bytes(cfg, num_seqs=3, max_model_len=300, dtype_bytes=4) == 3 * 512 * 2 * 2 * 2 * 8 * 4
+    assert kv_cache_bytes(cfg, 3, 300, 4, tp_size=2) == 3 * 512 * 2 * 2 * 1 * 8 * 4  # TP splits the KV heads
+    assert kv_cache_bytes(cfg, 3, 300, 4, tp_size=4) == 3 * 512 * 2 * 2 * 1 * 8 * 4  # one (replicated) head
+
+
+def test_stale_vllm_shared_memory_is_removed(tmp_path):
+    import subprocess
+    import sys
+
+    from lib.engine.vllm import SHM_PREFIX, remove_stale_shm
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)  # a finished process: its segments are leftovers of a killed run
+    names = [f"{SHM_PREFIX}-{dead}-tp_0-[0-1]-cpushm", f"{SHM_PREFIX}-{os.getpid()}-tp_0-[0-1]-cpushm",
+             "other-123-cpushm"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    assert remove_stale_shm(str(tmp_path)) == names[:1]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])  # a live launch's and others' segments stay
+
+
 def test_buckets_bound_the_size():
     ts = [(str(i), torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]
     out = list(buckets(iter(ts), bucket_bytes=4 * 25))
@@ -183,15 +209,22 @@ def _sync_body(path):
         theirs = eng.model(input_ids=ids).logits
     out = eng.generate(prompts(3, seed=9))
     exit_rollout(model, eng, topo.device, level=2)
+    from lib.fsdp import iter_full_params
+
+    # a bf16 engine: each shard is cast before its gather (half the bytes), the same bits as gather-then-cast
+    full = dict(iter_full_params(model))
+    cast_first = dict(iter_full_params(model, torch.bfloat16))
+    same_bits = all(t.dtype == torch.bfloat16 and torch.equal(t, full[n].to(torch.bfloat16))
+                    for n, t in cast_first.items()) and cast_first.keys() == full.keys()
     return {"diff": float((ours - theirs).abs().max()), "metrics": metrics, "asleep": eng.level == 2,
-            "responses": out.batch["responses"]}
+            "responses": out.batch["responses"], "bf16_same_bits": same_bits}
 
 
 def test_sync_after_a_step_matches_the_fsdp_model(tmp_path):
     path = save_tiny_model(str(tmp_path / "m"), "qwen2")
     r0, r1 = run_distributed(_sync_body, path)
     for r in (r0, r1):
-        assert r["diff"] < 1e-5 and r["asleep"]
+        assert r["diff"] < 1e-5 and r["asleep"] and r["bf16_same_bits"]
         m = r["metrics"]
         assert m["sync/gb"] > 0 and m["sync/peak_extra_gb"] * 2**30 <= max(20_000, 97 * 32 * 4)  # one bucket
     assert not torch.equal(r0["responses"], r1["responses"]) or r0["responses"].numel() == 0
@@ -231,8 +264,8 @@ def _vllm_body(path, tp):
     stop = list(range(40, 60))  # a fifth of the vocabulary ends a response: ragged lengths, eos handling
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5, n=2, stop_token_ids=stop)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=8, stop_token_ids=stop)
-    eng = VLLMEngine(path, topo, 0, [EOS], sampling, greedy, max_model_len=64, gpu_memory_utilization=0.1,
-                     dtype="float32", enforce_eager=True)
+    eng = VLLMEngine(path, topo, 0, [EOS], sampling, greedy, max_model_len=64, max_num_seqs=8, dtype="float32",
+                     enforce_eager=True)
     cuda = topo.device.type == "cuda"
     free_base = torch.cuda.mem_get_info()[0] if cuda else 0
     mine = prompts(3, seed=11 + topo.rank)

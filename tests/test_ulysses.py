@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lib.testing import run_distributed
-from lib.ulysses import check_heads, segments_from_positions
+from lib.attention import packing
+from lib.ulysses import check_heads
 from tests.helpers import rl_batch, save_tiny_model
 
 ROWS = 6
@@ -18,7 +19,7 @@ def _data():
     return data
 
 
-def _sp_body(path, sp, loss_agg):
+def _sp_body(path, sp, loss_agg, checkpointing=False):
     from lib.actor import Trainee, compute_log_probs, update_policy
     from lib.config import ActorConfig, BatchingConfig, ModelConfig, OptimConfig
     from lib.critic import compute_values
@@ -27,7 +28,8 @@ def _sp_body(path, sp, loss_agg):
     from lib.optim import build_optimizer
 
     topo = init_topology(device="cpu", sp_size=sp)
-    cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0),
+    cfg = ActorConfig(model=ModelConfig(path=path, gradient_checkpointing=checkpointing),
+                      optim=OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0),
                       batching=BatchingConfig(micro_batch_size_per_rank=2 if sp == 1 else 1),
                       loss_agg_mode=loss_agg, policy_loss="gspo" if loss_agg == "seq-mean-token-mean" else "vanilla",
                       entropy_coef=0.01)
@@ -92,6 +94,7 @@ def test_refused_before_loading(tmp_path):
     assert all(m and "3 query heads do not divide by sp=2" in m for m in messages)
 
 
-def test_segments_from_positions():
-    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]])
-    assert segments_from_positions(pos) == [(0, 3), (3, 5), (5, 6), (6, 8)]
+def test_packing_from_positions():
+    p = packing(torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]]))
+    assert p.segments == [(0, 3), (3, 5), (5, 6), (6, 8)] and p.max_len == 3 and p.group is None
+    assert p.cu_seqlens.tolist() == [0, 3, 5, 6, 8] and p.cu_seqlens.dtype == torch.int32

@@ -17,6 +17,7 @@ training samples. Rollout log-probs are those of the distribution actually sampl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -77,6 +78,22 @@ def call_seed(seed: int, group: int, validate: bool, call: int) -> int:
     """The sampling seed of one generate call (see the module docstring). Tuple hashes of ints are stable
     across processes (no hash randomisation for ints)."""
     return hash((seed, group, validate, call)) % (2**63)
+
+
+# vLLM hands out KV memory in blocks of up to 256 tokens (the CPU backends' only block size; GPUs use 16)
+KV_BLOCK_TOKENS = 256
+
+
+def kv_cache_bytes(model_config: Any, num_seqs: int, max_model_len: int, dtype_bytes: int, tp_size: int = 1) -> int:
+    """KV-cache bytes one engine rank needs to hold ``num_seqs`` sequences of ``max_model_len`` tokens at once:
+    sequences x tokens (rounded up to whole blocks) x layers x (K and V) x KV heads on this rank x head size x
+    dtype bytes. Sized from what the run needs, never as a share of the machine (whose free memory varies)."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    kv_heads_per_rank = max(1, kv_heads // tp_size)  # TP splits the KV heads (a head is replicated when kv < tp)
+    tokens = -(-max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return num_seqs * tokens * model_config.num_hidden_layers * 2 * kv_heads_per_rank * head_dim * dtype_bytes
 
 
 def expand_samples(data: DataProto, n: int) -> DataProto:

@@ -29,6 +29,7 @@ import torch
 
 from lib.dist import Topology, all_gather
 from lib.engine import SamplingConfig, build_output, call_seed, expand_samples
+from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
 from lib.protocol import DataProto
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,11 @@ def strip_expandable_segments() -> None:
 class VLLMEngine:
     def __init__(self, model_path: str, topo: Topology, pad_token_id: int, eos_token_ids: list[int],
                  sampling: SamplingConfig, val_sampling: SamplingConfig | None = None, max_model_len: int = 4096,
-                 gpu_memory_utilization: float = 0.5, dtype: str = "bfloat16", enforce_eager: bool = False,
-                 trust_remote_code: bool = False):
+                 max_num_seqs: int = 256, kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.5,
+                 dtype: str = "bfloat16", enforce_eager: bool = False, trust_remote_code: bool = False):
+        """``kv_cache_bytes``: the KV cache of this rank in bytes (0: ``kv_cache_bytes()`` for ``max_num_seqs``
+        sequences of ``max_model_len`` tokens). ``gpu_memory_utilization`` is only vLLM's start-up check on GPU
+        (that share of the device must be free); the CPU build ignores it once the KV size is given in bytes."""
         strip_expandable_segments()
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -69,13 +73,24 @@ class VLLMEngine:
         if not self.sleep_mode:
             log.warning("vLLM has no sleep mode on this platform (%s): the engine stays resident between rollouts",
                         current_platform.device_name)
+        if not kv_cache_bytes:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            kv_cache_bytes = engine_kv_cache_bytes(config, max_num_seqs, max_model_len,
+                                                   torch.empty((), dtype=getattr(torch, dtype)).element_size(),
+                                                   topo.rollout_tp_size)
+        # KV in bytes: a share of the machine depends on what else runs there (vLLM's CPU worker subtracts the
+        # process's own RSS from the node's share and fails when that goes negative); 0.25 also sizes it larger
+        # than earlier releases at the same utilisation
+        self.kv_cache_bytes = kv_cache_bytes
         if self.device.type == "cpu":
-            # vLLM's CPU worker takes the fraction of the node's memory, and every rank on the node asks for it
-            gpu_memory_utilization /= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            _unique_cpu_shm_names(topo)
         with rng_kept_apart(self.device):  # vLLM seeds the global generators at start-up
             self.llm = LLM(model=model_path, tensor_parallel_size=topo.rollout_tp_size,
                            distributed_executor_backend="external_launcher", enable_sleep_mode=self.sleep_mode,
                            load_format="dummy", dtype=dtype, seed=sampling.seed, max_model_len=max_model_len,
+                           max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_bytes,
                            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                            skip_tokenizer_init=True, trust_remote_code=trust_remote_code, enable_prefix_caching=True,
                            **_logprobs_mode_kwargs())
@@ -226,6 +241,61 @@ def _run_on_model(llm: Any, fn: Any) -> None:
 
     with set_current_vllm_config(llm.llm_engine.vllm_config):
         llm.apply_model(fn)
+
+
+SHM_DIR, SHM_PREFIX = "/dev/shm", "spmdrl-vllm"
+
+
+def _unique_cpu_shm_names(topo: Topology) -> None:
+    """vLLM's CPU build all-reduces a TP group through a shared-memory segment created exclusively (O_EXCL) under
+    a name taken from the rendezvous address, which external_launcher makes ``env://`` in every run: a segment
+    that a killed run left behind makes every later engine fail (``create shm in SHMManager failed. errno: 17``),
+    and two runs on one machine collide. Here the segments are named after this launch (world rank 0's pid), and
+    segments named after a launch whose process is gone are removed first."""
+    try:
+        from vllm.distributed.device_communicators import cpu_communicator
+    except ImportError:
+        return
+    owner = [os.getpid()]
+    torch.distributed.broadcast_object_list(owner, src=0)  # world: one name for the launch on every rank
+    remove_stale_shm()
+    prefix = f"{SHM_PREFIX}-{owner[0]}"
+
+    def group_name(communicator: Any) -> str:
+        ranks = "-".join(str(r) for r in communicator.ranks)
+        return f"{prefix}-{communicator.unique_name}-[{ranks}]-cpushm".replace("/", "_").replace(":", "_")
+
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if shm is not None and hasattr(shm, "make_group_name"):
+        shm.make_group_name = staticmethod(group_name)
+
+
+def remove_stale_shm(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink our vLLM shared-memory segments whose launching process (the pid in the name) no longer runs."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SHM_PREFIX + "-"):
+            continue
+        pid = name[len(SHM_PREFIX) + 1:].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _shutdown(llm: Any) -> None:

@@ -1,0 +1,149 @@
+"""Packed ("remove padding") attention, with or without Ulysses sequence parallelism.
+
+A packed row holds the valid tokens of several sequences back to back, with position ids that restart at each
+sequence. Attention must stay inside each sequence: ``Packing`` holds the sequence bounds (``cu_seqlens``) of
+one micro-batch, computed once per micro-batch (not in every layer) by ``packing(position_ids)``.
+
+The state travels as a keyword argument of the model call (``model(..., spmd_packing=p)``): transformers hands
+extra keyword arguments down to every attention call, and gradient checkpointing keeps them for the recompute
+in backward. (A context manager around the forward was not seen by that recompute: Ulysses with gradient
+checkpointing crashed with a CheckpointError, and plain packing would have attended across sequences.)
+
+Kernels, in order: PyTorch's own varlen flash kernel (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10,
+CUDA, bf16/fp16), the flash-attn package where installed, and on CPU (or fp32 on GPU) one causal sdpa per
+sequence. No S x S mask is ever built. On CPU without sequence parallelism the models keep transformers' sdpa.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+NAME = "spmd_packed"
+KWARG = "spmd_packing"
+
+
+@dataclass
+class Packing:
+    """Sequence bounds of one packed micro-batch row (the full row: with SP, before slicing)."""
+
+    segments: list[tuple[int, int]]  # [start, end) of every packed sequence, for the per-sequence sdpa path
+    cu_seqlens: Tensor  # (num_segments + 1,) int32 on the device, for varlen kernels
+    max_len: int
+    group: dist.ProcessGroup | None = None  # the SP group when the row is split over it (Ulysses)
+    sp_size: int = 1
+
+
+def packing(position_ids: Tensor, group: dist.ProcessGroup | None = None) -> Packing:
+    """Packed sequences restart their position ids: a new sequence starts wherever the step is not +1."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1
+    bounds = [0] + starts.tolist() + [pos.numel()]  # one host sync per micro-batch
+    segments = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    cu = torch.tensor([0] + [b - a for a, b in segments], device=pos.device).cumsum(0).to(torch.int32)
+    size = dist.get_world_size(group) if group is not None else 1
+    return Packing(segments, cu, max(b - a for a, b in segments), group if size > 1 else None, size)
+
+
+def varlen_kernel() -> str | None:
+    """The varlen attention kernel available on CUDA: "torch" (torch >= 2.10), "flash_attn", or None."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+        return "torch"
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attn"
+    return None
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None) -> Tensor:
+    """q (T, H, d), k/v (T, KV, d) -> (T, H, d). The keyword names changed between torch 2.10 and 2.12."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    kw: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if scaling is not None:
+        if "scale" in params:
+            kw["scale"] = scaling
+        else:  # the kernel's own scale is d ** -0.5
+            q = q * (scaling * q.shape[-1] ** 0.5)
+    return varlen_attn(q, k, v, p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len, **kw)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, dropout: float = 0.0) -> Tensor:
+    """Causal attention within each packed sequence. q: (1, H, S, d); k, v: (1, KV, S, d) with KV dividing H
+    (GQA: the kernels share each kv head, so no repeated copy is kept for backward). Returns (1, H, S, d)."""
+    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    kernel = varlen_kernel() if fast else None
+    if kernel == "torch" and dropout == 0.0:
+        out = _torch_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), p, scaling)
+        return out.transpose(0, 1)[None]
+    if kernel is not None and importlib.util.find_spec("flash_attn") is not None:
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                     p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len, dropout_p=dropout,
+                                     softmax_scale=scaling, causal=True)
+        return out.transpose(0, 1)[None]
+    # the plain path: one causal sdpa per sequence
+    gqa = k.shape[1] != q.shape[1]
+    outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout_p=dropout,
+                                           is_causal=True, scale=scaling, enable_gqa=gqa) for a, b in p.segments]
+    return torch.cat(outs, dim=2)
+
+
+def packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                     scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers attention interface: q (1, H, S_local, d), k/v (1, KV, S_local, d) -> (1, S_local, H, d).
+    With ``Packing.group`` the row is split over that SP group: one all-to-all gathers the sequence and scatters
+    the heads, attention runs over the whole row with H/sp heads, and one all-to-all swaps back."""
+    from lib import ulysses
+
+    p: Packing | None = kwargs.get(KWARG)
+    if p is None:
+        raise RuntimeError(f"a model built with attn_implementation={NAME!r} takes packed rows only: call it with "
+                           f"{KWARG}=lib.attention.packing(position_ids) (lib/forward.py does)")
+    dropout = dropout if module.training else 0.0
+    if p.group is None:
+        return attend(query, key, value, p, scaling, dropout).transpose(1, 2).contiguous(), None
+    sp, kv_heads = p.sp_size, key.shape[1]
+    if kv_heads < sp:  # sp % kv_heads == 0 (checked before loading): one repeated kv head per rank
+        key = key.repeat_interleave(sp // kv_heads, dim=1)
+        value = value.repeat_interleave(sp // kv_heads, dim=1)
+    q = ulysses.all_to_all(query, p.group, scatter_dim=1, gather_dim=2)  # (1, H/sp, S, d)
+    k = ulysses.all_to_all(key, p.group, scatter_dim=1, gather_dim=2)
+    v = ulysses.all_to_all(value, p.group, scatter_dim=1, gather_dim=2)
+    out = attend(q, k, v, p, scaling, dropout)  # (1, H/sp, S, d)
+    out = ulysses.all_to_all(out, p.group, scatter_dim=2, gather_dim=1)  # (1, H, S_local, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register the packed attention with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, packed_attention)
+    return NAME
+
+
+def uses_packed_attention(model: torch.nn.Module) -> bool:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
