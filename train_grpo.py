@@ -14,7 +14,9 @@ Where this departs from the paper:
 - One policy update per rollout batch by default (ppo_epochs=1, one mini-batch): old log-probs are then the
   current ones, detached (the on-policy shortcut), so the ratio is 1 and clipping only acts with more epochs.
 - Batches are rebalanced across ranks by whole groups (Karmarkar-Karp on a*L + L^2) before the update.
-- Dynamic sampling draws extra prompts from the steps' stream (step * max_gen_batches + round).
+- Dynamic sampling draws each extra round from the next prompts of the data stream (no prompt is skipped), so
+  a step can consume several batches; when the rounds keep more groups than needed, the last round's surplus
+  is dropped at random (seeded by step), not by rank.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from lib import algos, config, pipeline
 from lib.actor import compute_log_probs as actor_log_probs
 from lib.actor import update_policy
 from lib.balance import balance_groups
+from lib.dist import sum_over_ranks
 from lib.logging import stage
 from lib.protocol import DataProto
 
@@ -38,38 +41,51 @@ from lib.protocol import DataProto
 
 
 def rollout(run: pipeline.Run, step: int, metrics: dict) -> DataProto:
-    """Generate and score; with dynamic sampling, keep only groups whose scores differ, generating more
-    rounds until the batch is full. Then rebalance whole groups across ranks."""
-    cfg = run.cfg
-    rounds = cfg.algorithm.max_gen_batches if cfg.algorithm.filter_groups else 1
-    kept, total_kept, kept_frac = [], 0, []
-    for r in range(rounds):
-        prompts = pipeline.load_batch(run, step * rounds + r if cfg.algorithm.filter_groups else step)
-        batch, m = pipeline.rollout(run, prompts)
+    """Generate and score; then rebalance whole groups across ranks. With dynamic sampling (DAPO), keep only the
+    groups whose scores differ, drawing the next prompts of the data stream for another round until the batch
+    holds train_batch_size such groups (or max_gen_batches rounds ran)."""
+    cfg, a = run.cfg, run.cfg.algorithm
+    if not a.filter_groups:
+        batch, m = pipeline.rollout(run, pipeline.next_batch(run))
         metrics.update(m)
         metrics.update(score(run, batch))
-        if cfg.algorithm.filter_groups:
-            idx, frac = algos.filter_groups(batch.batch["token_level_scores"].sum(-1),
-                                            batch.non_tensor_batch["uid"])
-            batch = batch.select_idxs(idx)
-            kept_frac.append(frac)
+        batch, m = balance_groups(batch)
+        metrics.update(m)
+        return batch
+    kept, kept_uids, round_metrics, total_kept = [], [], [], 0
+    for _ in range(a.max_gen_batches):
+        batch, m = pipeline.rollout(run, pipeline.next_batch(run))
+        m.update(score(run, batch))
+        if a.filter_groups_metric == "score":  # the task's score, before any overlong penalty
+            values = torch.tensor(batch.non_tensor_batch["scores"].astype(np.float64))
+        else:
+            values = batch.batch["token_level_scores"].sum(-1).double().cpu()
+        idx, m["algorithm/kept_group_frac"] = algos.filter_groups(values, batch.non_tensor_batch["uid"])
+        batch = batch.select_idxs(idx)
         kept.append(batch)
-        count = torch.tensor([len(set(batch.non_tensor_batch["uid"]))])
-        dist.all_reduce(count)  # world: are there enough informative groups over all ranks yet?
-        total_kept += int(count)
+        round_metrics.append(m)
+        uids: list = [None] * run.topo.world_size
+        # world: which groups each rank kept (few strings), to count them and to choose among them fairly
+        dist.all_gather_object(uids, list(dict.fromkeys(batch.non_tensor_batch["uid"].tolist())))
+        kept_uids.append([u for part in uids for u in part])
+        total_kept += len(kept_uids[-1])
         if total_kept >= cfg.trainer.train_batch_size:
             break
-    batch = DataProto.concat(kept)
-    keep = 0
-    if cfg.algorithm.filter_groups:
-        world = run.topo.world_size
-        keep = min(total_kept, cfg.trainer.train_batch_size) // world * world  # equal groups per rank
-        metrics["algorithm/kept_group_frac"] = float(np.mean(kept_frac))
-        metrics["algorithm/gen_rounds"] = len(kept)
-        if keep == 0:
-            raise RuntimeError("dynamic sampling found no group with differing scores; raise "
-                               "algorithm.max_gen_batches or turn algorithm.filter_groups off")
-    batch, m = balance_groups(batch, keep_groups=keep)
+    world = run.topo.world_size
+    keep = min(total_kept, cfg.trainer.train_batch_size) // world * world  # equal groups per rank
+    if keep == 0:
+        raise RuntimeError("dynamic sampling found no group with differing scores; raise "
+                           "algorithm.max_gen_batches or turn algorithm.filter_groups off")
+    chosen = algos.select_groups(kept_uids, keep, seed=hash((cfg.trainer.seed, step)) % 2**32)
+    batch = DataProto.concat_padded(kept, {"responses": run.tokenizer.pad_token_id,
+                                           "input_ids": run.tokenizer.pad_token_id})
+    batch = batch.select_idxs(np.flatnonzero([u in chosen for u in batch.non_tensor_batch["uid"]]))
+    for key in round_metrics[0]:  # every round's metrics count: sums for counts, means for the rest
+        values = [rm[key] for rm in round_metrics if key in rm]
+        metrics[key] = float(np.sum(values) if key in pipeline.SUMMED_METRICS else np.mean(values))
+    metrics["algorithm/gen_rounds"] = len(kept)
+    metrics["algorithm/kept_groups"] = len(chosen)
+    batch, m = balance_groups(batch)
     metrics.update(m)
     return batch
 
@@ -96,9 +112,10 @@ def compute_advantages(run: pipeline.Run, batch: DataProto, kl_ctrl, metrics: di
     if a.use_kl_in_reward:
         rewards = pipeline.kl_in_reward(run, batch, kl_ctrl, metrics)
     b["token_level_rewards"] = rewards
+    # groups stay on one rank; batch-wide statistics (whitening, GPG's counts) are summed over all ranks
     adv, ret = algos.ADVANTAGE_ESTIMATORS[a.adv_estimator](
         rewards, mask, index=batch.non_tensor_batch["uid"], gamma=a.gamma, lam=a.lam,
-        norm_adv_by_std=a.norm_adv_by_std)
+        norm_adv_by_std=a.norm_adv_by_std, reduce=sum_over_ranks())
     b["advantages"], b["returns"] = adv, ret
     if a.rollout_correction != "off":
         w, keep, m = algos.rollout_correction(b["old_log_probs"], b["rollout_log_probs"], mask,

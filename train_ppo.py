@@ -27,6 +27,7 @@ from lib.actor import compute_log_probs as actor_log_probs
 from lib.actor import update_policy
 from lib.balance import balance_groups
 from lib.critic import compute_values, update_critic
+from lib.dist import sum_over_ranks
 from lib.fsdp import build_sharded_model
 from lib.logging import stage
 from lib.optim import build_optimizer
@@ -50,7 +51,7 @@ def build_critic(run: pipeline.Run) -> Trainee:
 
 
 def rollout(run: pipeline.Run, step: int, metrics: dict) -> DataProto:
-    batch, m = pipeline.rollout(run, pipeline.load_batch(run, step))
+    batch, m = pipeline.rollout(run, pipeline.next_batch(run))
     metrics.update(m)
     metrics.update(score(run, batch))
     batch, m = balance_groups(batch)
@@ -79,8 +80,9 @@ def compute_advantages(run: pipeline.Run, batch: DataProto, kl_ctrl, metrics: di
         rewards = pipeline.kl_in_reward(run, batch, kl_ctrl, metrics)
     b["token_level_rewards"] = rewards
     metrics["critic/values_mean"] = float(algos.masked_mean(b["values"], mask))
-    # GAE whitens over this rank's batch (as each data-parallel worker of the reference does)
-    b["advantages"], b["returns"] = algos.gae(rewards, mask, values=b["values"], gamma=a.gamma, lam=a.lam)
+    # whitened over the whole batch (one all-reduce of its moments), as the reference's driver does
+    b["advantages"], b["returns"] = algos.gae(rewards, mask, values=b["values"], gamma=a.gamma, lam=a.lam,
+                                              reduce=sum_over_ranks())
 
 
 

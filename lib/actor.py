@@ -102,6 +102,9 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
     if cfg.use_kl_loss and "ref_log_prob" not in data.batch:
         raise ValueError("use_kl_loss needs ref_log_prob in the batch (compute it with the reference model)")
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
+    # unset (None) clip bounds leave the loss's own defaults (config.resolve fills them for a run)
+    clip = {k: v for k, v in (("clip_ratio_low", cfg.clip_ratio_low), ("clip_ratio_high", cfg.clip_ratio_high))
+            if v is not None}
     sums: dict[str, list[float]] = defaultdict(list)
     for epoch, pieces, num_tokens, num_seqs in accumulation_steps(actor, data, cfg.ppo_epochs,
                                                                    mini_batch_size_per_rank, cfg.shuffle, seed,
@@ -114,11 +117,11 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
             logp, entropy = response_log_probs(model, micro, temperature, cfg.batching.use_remove_padding,
                                                with_entropy=True, sp=topo)
             old = logp.detach() if on_policy else b["old_log_probs"]
-            agg = {"num_global_tokens": num_tokens, "num_global_seqs": num_seqs}
-            pg_loss, pg_metrics = loss_fn(old, logp, b["advantages"], mask, clip_ratio_low=cfg.clip_ratio_low,
-                                          clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+            agg = {"num_global_tokens": num_tokens, "num_global_seqs": num_seqs,
+                   "norm_constant": cfg.loss_scale_factor or None}
+            pg_loss, pg_metrics = loss_fn(old, logp, b["advantages"], mask, clip_ratio_c=cfg.clip_ratio_c,
                                           loss_agg_mode=cfg.loss_agg_mode, weights=b.get("rollout_is_weights"),
-                                          **agg)
+                                          **clip, **agg)
             loss = pg_loss
             ent = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **agg)
             if cfg.entropy_coef:

@@ -40,10 +40,29 @@ def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
-    """(v - masked_mean) * rsqrt(unbiased masked var + 1e-8). Masked positions are whitened too (not zeroed)."""
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
-    return (values - mean) * torch.rsqrt(var + 1e-8)
+Reduce = Callable[[Tensor], Tensor]
+"""Sums a float64 tensor over every rank that holds part of the batch (the caller's all-reduce); the
+estimators below use it for batch-wide statistics, so their results do not depend on the number of ranks.
+None: this batch is the whole batch."""
+
+
+def masked_whiten(values: Tensor, mask: Tensor, reduce: Reduce | None = None) -> Tensor:
+    """(v - masked mean) * rsqrt(unbiased masked var + 1e-8), the statistics over the whole batch (all ranks,
+    through ``reduce``: one all-reduce of (sum, sum of squares, count) in float64). Masked positions are
+    whitened too (not zeroed)."""
+    # values, mask: (B, T)
+    m = mask.to(torch.float64)
+    v = values.to(torch.float64) * m
+    moments = torch.stack([v.sum(), (v * v).sum(), m.sum()])
+    if reduce is not None:
+        moments = reduce(moments)
+    total, total_sq, count = moments.tolist()
+    if count < 2:
+        raise ValueError(f"masked_whiten: the mask selects {int(count)} element(s); an unbiased variance needs "
+                         f"2 or more (use a larger batch, or check that responses are not all empty)")
+    mean = total / count
+    var = max(total_sq - total * mean, 0.0) / (count - 1)
+    return ((values.to(torch.float64) - mean) * (var + 1e-8) ** -0.5).to(values.dtype)
 
 
 # ---- group statistics, vectorized over the group index
@@ -81,7 +100,7 @@ def group_mean_std(scores: Tensor, index: Any) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def gae(token_level_rewards: Tensor, response_mask: Tensor, values: Tensor, gamma: float = 1.0, lam: float = 1.0,
-        **_: Any) -> tuple[Tensor, Tensor]:
+        reduce: Reduce | None = None, **_: Any) -> tuple[Tensor, Tensor]:
     """GAE (Schulman et al. 2016). Masked tokens inside a response (tool output) carry the running values."""
     # token_level_rewards, response_mask, values: (B, T)
     with torch.no_grad():
@@ -97,7 +116,7 @@ def gae(token_level_rewards: Tensor, response_mask: Tensor, values: Tensor, gamm
             out.append(last_gae)
         advantages = torch.stack(out[::-1], dim=1)
         returns = advantages + values
-        return masked_whiten(advantages, mask), returns
+        return masked_whiten(advantages, mask, reduce), returns
 
 
 def grpo(token_level_rewards: Tensor, response_mask: Tensor, index: Any, norm_adv_by_std: bool = True,
@@ -123,7 +142,7 @@ def rloo(token_level_rewards: Tensor, response_mask: Tensor, index: Any, **_: An
 
 
 def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0,
-                        **_: Any) -> tuple[Tensor, Tensor]:
+                        reduce: Reduce | None = None, **_: Any) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025): discounted return, reset after the response ends, whitened over the batch."""
     with torch.no_grad():
         mask = response_mask.to(token_level_rewards.dtype)
@@ -133,29 +152,19 @@ def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, gamm
             running = token_level_rewards[:, t] + gamma * running
             returns[:, t] = running
             running = running * mask[:, t]
-        return masked_whiten(returns, mask) * mask, returns
+        return masked_whiten(returns, mask, reduce) * mask, returns
 
 
 def reinforce_plus_plus_baseline(token_level_rewards: Tensor, response_mask: Tensor, index: Any,
-                                 **_: Any) -> tuple[Tensor, Tensor]:
+                                 reduce: Reduce | None = None, **_: Any) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with the group mean as baseline, then whitened over the batch."""
     with torch.no_grad():
         mask = response_mask.to(token_level_rewards.dtype)
         scores = token_level_rewards.sum(-1)
         mean, _, _ = group_mean_std(scores, index)
         adv = (scores - mean).unsqueeze(-1) * mask
-        adv = masked_whiten(adv, mask) * mask
+        adv = masked_whiten(adv, mask, reduce) * mask
         return adv, adv
-
-
-def remax(token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor,
-          **_: Any) -> tuple[Tensor, Tensor]:
-    """ReMax (Li et al. 2023): reward-to-go minus the greedy rollout's score ``reward_baselines`` (B,)."""
-    with torch.no_grad():
-        mask = response_mask.to(token_level_rewards.dtype)
-        returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
-        adv = returns - reward_baselines.unsqueeze(-1) * mask
-        return adv, returns
 
 
 def opo(token_level_rewards: Tensor, response_mask: Tensor, index: Any, **_: Any) -> tuple[Tensor, Tensor]:
@@ -174,11 +183,16 @@ def opo(token_level_rewards: Tensor, response_mask: Tensor, index: Any, **_: Any
         return adv, adv
 
 
-def gpg(token_level_rewards: Tensor, response_mask: Tensor, index: Any, **_: Any) -> tuple[Tensor, Tensor]:
-    """GPG (Chu et al. 2025): (B / number of non-zero scores) * (r - group mean)."""
+def gpg(token_level_rewards: Tensor, response_mask: Tensor, index: Any, reduce: Reduce | None = None,
+        **_: Any) -> tuple[Tensor, Tensor]:
+    """GPG (Chu et al. 2025): (B / number of non-zero scores) * (r - group mean), both counts over the whole
+    batch (all ranks, through ``reduce``)."""
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)
-        alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+        counts = torch.tensor([scores.shape[0], int(torch.count_nonzero(scores))], dtype=torch.float64)
+        if reduce is not None:
+            counts = reduce(counts)
+        alpha = float(counts[0]) / max(float(counts[1]), 1.0)
         mean, _, _ = group_mean_std(scores, index)
         adv = (alpha * (scores - mean)).unsqueeze(-1) * response_mask
         return adv, adv
@@ -186,22 +200,26 @@ def gpg(token_level_rewards: Tensor, response_mask: Tensor, index: Any, **_: Any
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
     "gae": gae, "grpo": grpo, "rloo": rloo, "reinforce_plus_plus": reinforce_plus_plus,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline, "remax": remax, "opo": opo, "gpg": gpg,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline, "opo": opo, "gpg": gpg,
 }
 
 # ---- loss aggregation
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(loss: Tensor, mask: Tensor, mode: str, num_global_tokens: float | Tensor | None = None,
              num_global_seqs: float | Tensor | None = None, norm_constant: float | None = None) -> Tensor:
-    """Reduce a (B, T) loss to a scalar whose sum over micro-batches and ranks is the mini-batch value.
+    """Reduce a (B, T) loss to a scalar whose sum over micro-batches and ranks is the mini-batch value
+    (verl 0.9.1 ``agg_loss``, with the global counts passed in instead of a dp-size factor).
 
     token-mean: sum(loss*m) / N, N = the mini-batch's token count over all ranks (default: this batch's).
+    token-sum: sum(loss*m).
     seq-mean-token-sum / seq-mean-token-mean: per-sequence sum / mean, summed over non-empty sequences and
-    divided by the mini-batch's number of non-empty sequences (default: this batch's).
-    seq-mean-token-sum-norm (Dr.GRPO): sum(loss*m) / a constant (default T).
+    divided by the mini-batch's number of non-empty sequences S (default: this batch's).
+    seq-mean-token-sum-norm (Dr.GRPO): per-sequence sums over the non-empty sequences / S / a constant
+    (``norm_constant``, default T; the trainer passes rollout.max_response_length so that it does not depend on
+    how a micro-batch was padded).
     Counts are clamped to >= 1, so an all-masked batch gives 0, not NaN.
     """
     # loss, mask: (B, T)
@@ -209,16 +227,19 @@ def agg_loss(loss: Tensor, mask: Tensor, mode: str, num_global_tokens: float | T
     if mode == "token-mean":
         n = mask.sum() if num_global_tokens is None else num_global_tokens
         return (loss * mask).sum() / torch.as_tensor(n, dtype=loss.dtype, device=loss.device).clamp(min=1)
-    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+    if mode == "token-sum":
+        return (loss * mask).sum()
+    if mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         tokens = mask.sum(-1)
         per_seq = (loss * mask).sum(-1)
         if mode == "seq-mean-token-mean":
             per_seq = per_seq / tokens.clamp(min=1)
         nonempty = (tokens > 0).to(loss.dtype)
         n = nonempty.sum() if num_global_seqs is None else num_global_seqs
-        return (per_seq * nonempty).sum() / torch.as_tensor(n, dtype=loss.dtype, device=loss.device).clamp(min=1)
-    if mode == "seq-mean-token-sum-norm":
-        return (loss * mask).sum() / (norm_constant if norm_constant is not None else loss.shape[-1])
+        out = (per_seq * nonempty).sum() / torch.as_tensor(n, dtype=loss.dtype, device=loss.device).clamp(min=1)
+        if mode == "seq-mean-token-sum-norm":
+            out = out / (norm_constant if norm_constant is not None else loss.shape[-1])
+        return out
     raise ValueError(f"unknown loss aggregation {mode!r}; use one of {LOSS_AGG_MODES}")
 
 
@@ -434,3 +455,20 @@ def filter_groups(scores: Tensor, index: Any) -> tuple[np.ndarray, float]:
     count = torch.bincount(gid, minlength=num_groups)
     keep_group = (high > low) | (count == 1)
     return torch.nonzero(keep_group[gid]).flatten().cpu().numpy(), float(keep_group.float().mean())
+
+
+def select_groups(rounds: list[list[Any]], keep: int, seed: int) -> set:
+    """DAPO dynamic sampling, when the rounds kept more groups than a batch needs: keep every group of the earlier
+    rounds and a seeded random choice among the last round's (the reference keeps generation order; a choice by
+    rank order would favour the low ranks). ``rounds``: the kept group ids of each round, over all ranks."""
+    chosen: list[Any] = []
+    for ids in rounds:
+        room = keep - len(chosen)
+        if room <= 0:
+            break
+        if len(ids) <= room:
+            chosen += ids
+        else:
+            order = np.random.default_rng(seed).permutation(len(ids))[:room]
+            chosen += [ids[i] for i in sorted(order)]
+    return set(chosen)

@@ -84,7 +84,9 @@ class TrainedModelConfig:
     mini_batch_size: int = 0
     """Samples (responses) per optimizer step, over all ranks. 0: the whole batch (one step per epoch)."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)."""
+    """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)."""
+    loss_scale_factor: float = 0.0
+    """The constant seq-mean-token-sum-norm divides by (tokens). 0: rollout.max_response_length."""
 
 
 @dataclass
@@ -93,9 +95,10 @@ class ActorConfig(TrainedModelConfig):
     """Shuffle rows into mini-batches each epoch (seeded by step and epoch)."""
     policy_loss: str = "vanilla"
     """A key of lib.algos.POLICY_LOSSES: vanilla (PPO clip, dual clip), gspo, cispo, gpg."""
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    """Upper clip; larger than clip_ratio_low is DAPO's clip-higher."""
+    clip_ratio_low: float | None = None
+    """Lower clip of the ratio. None: the policy loss's own default (0.2; gspo: 3e-4)."""
+    clip_ratio_high: float | None = None
+    """Upper clip; larger than clip_ratio_low is DAPO's clip-higher. None: the loss's default (0.2; gspo: 4e-4)."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (> 1)."""
     entropy_coef: float = 0.0
@@ -183,7 +186,11 @@ class AlgorithmConfig:
     filter_groups: bool = False
     """DAPO dynamic sampling: keep generating until the batch holds train_batch_size groups whose scores differ."""
     max_gen_batches: int = 4
-    """Generation rounds per step with filter_groups (then the step goes on with what it has)."""
+    """Generation rounds per step with filter_groups (then the step goes on with what it has). Each round takes
+    the next train_batch_size prompts of the data stream; the stream position is checkpointed."""
+    filter_groups_metric: Literal["score", "seq_reward"] = "score"
+    """What must differ within a group for filter_groups to keep it: score (the task's rule / custom /
+    reward-model score) or seq_reward (the sequence's reward, overlong penalty included)."""
     overlong_buffer: int = 0
     """DAPO soft overlong penalty over the last N tokens before max_response_length (0: off)."""
     overlong_penalty_factor: float = 1.0
@@ -305,6 +312,30 @@ def to_dict(cfg: Any) -> dict:
     return asdict(cfg)
 
 
+def resolve(cfg: Config) -> list[str]:
+    """Fill the values whose default depends on other settings (a policy loss's own clip range, the Dr.GRPO
+    constant); returns a line per value filled, for the log. The saved config holds the resolved values."""
+    import inspect
+
+    from lib import algos
+
+    lines = []
+    a = cfg.actor
+    loss = algos.POLICY_LOSSES.get(a.policy_loss)
+    params = inspect.signature(loss).parameters if loss is not None else {}
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        if getattr(a, name) is None and name in params:
+            setattr(a, name, params[name].default)
+            lines.append(f"actor.{name}={params[name].default} (the {a.policy_loss} loss's default)")
+    for section_name, section in (("actor", a), ("critic", cfg.critic)):
+        if not section.loss_scale_factor:
+            section.loss_scale_factor = float(cfg.rollout.max_response_length)
+            if section.loss_agg_mode == "seq-mean-token-sum-norm":
+                lines.append(f"{section_name}.loss_scale_factor={section.loss_scale_factor:g} "
+                             f"(rollout.max_response_length)")
+    return lines
+
+
 # ---- validation (before any model loads)
 
 
@@ -414,9 +445,6 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                         f"{sorted(algos.ADVANTAGE_ESTIMATORS)}")
     if cfg.algorithm.adv_estimator == "gae" and not need_critic:
         problems.append("algorithm.adv_estimator=gae needs a critic: run train_ppo.py")
-    if cfg.algorithm.adv_estimator == "remax":
-        problems.append("algorithm.adv_estimator=remax needs greedy baselines per prompt, which the GRPO script "
-                        "does not generate yet; use grpo, rloo, reinforce_plus_plus(_baseline), opo or gpg")
     if cfg.algorithm.overlong_buffer >= r.max_response_length:
         problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} must be below "
                         f"rollout.max_response_length={r.max_response_length}")

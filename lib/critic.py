@@ -48,7 +48,8 @@ def update_critic(critic: Trainee, data: DataProto, cfg: CriticConfig, mini_batc
             mask = b["response_mask"].to(torch.float32)
             vpreds = response_values(model, micro, cfg.batching.use_remove_padding, sp=topo)
             loss, m = algos.value_loss(vpreds, b["returns"], b["values"], mask, cfg.cliprange_value,
-                                       cfg.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs)
+                                       cfg.loss_agg_mode, num_global_tokens=num_tokens, num_global_seqs=num_seqs,
+                                       norm_constant=cfg.loss_scale_factor or None)
             (loss * loss_scale(topo)).backward()
             share = mask.sum() / num_tokens.clamp(min=1)
             step["critic/vf_loss"] += loss.detach()

@@ -18,7 +18,7 @@ import socket
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -264,3 +264,16 @@ def reduce_metrics(metrics: Mapping[str, float | torch.Tensor], group: dist.Proc
               "min": lambda c: c.min()}
     columns = torch.stack(gathered).cpu().unbind(1)
     return {k: float(reduce[ops[k]](c)) for k, c in zip(keys, columns)}
+
+
+def sum_over_ranks(group: dist.ProcessGroup | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function that sums a small (float64) tensor over the ranks of ``group`` (default: all): what the RL math
+    in lib/algos.py takes as ``reduce`` for batch-wide statistics (whitening, GPG's counts)."""
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        out = t.to(_comm_device(group)).clone()
+        # group (default: world): every rank holds different rows of the batch whose statistics are needed
+        dist.all_reduce(out, group=group)
+        return out.to(t.device)
+
+    return reduce

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from lib import algos, checkpoint, toy
 from lib.actor import Trainee
-from lib.config import Config, Sizes, to_dict, validate
+from lib.config import Config, Sizes, resolve, to_dict, validate
 from lib.data import PromptSet, Sampler, check_files, collate, load_prompts
 from lib.dist import Topology, init_topology, reduce_metrics
 from lib.engine import SamplingConfig
@@ -53,6 +53,8 @@ class Run:
     engine: Any = None
     actor: Trainee | None = None
     ref: torch.nn.Module | None = None
+    data_position: int = 0
+    """Prompt batches drawn from the data stream so far (one per step; more with dynamic sampling). Checkpointed."""
 
 
 def start(cfg: Config, need_critic: bool = False) -> Run:
@@ -67,6 +69,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     excepthook_rank(topo.rank)
     torch.manual_seed(cfg.trainer.seed)
     resolve_toy(cfg, topo)
+    resolved = resolve(cfg)
     try:
         model_config = load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
         sizes = validate(cfg, topo.world_size, model_config, need_critic)
@@ -91,7 +94,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
     logger = RunLogger(obj[0], to_dict(cfg), total, cfg.trainer.logger, cfg.trainer.project, topo.is_main)
     logger.print(f"{topo}\nprompts: train {train.stats}, val {val.stats if val else None}; {total} steps; "
-                 f"run folder {obj[0]}")
+                 f"run folder {obj[0]}" + "".join(f"\nresolved: {line}" for line in resolved))
     rm = RewardModel(cfg.reward.reward_model, topo.device) if cfg.reward.reward_model else None
     scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm)
     return Run(cfg, topo, sizes, obj[0], tokenizer, train, val, sampler, total, logger, scorer)
@@ -169,11 +172,14 @@ def uses_vllm(cfg: Config) -> bool:
 # ---- stages
 
 
-def load_batch(run: Run, step: int) -> DataProto:
-    """This rank's share of the step's prompts, each with a uid shared by its n samples."""
-    rows = run.sampler.rows(step, run.topo.rank, run.topo.world_size)
+def next_batch(run: Run) -> DataProto:
+    """This rank's share of the next train_batch_size prompts of the data stream, each with a uid shared by its
+    n samples."""
+    index = run.data_position
+    run.data_position += 1
+    rows = run.sampler.rows(index, run.topo.rank, run.topo.world_size)
     batch = collate(run.train, rows, run.cfg.data.max_prompt_length, run.tokenizer.pad_token_id)
-    batch.non_tensor_batch["uid"] = np.array([f"{step}-{r}" for r in rows] + [None], dtype=object)[:-1]
+    batch.non_tensor_batch["uid"] = np.array([f"{index}-{r}" for r in rows] + [None], dtype=object)[:-1]
     return batch
 
 
@@ -250,6 +256,9 @@ def samples_to_log(run: Run, batch: DataProto, k: int) -> list[tuple[str, str, f
              float(batch.non_tensor_batch["scores"][i])) for i in range(k)]
 
 
+SUMMED_METRICS = ("reward/errors", "reward/timeouts")  # counts: summed over ranks and rollout rounds
+
+
 def global_metrics(run: Run, metrics: dict[str, float]) -> dict[str, float]:
     """Mean over ranks, except maxima/minima/counts, reduced as such (all ranks, world group).
     A key some rank lacks (a scorer that never returned it there) counts as 0 on that rank."""
@@ -258,7 +267,7 @@ def global_metrics(run: Run, metrics: dict[str, float]) -> dict[str, float]:
     metrics = {k: metrics.get(k, 0.0) for k in sorted(set().union(*keys))}
     ops = {k: ("max" if k.endswith(("_max", "/max")) or k.startswith("memory/") else
                "min" if k.endswith(("_min", "/min")) else
-               "sum" if k in ("reward/errors", "reward/timeouts") else "mean") for k in metrics}
+               "sum" if k in SUMMED_METRICS else "mean") for k in metrics}
     return reduce_metrics(metrics, None, ops)
 
 
@@ -293,6 +302,7 @@ def resume(run: Run, parts: dict, kl_ctrl) -> int:
         return 0
     state = checkpoint.load(run.path, last, parts)
     kl_ctrl.value = state.get("kl_coef", kl_ctrl.value)
+    run.data_position = state.get("data_position", state["step"])
     run.logger.print(f"resumed from step {state['step']}")
     return state["step"]
 
@@ -309,7 +319,8 @@ def end_of_step(run: Run, step: int, parts: dict, kl_ctrl) -> None:
     if t.val_every and ((step + 1) % t.val_every == 0 or done):
         run.logger.log(step + 1, validate_policy(run, step + 1))
     if (t.save_every and (step + 1) % t.save_every == 0) or done:
-        checkpoint.save(run.path, step + 1, parts, {"kl_coef": kl_ctrl.value}, run.topo)
+        checkpoint.save(run.path, step + 1, parts, {"kl_coef": kl_ctrl.value, "data_position": run.data_position},
+                        run.topo)
 
 
 def finish(run: Run) -> None:

@@ -278,6 +278,25 @@ class DataProto:
                       for k in first.non_tensor_batch}
         return first._new(batch, non_tensor, meta)
 
+    @staticmethod
+    def concat_padded(items: Sequence[DataProto], pad_values: dict[str, float | int] | None = None) -> DataProto:
+        """Rows of items whose tensors differ in trailing sizes (rollout rounds of different response widths):
+        each tensor is padded at the end of its trailing dims to the largest shape with ``pad_values[key]``
+        (default 0), then concatenated. meta_info is dropped (each round's differs)."""
+        pad_values = pad_values or {}
+        padded = []
+        for d in items:
+            batch = {}
+            for key, t in d.batch.items():
+                shape = [max(x.batch[key].shape[i] for x in items) for i in range(1, t.dim())]
+                if list(t.shape[1:]) != shape:
+                    out = torch.full((t.shape[0], *shape), pad_values.get(key, 0), dtype=t.dtype, device=t.device)
+                    out[(slice(None), *[slice(0, n) for n in t.shape[1:]])] = t
+                    t = out
+                batch[key] = t
+            padded.append(d._new(batch, dict(d.non_tensor_batch), {}))
+        return DataProto.concat(padded)
+
     def split(self, size: int) -> list[DataProto]:
         """Consecutive pieces of ``size`` rows (views); the last may be shorter. Empty -> []."""
         if size <= 0:

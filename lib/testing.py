@@ -89,8 +89,8 @@ def _run_once(fn: Callable, args: tuple, world_size: int, timeout: float, backen
         while len(outputs) + len(errors) < world_size:
             # After one rank fails the others usually wait in a collective forever: give them a moment only.
             wait = min(deadline, time.monotonic() + 10) if errors else deadline
-            try:
-                rank, status, payload, when = results.get(timeout=max(0.1, wait - time.monotonic()))
+            try:  # wake every few seconds: ranks that died without reporting (killed, os._exit) end the wait
+                rank, status, payload, when = results.get(timeout=max(0.1, min(wait - time.monotonic(), 5.0)))
             except queue.Empty:
                 if errors or time.monotonic() >= deadline:
                     break

@@ -99,16 +99,13 @@ def test_reinforce_plus_plus_by_hand():
     assert adv[0, 2:].tolist() == [0.0, 0.0]
 
 
-def test_reinforce_plus_plus_baseline_and_remax():
+def test_reinforce_plus_plus_baseline():
     rewards, mask = outcome([1.0, 0.0, 3.0, 1.0], lengths=[3, 3, 2, 3])
     adv, _ = algos.reinforce_plus_plus_baseline(rewards, mask, ["a", "a", "b", "b"])
     ref, _ = algos_ref.reinforce_plus_plus_baseline_ref(rewards, mask, ["a", "a", "b", "b"])
     torch.testing.assert_close(adv, ref, rtol=1e-5, atol=1e-6)
     base = torch.tensor([[0.5] * 3, [-0.5] * 3, [1.0, 1.0, 0], [-1.0] * 3]) * mask
     torch.testing.assert_close(adv, masked_whiten(base, mask) * mask)
-    token_rewards = torch.tensor([[1.0, 2.0, 3.0]])
-    adv, ret = algos.remax(token_rewards, torch.tensor([[1.0, 1.0, 0.0]]), reward_baselines=torch.tensor([0.5]))
-    assert ret.tolist()[0] == [3.0, 2.0, 0.0] and adv.tolist()[0] == [2.5, 1.5, 0.0]
 
 
 def test_opo_and_gpg_by_hand():
@@ -272,8 +269,13 @@ def test_agg_modes_by_hand():
     assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 15) / 2)
     assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 5) / 2)
     assert agg_loss(loss, mask, "seq-mean-token-mean", num_global_seqs=4).item() == pytest.approx(6.5 / 4)
-    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(18 / 3)
-    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", norm_constant=9).item() == pytest.approx(2.0)
+    # Dr.GRPO (verl 0.9.1): per-sequence token sums over the non-empty sequences, / their count, / the constant.
+    # Before the fix the division by the sequence count was missing (18 / 3 here, S times too large).
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx((3 + 15) / 2 / 3)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", norm_constant=9).item() == pytest.approx(18 / 2 / 9)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", num_global_seqs=4, norm_constant=9).item() == \
+        pytest.approx(18 / 4 / 9)
+    assert agg_loss(loss, mask, "token-sum").item() == pytest.approx(18)
     assert agg_loss(loss, torch.zeros(3, 3), "token-mean").item() == 0.0
     assert agg_loss(loss, torch.zeros(3, 3), "seq-mean-token-mean").item() == 0.0
     with pytest.raises(ValueError, match="token-mean"):

@@ -310,16 +310,51 @@ def _vllm_body(path, tp):
             "free_after_sleep_gb": free_after_sleep / 2**30}
 
 
+def _killed_engine_body(path, tp):
+    """An engine that dies without any teardown (as under SIGKILL), leaving its shared memory behind."""
+    from lib.dist import init_topology
+    from lib.engine.vllm import VLLMEngine
+
+    topo = init_topology(rollout_tp_size=tp)
+    VLLMEngine(path, topo, 0, [EOS], SamplingConfig(max_new_tokens=2), max_model_len=64, max_num_seqs=2,
+               dtype="float32", enforce_eager=True)
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def ballast():
+    """Another process holding 4 GiB while the engines start: the KV cache must not be sized from free memory."""
+    import subprocess
+    import sys
+
+    code = "import sys, time; b = b'x' * (4 << 30); print('ready', flush=True); time.sleep(3600)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("tp", [1, 2])
-def test_vllm_engine_after_a_step(tmp_path, tp):
+def test_vllm_engine_after_a_step(tmp_path, tp, ballast):
     # head_dim 32: the smallest vLLM's CPU attention takes
     path = save_tiny_model(str(tmp_path / "m"), "qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
     cuda = torch.cuda.is_available()
     world = min(2, torch.cuda.device_count()) if cuda else 2  # one GPU per rank
     if tp > world:
         pytest.skip(f"rollout tp={tp} needs {tp} GPUs; this machine has {world}")
-    ranks = run_distributed(_vllm_body, path, tp, world_size=world, backend="nccl" if cuda else "gloo", timeout=900)
+    backend = "nccl" if cuda else "gloo"
+    if tp == 2 and not cuda:  # a killed TP engine's shared-memory segments must not break the next engine
+        from lib.engine.vllm import SHM_DIR, SHM_PREFIX
+
+        with pytest.raises(AssertionError, match="did not finish"):
+            run_distributed(_killed_engine_body, path, tp, world_size=world, backend=backend, timeout=300)
+        left = [n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)]
+        assert left, "the killed engine left no shared memory: this check tests nothing"
+    ranks = run_distributed(_vllm_body, path, tp, world_size=world, backend=backend, timeout=900)
+    if tp == 2 and not cuda:
+        assert not set(left) & set(os.listdir(SHM_DIR))  # the dead launch's segments were removed
     for r in ranks:
         assert r["greedy_same"] and r["match_hf"] and r["match_hf_fields"] and r["rows"] == 3
         assert r["reproducible"] and r["rng_untouched"] and r["sync_gb"] > 0 and r["refused_asleep"] == [True, True]
