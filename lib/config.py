@@ -381,6 +381,72 @@ def _vllm_problems(model_config: Any) -> list[str]:
     return []
 
 
+LOGGERS = ("console", "jsonl", "wandb")
+# estimators whose baseline comes from the other samples of the same prompt
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
+
+
+def _value_problems(cfg: Config) -> list[str]:
+    """Values outside their range, each with the fix."""
+    t, r, al, rw = cfg.trainer, cfg.rollout, cfg.algorithm, cfg.reward
+    checks = [
+        (r.temperature <= 0, f"rollout.temperature={r.temperature} must be > 0 (training samples; greedy "
+                             f"validation is rollout.val_temperature 0)"),
+        (not 0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1] (1: off)"),
+        (r.top_k < 0, f"rollout.top_k={r.top_k} must be >= 0 (0: off)"),
+        (r.n < 2 and al.adv_estimator in GROUP_ESTIMATORS,
+         f"rollout.n={r.n}: algorithm.adv_estimator={al.adv_estimator} compares the samples of a prompt; use "
+         f"rollout.n >= 2"),
+        (r.n < 1, f"rollout.n={r.n} must be >= 1"),
+        (r.val_n < 1, f"rollout.val_n={r.val_n} must be >= 1"),
+        (r.val_temperature < 0, f"rollout.val_temperature={r.val_temperature} must be >= 0 (0: greedy)"),
+        (r.kv_cache_gb < 0, f"rollout.kv_cache_gb={r.kv_cache_gb} must be >= 0 (0: derived)"),
+        (r.max_num_seqs < 1, f"rollout.max_num_seqs={r.max_num_seqs} must be >= 1"),
+        (t.total_steps < 0, f"trainer.total_steps={t.total_steps} must be >= 0 (0: epochs x steps per epoch)"),
+        (t.total_steps == 0 and t.epochs <= 0, f"trainer.epochs={t.epochs} must be >= 1 (or set trainer.total_steps)"),
+        (t.val_every < 0, f"trainer.val_every={t.val_every} must be >= 0 (0: never)"),
+        (t.save_every < 0, f"trainer.save_every={t.save_every} must be >= 0 (0: only at the end)"),
+        (not 0 <= al.gamma <= 1, f"algorithm.gamma={al.gamma} must be in [0, 1]"),
+        (not 0 <= al.lam <= 1, f"algorithm.lam={al.lam} must be in [0, 1]"),
+        (al.overlong_buffer < 0, f"algorithm.overlong_buffer={al.overlong_buffer} must be >= 0 (0: off)"),
+        (al.overlong_penalty_factor < 0, f"algorithm.overlong_penalty_factor={al.overlong_penalty_factor} must be >= 0"),
+        (al.filter_groups and al.max_gen_batches < 1, f"algorithm.max_gen_batches={al.max_gen_batches} must be >= 1"),
+        (al.kl_ctrl.type == "adaptive" and al.kl_ctrl.horizon <= 0,
+         f"algorithm.kl_ctrl.horizon={al.kl_ctrl.horizon} must be > 0"),
+        (al.kl_ctrl.type == "adaptive" and al.kl_ctrl.target_kl <= 0,
+         f"algorithm.kl_ctrl.target_kl={al.kl_ctrl.target_kl} must be > 0"),
+        (al.kl_ctrl.kl_coef < 0, f"algorithm.kl_ctrl.kl_coef={al.kl_ctrl.kl_coef} must be >= 0"),
+        (rw.timeout_s <= 0, f"reward.timeout_s={rw.timeout_s} must be > 0 (seconds per sample)"),
+        (bool(set(t.logger) - set(LOGGERS)), f"trainer.logger has unknown name(s) {sorted(set(t.logger) - set(LOGGERS))}; "
+                                             f"use any of {list(LOGGERS)}"),
+        # the engines report the log-probs of the filtered distribution they sample from, the trainer those of
+        # the temperature-scaled one: with filtering, the weights compare two different distributions
+        (al.rollout_correction != "off" and (r.top_k > 0 or r.top_p < 1),
+         f"algorithm.rollout_correction={al.rollout_correction} with rollout.top_k={r.top_k} / top_p={r.top_p}: "
+         f"the engine's log-probs are of the top-k/top-p-filtered distribution and the trainer's are not, so the "
+         f"weights would measure the filter, not a train/rollout mismatch; turn filtering off (top_k 0, top_p 1) "
+         f"or rollout_correction off"),
+        (cfg.critic.fsdp.shard_size not in (0, cfg.actor.fsdp.shard_size),
+         f"critic.fsdp.shard_size={cfg.critic.fsdp.shard_size}: the critic is sharded on the actor's mesh; set "
+         f"actor.fsdp.shard_size instead"),
+        (cfg.critic.fsdp.param_offload or cfg.critic.fsdp.optimizer_offload,
+         "critic.fsdp.param_offload / optimizer_offload are not supported (the critic stays on the device); "
+         "turn them off"),
+    ]
+    for name, o in (("actor", cfg.actor.optim), ("critic", cfg.critic.optim)):
+        checks += [(o.lr < 0, f"{name}.optim.lr={o.lr} must be >= 0"),
+                   (o.warmup_steps < 0, f"{name}.optim.warmup_steps={o.warmup_steps} must be >= 0"),
+                   (not 0 <= o.min_lr_ratio <= 1, f"{name}.optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]"),
+                   (o.max_grad_norm <= 0, f"{name}.optim.max_grad_norm={o.max_grad_norm} must be > 0"),
+                   (o.eps <= 0, f"{name}.optim.eps={o.eps} must be > 0"),
+                   (not all(0 <= b < 1 for b in o.betas), f"{name}.optim.betas={o.betas} must be in [0, 1)")]
+    a = cfg.actor
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        value = getattr(a, name)
+        checks.append((value is not None and value < 0, f"actor.{name}={value} must be >= 0"))
+    return [msg for bad, msg in checks if bad]
+
+
 def _packing_problems(cfg: Config, need_critic: bool) -> list[str]:
     """Packed rows on a GPU need a varlen attention kernel; without one, refuse rather than build an
     O(total_tokens^2) block mask."""
@@ -445,6 +511,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                         f"{sorted(algos.ADVANTAGE_ESTIMATORS)}")
     if cfg.algorithm.adv_estimator == "gae" and not need_critic:
         problems.append("algorithm.adv_estimator=gae needs a critic: run train_ppo.py")
+    problems += _value_problems(cfg)
     if cfg.algorithm.overlong_buffer >= r.max_response_length:
         problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} must be below "
                         f"rollout.max_response_length={r.max_response_length}")

@@ -173,3 +173,41 @@ def test_packing_on_a_gpu_without_a_varlen_kernel_is_refused(monkeypatch):
     config.validate(cfg, 2, tiny_config("qwen2"))
     monkeypatch.setattr(lib.attention, "varlen_kernel", lambda: "torch")
     config.validate(config.Config(), 2, tiny_config("qwen2", max_position_embeddings=4096))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"rollout.temperature": 0.0}, "rollout.temperature=0.0 must be > 0"),
+    ({"rollout.top_p": 1.5}, "rollout.top_p=1.5 must be in (0, 1]"),
+    ({"rollout.top_p": 0.0}, "rollout.top_p=0.0 must be in (0, 1]"),
+    ({"rollout.n": 1, "actor.mini_batch_size": 64}, "compares the samples of a prompt; use rollout.n >= 2"),
+    ({"trainer.total_steps": -1}, "trainer.total_steps=-1 must be >= 0"),
+    ({"trainer.epochs": 0}, "trainer.epochs=0 must be >= 1"),
+    ({"rollout.val_n": 0}, "rollout.val_n=0 must be >= 1"),
+    ({"actor.optim.warmup_steps": -2}, "actor.optim.warmup_steps=-2 must be >= 0"),
+    ({"trainer.val_every": -1}, "trainer.val_every=-1 must be >= 0"),
+    ({"trainer.save_every": -5}, "trainer.save_every=-5 must be >= 0"),
+    ({"algorithm.gamma": 1.1}, "algorithm.gamma=1.1 must be in [0, 1]"),
+    ({"algorithm.lam": -0.1}, "algorithm.lam=-0.1 must be in [0, 1]"),
+    ({"algorithm.overlong_buffer": -4}, "algorithm.overlong_buffer=-4 must be >= 0"),
+    ({"algorithm.overlong_penalty_factor": -1.0}, "algorithm.overlong_penalty_factor=-1.0 must be >= 0"),
+    ({"algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.horizon": 0}, "kl_ctrl.horizon=0 must be > 0"),
+    ({"algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.target_kl": 0.0}, "kl_ctrl.target_kl=0.0 must be > 0"),
+    ({"reward.timeout_s": 0.0}, "reward.timeout_s=0.0 must be > 0"),
+    ({"trainer.logger": ["console", "tensorbord"]}, "unknown name(s) ['tensorbord']"),
+    ({"algorithm.rollout_correction": "token", "rollout.top_k": 5}, "turn filtering off (top_k 0, top_p 1)"),
+    ({"critic.fsdp.shard_size": 1}, "the critic is sharded on the actor's mesh"),
+    ({"critic.fsdp.param_offload": True}, "critic.fsdp.param_offload / optimizer_offload are not supported"),
+    ({"algorithm.adv_estimator": "remax"}, "algorithm.adv_estimator='remax'"),
+])
+def test_out_of_range_values_are_refused_with_the_fix(overrides, message):
+    cfg = config.Config()
+    cfg.data.max_prompt_length, cfg.rollout.max_response_length = 64, 64
+    for key, value in overrides.items():
+        *path, name = key.split(".")
+        obj = cfg
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, name, value)
+    with pytest.raises(ValueError) as e:
+        config.validate(cfg, 2, tiny_config("qwen2"))
+    assert message in str(e.value), str(e.value)

@@ -1,0 +1,118 @@
+"""Every README recipe and every preset, end to end on the toy task, in the configuration users run.
+
+Recipes run on top of the tiny preset of their script; presets are shrunk to the toy model and data (sizes only:
+every option stays, the sp4 preset runs sp=2 with gradient checkpointing, dynamic sampling and the overlong
+penalty on 2 gloo ranks). Each runs 3 steps through torchrun; DAPO must need >= 2 generation rounds.
+Every flag written in README.md and every preset key is also checked against the command line.
+"""
+
+import json
+import os
+import re
+import shlex
+
+import pytest
+
+from lib import config
+from tests.test_e2e import ROOT, torchrun
+
+README = open(os.path.join(ROOT, "README.md")).read()
+RECIPES = [(name.strip(), script.strip(), shlex.split(flags)) for name, script, flags in
+           re.findall(r"^\| ([^|`]+?) \| (train_\w+\.py) \| `([^`]+)`", README, flags=re.M)]
+# sizes a toy run cannot take: (flag, toy value)
+SHRINK = {"--algorithm.overlong_buffer": "4"}
+STEPS = ("--trainer.total_steps", "3", "--trainer.val_every", "0", "--trainer.save_every", "0")
+
+
+def shrink(flags):
+    out = list(flags)
+    for i, token in enumerate(out[:-1]):
+        if token in SHRINK:
+            out[i + 1] = SHRINK[token]
+    return out
+
+
+def rows(tmp_path):
+    return [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+
+
+def test_the_readme_lists_the_recipes():
+    names = [n for n, _, _ in RECIPES]
+    for expected in ("GRPO", "Dr.GRPO", "DAPO", "GSPO", "CISPO", "GPG", "RLOO", "REINFORCE++", "REINFORCE++-baseline",
+                     "OPO", "PPO, KL in the reward", "rollout correction, token", "rollout correction, sequence"):
+        assert expected in names, names
+
+
+def _command_spans(text):
+    """Backtick spans of README.md that are command lines or flag lists."""
+    for span in re.findall(r"`([^`\n]+)`", text):
+        tokens = shlex.split(span)
+        flags = [i for i, t in enumerate(tokens) if t.startswith("--") and "." in t]
+        if not flags or "..." in tokens or any("/" in tokens[i] or "section." in tokens[i] for i in flags):
+            continue
+        start = min(flags + [i for i, t in enumerate(tokens) if t == "--config"])
+        yield span, tokens[start:]
+
+
+def test_every_documented_flag_parses():
+    spans = list(_command_spans(README))
+    assert len(spans) >= len(RECIPES)
+    for span, argv in spans:
+        try:
+            config.parse(argv)
+        except SystemExit:
+            pytest.fail(f"README.md: `{span}` is refused by the command line")
+    for name in config.presets():  # an unknown or misspelt preset key is an error
+        config.apply_delta(config.Config(), config.load_preset(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,script,flags", RECIPES, ids=[n for n, _, _ in RECIPES])
+def test_recipe_runs_end_to_end(tmp_path, name, script, flags):
+    extra = ["--trainer.train_batch_size", "16", "--actor.mini_batch_size", "64"]
+    if script == "train_ppo.py":
+        extra = ["--trainer.train_batch_size", "32", "--actor.mini_batch_size", "64", "--critic.mini_batch_size", "64"]
+    if name == "DAPO":  # a low temperature makes most groups uniform: dynamic sampling needs more rounds
+        extra += ["--rollout.temperature", "0.3"]
+    torchrun(script, tmp_path, *STEPS, *extra, *shrink(flags))
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    part = "critic" if script == "train_ppo.py" else "actor"  # the PPO preset warms the critic up first
+    assert all(r[f"{part}/skipped_steps"] == 0 and r[f"{part}/grad_norm"] > 0 for r in got), got
+    if name == "DAPO":
+        assert all(r["algorithm/gen_rounds"] >= 2 and r["algorithm/kept_groups"] == 16 for r in got), got
+    if name.startswith("rollout correction"):
+        assert all(abs(r["rollout_is_mean"] - 1) < 1e-3 for r in got)  # same weights on both sides
+    if name == "GSPO":  # the loss's own clip range, resolved and saved
+        saved = open(tmp_path / "run" / "config.yaml").read()
+        assert "clip_ratio_low: 0.0003" in saved and "clip_ratio_high: 0.0004" in saved, saved
+
+
+def _preset_args(name):
+    preset = config.load_preset(name)
+    n = preset.get("rollout", {}).get("n", 8)
+    prompts = 16
+    mini = prompts * n // 2  # two optimizer steps per RL step
+    args = ["--config", name, "--actor.model.path", "toy", "--data.train_files", "toy", "--data.val_files", "toy",
+            "--data.max_prompt_length", "10", "--rollout.max_response_length", "10", "--rollout.engine", "hf",
+            "--trainer.train_batch_size", str(prompts), "--actor.mini_batch_size", str(mini),
+            "--critic.mini_batch_size", str(mini), "--actor.batching.max_tokens_per_rank", "64",
+            "--critic.batching.max_tokens_per_rank", "64", "--trainer.logger", "console", "jsonl",
+            "--actor.optim.lr", "1e-4", *STEPS]
+    if preset.get("trainer", {}).get("sp_size", 1) > 1:
+        args += ["--trainer.sp_size", "2"]
+    if preset.get("algorithm", {}).get("overlong_buffer"):
+        args += ["--algorithm.overlong_buffer", "4"]
+    return args
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", config.presets())
+def test_preset_runs_end_to_end(tmp_path, name):
+    script = "train_ppo.py" if config.load_preset(name).get("algorithm", {}).get("adv_estimator") == "gae" \
+        else "train_grpo.py"
+    torchrun(script, tmp_path, *_preset_args(name))
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    part = "critic" if script == "train_ppo.py" else "actor"
+    assert all(r[f"{part}/skipped_steps"] == 0 for r in got), got
