@@ -61,3 +61,75 @@ def test_sp2_with_gradient_checkpointing_matches_sp1(tmp_path):
         assert r0["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-6), key
     for name, w in ref["weights"].items():
         torch.testing.assert_close(r0["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
+
+
+GROUP_N = 4
+
+
+def _rewards():
+    g = torch.Generator().manual_seed(5)
+    data = rl_batch(ROWS * 2, prompt_len=4, response_len=6, seed=2, min_response=1)
+    mask = data.batch["response_mask"]
+    scores = torch.randint(0, 3, (len(data),), generator=g).float()
+    lengths = mask.sum(-1).long()
+    rewards = torch.zeros_like(mask)
+    rewards[torch.arange(len(data)), lengths - 1] = scores
+    uids = [f"p{i // GROUP_N}" for i in range(len(data))]  # whole groups on each rank
+    values = torch.randn(mask.shape, generator=g) * mask
+    return rewards, mask, uids, values
+
+
+def _estimators_body():
+    from lib import algos
+    from lib.dist import init_topology, sum_over_ranks
+
+    topo = init_topology(device="cpu")
+    rewards, mask, uids, values = _rewards()
+    per_rank = len(uids) // topo.world_size
+    mine = slice(topo.rank * per_rank, (topo.rank + 1) * per_rank)
+    out = {}
+    for name, fn in algos.ADVANTAGE_ESTIMATORS.items():
+        adv, ret = fn(rewards[mine], mask[mine], index=uids[mine], values=values[mine], gamma=0.9, lam=0.8,
+                      reduce=sum_over_ranks())
+        out[name] = (adv, ret)
+    return out
+
+
+def test_every_estimator_is_independent_of_the_world_size():
+    # Before the fix GAE, REINFORCE++(-baseline) whitened with each rank's statistics and GPG counted per rank
+    (one,) = run_distributed(_estimators_body, world_size=1)
+    r0, r1 = run_distributed(_estimators_body, world_size=2)
+    for name, (adv, ret) in one.items():
+        torch.testing.assert_close(torch.cat([r0[name][0], r1[name][0]]), adv, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(torch.cat([r0[name][1], r1[name][1]]), ret, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _agg_body(path, mode):
+    from lib.actor import Trainee, update_policy
+    from lib.config import ActorConfig, BatchingConfig, ModelConfig, OptimConfig
+    from lib.dist import init_topology
+    from lib.fsdp import build_sharded_model, iter_full_params
+    from lib.optim import build_optimizer
+
+    topo = init_topology(device="cpu")
+    cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0),
+                      batching=BatchingConfig(micro_batch_size_per_rank=3 if topo.world_size == 1 else 1),
+                      loss_agg_mode=mode, loss_scale_factor=5.0)
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo)
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    per_rank = ROWS // topo.world_size
+    local = _data()[topo.rank * per_rank:(topo.rank + 1) * per_rank]
+    metrics = update_policy(Trainee(model, optimizer, scheduler, topo), local, cfg)
+    return {"metrics": metrics, "weights": {n: t.clone() for n, t in iter_full_params(model)}}
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_every_aggregation_is_independent_of_ranks_and_micro_batches(tmp_path, mode):
+    path = save_tiny_model(str(tmp_path / "m"), "qwen2")
+    (one,) = run_distributed(_agg_body, path, mode, world_size=1)
+    two, _ = run_distributed(_agg_body, path, mode, world_size=2)
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), key
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
