@@ -28,18 +28,6 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return (values * mask).sum(dim) / (mask.sum(dim) + 1e-8)
 
 
-def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        count = mask.sum()
-        if count < 2:
-            raise ValueError(f"masked_var: the mask selects {int(count)} element(s); an unbiased variance needs "
-                             f"2 or more (use a larger mini-batch, or check that responses are not all empty)")
-        var = var * count / (count - 1)
-    return var
-
-
 Reduce = Callable[[Tensor], Tensor]
 """Sums a float64 tensor over every rank that holds part of the batch (the caller's all-reduce); the
 estimators below use it for batch-wide statistics, so their results do not depend on the number of ranks.

@@ -53,11 +53,17 @@ def packing(position_ids: Tensor, group: dist.ProcessGroup | None = None) -> Pac
     return Packing(segments, cu, max(b - a for a, b in segments), group if size > 1 else None, size)
 
 
+@functools.cache
+def _installed(module: str) -> bool:
+    """Looked up once per process: attention runs this in every layer of every forward."""
+    return importlib.util.find_spec(module) is not None
+
+
 def varlen_kernel() -> str | None:
     """The varlen attention kernel available on CUDA: "torch" (torch >= 2.10), "flash_attn", or None."""
-    if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+    if _installed("torch.nn.attention.varlen"):
         return "torch"
-    if importlib.util.find_spec("flash_attn") is not None:
+    if _installed("flash_attn"):
         return "flash_attn"
     return None
 
@@ -97,7 +103,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, d
     if kernel == "torch" and dropout == 0.0:
         out = _torch_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), p, scaling)
         return out.transpose(0, 1)[None]
-    if kernel is not None and importlib.util.find_spec("flash_attn") is not None:
+    if kernel is not None and _installed("flash_attn"):
         from flash_attn import flash_attn_varlen_func
 
         out = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
