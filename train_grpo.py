@@ -27,35 +27,34 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lib import algos, config, pipeline
+from lib import algos, config, kl_control, metrics as metric_log, resume, startup
 from lib.actor import compute_log_probs as actor_log_probs
 from lib.actor import update_policy
 from lib.balance import balance_groups
 from lib.dist import sum_over_ranks
 from lib.logging import stage
 from lib.protocol import DataProto
-
-
+from lib.rollout import generate, next_batch
+from lib.scoring import score
+from lib.startup import Run
 
 # ---- stages
 
 
-def rollout(run: pipeline.Run, step: int, metrics: dict) -> DataProto:
-    """Generate and score; then rebalance whole groups across ranks. With dynamic sampling (DAPO), keep only the
-    groups whose scores differ, drawing the next prompts of the data stream for another round until the batch
-    holds train_batch_size such groups (or max_gen_batches rounds ran)."""
+def dynamic_sampling(run: Run, step: int, batch: DataProto, first: dict, metrics: dict) -> tuple[DataProto, dict]:
+    """DAPO: keep only the groups whose scores differ; while fewer than train_batch_size groups are kept (and at
+    most max_gen_batches rounds), generate and score the next prompts of the data stream. ``first`` holds the
+    first round's metrics; returns the kept batch and every round's metrics aggregated (counts summed, the rest
+    averaged). The rounds' rollout and score times add to the step's stages."""
     cfg, a = run.cfg, run.cfg.algorithm
-    if not a.filter_groups:
-        batch, m = pipeline.rollout(run, pipeline.next_batch(run))
-        metrics.update(m)
-        metrics.update(score(run, batch))
-        batch, m = balance_groups(batch)
-        metrics.update(m)
-        return batch
     kept, kept_uids, round_metrics, total_kept = [], [], [], 0
-    for _ in range(a.max_gen_batches):
-        batch, m = pipeline.rollout(run, pipeline.next_batch(run))
-        m.update(score(run, batch))
+    m = first
+    for round_ in range(a.max_gen_batches):
+        if round_:
+            with stage("rollout", metrics):
+                batch, m = generate(run, next_batch(run))
+            with stage("score", metrics):
+                m.update(score(run, batch))
         if a.filter_groups_metric == "score":  # the task's score, before any overlong penalty
             values = torch.tensor(batch.non_tensor_batch["scores"].astype(np.float64))
         else:
@@ -80,21 +79,16 @@ def rollout(run: pipeline.Run, step: int, metrics: dict) -> DataProto:
     batch = DataProto.concat_padded(kept, {"responses": run.tokenizer.pad_token_id,
                                            "input_ids": run.tokenizer.pad_token_id})
     batch = batch.select_idxs(np.flatnonzero([u in chosen for u in batch.non_tensor_batch["uid"]]))
-    for key in round_metrics[0]:  # every round's metrics count: sums for counts, means for the rest
+    merged = {}
+    for key in round_metrics[0]:
         values = [rm[key] for rm in round_metrics if key in rm]
-        metrics[key] = float(np.sum(values) if key in pipeline.SUMMED_METRICS else np.mean(values))
-    metrics["algorithm/gen_rounds"] = len(kept)
-    metrics["algorithm/kept_groups"] = len(chosen)
-    batch, m = balance_groups(batch)
-    metrics.update(m)
-    return batch
+        merged[key] = float(np.sum(values) if key in metric_log.SUMMED_METRICS else np.mean(values))
+    merged["algorithm/gen_rounds"] = len(kept)
+    merged["algorithm/kept_groups"] = len(chosen)
+    return batch, merged
 
 
-def score(run: pipeline.Run, batch: DataProto) -> dict:
-    return pipeline.score(run, batch)
-
-
-def compute_log_probs(run: pipeline.Run, batch: DataProto) -> None:
+def compute_log_probs(run: Run, batch: DataProto) -> None:
     """old_log_probs (skipped on-policy: the update uses its own, detached) and ref_log_prob."""
     cfg, topo = run.cfg, run.topo
     needs_old = not run.sizes.on_policy or cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollout_correction != "off"
@@ -105,12 +99,12 @@ def compute_log_probs(run: pipeline.Run, batch: DataProto) -> None:
         batch.batch["ref_log_prob"], _ = actor_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
 
 
-def compute_advantages(run: pipeline.Run, batch: DataProto, kl_ctrl, metrics: dict) -> None:
+def compute_advantages(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> None:
     cfg, b = run.cfg, batch.batch
     a, mask = cfg.algorithm, b["response_mask"]
     rewards = b["token_level_scores"]
     if a.use_kl_in_reward:
-        rewards = pipeline.kl_in_reward(run, batch, kl_ctrl, metrics)
+        rewards = kl_control.kl_in_reward(run, batch, kl_ctrl, metrics)
     b["token_level_rewards"] = rewards
     # groups stay on one rank; batch-wide statistics (whitening, GPG's counts) are summed over all ranks
     adv, ret = algos.ADVANTAGE_ESTIMATORS[a.adv_estimator](
@@ -124,32 +118,37 @@ def compute_advantages(run: pipeline.Run, batch: DataProto, kl_ctrl, metrics: di
         b["rollout_is_weights"], b["response_mask"] = w, keep
         metrics.update({k: float(v) for k, v in m.items()})
 
-
-
 # ---- the loop
 
 
 def main(argv: list[str]) -> None:
     cfg = config.parse(argv, default_preset="tiny_cpu_grpo")
-    run = pipeline.start(cfg)
-    pipeline.build_models(run, with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-    kl_ctrl = pipeline.kl_controller(cfg)
+    run = startup.start(cfg)
+    startup.build_models(run, with_ref=cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+    kl_ctrl = kl_control.kl_controller(cfg)
     parts = {"actor": (run.actor.model, run.actor.optimizer)}
-    start = pipeline.resume(run, parts, kl_ctrl)
+    start = resume.resume(run, parts, kl_ctrl)
     for step in range(start, run.total_steps):
         metrics: dict[str, float] = {}
         with stage("step", metrics):
             with stage("rollout", metrics):
-                batch = rollout(run, step, metrics)
+                batch, round_metrics = generate(run, next_batch(run))
+            with stage("score", metrics):
+                round_metrics.update(score(run, batch))
+            if cfg.algorithm.filter_groups:
+                batch, round_metrics = dynamic_sampling(run, step, batch, round_metrics, metrics)
+            metrics.update(round_metrics)
+            batch, balance_metrics = balance_groups(batch)  # whole groups, so group statistics stay on one rank
+            metrics.update(balance_metrics)
             with stage("log_probs", metrics):
                 compute_log_probs(run, batch)
             compute_advantages(run, batch, kl_ctrl, metrics)
             with stage("update", metrics):
                 metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
                                              run.sizes.mini_batch_per_rank, seed=step))
-        pipeline.log_step(run, step, batch, metrics)
-        pipeline.end_of_step(run, step, parts, kl_ctrl)
-    pipeline.finish(run)
+        metric_log.log_step(run, step, batch, metrics)
+        resume.end_of_step(run, step, parts, kl_ctrl)
+    startup.finish(run)
 
 
 if __name__ == "__main__":

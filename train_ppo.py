@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from lib import algos, config, pipeline
+from lib import algos, config, kl_control, metrics as metric_log, resume, startup
 from lib.actor import Trainee
 from lib.actor import compute_log_probs as actor_log_probs
 from lib.actor import update_policy
@@ -32,9 +32,12 @@ from lib.fsdp import build_sharded_model
 from lib.logging import stage
 from lib.optim import build_optimizer
 from lib.protocol import DataProto
+from lib.rollout import generate, next_batch
+from lib.scoring import score
+from lib.startup import Run
 
 
-def build_critic(run: pipeline.Run) -> Trainee:
+def build_critic(run: Run) -> Trainee:
     cfg = run.cfg
     if not cfg.critic.model.path:
         cfg.critic.model.path = cfg.actor.model.path
@@ -50,20 +53,7 @@ def build_critic(run: pipeline.Run) -> Trainee:
 # ---- stages
 
 
-def rollout(run: pipeline.Run, step: int, metrics: dict) -> DataProto:
-    batch, m = pipeline.rollout(run, pipeline.next_batch(run))
-    metrics.update(m)
-    metrics.update(score(run, batch))
-    batch, m = balance_groups(batch)
-    metrics.update(m)
-    return batch
-
-
-def score(run: pipeline.Run, batch: DataProto) -> dict:
-    return pipeline.score(run, batch)
-
-
-def compute_log_probs(run: pipeline.Run, critic: Trainee, batch: DataProto) -> None:
+def compute_log_probs(run: Run, critic: Trainee, batch: DataProto) -> None:
     """old_log_probs (the KL in the reward needs them), ref_log_prob, and the critic's values."""
     cfg, topo, t = run.cfg, run.topo, run.cfg.rollout.temperature
     batch.batch["old_log_probs"], _ = actor_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
@@ -72,12 +62,12 @@ def compute_log_probs(run: pipeline.Run, critic: Trainee, batch: DataProto) -> N
     batch.batch["values"] = compute_values(critic.model, batch, cfg.critic.batching, topo)
 
 
-def compute_advantages(run: pipeline.Run, batch: DataProto, kl_ctrl, metrics: dict) -> None:
+def compute_advantages(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> None:
     cfg, b = run.cfg, batch.batch
     a, mask = cfg.algorithm, b["response_mask"]
     rewards = b["token_level_scores"]
     if a.use_kl_in_reward:
-        rewards = pipeline.kl_in_reward(run, batch, kl_ctrl, metrics)
+        rewards = kl_control.kl_in_reward(run, batch, kl_ctrl, metrics)
     b["token_level_rewards"] = rewards
     metrics["critic/values_mean"] = float(algos.masked_mean(b["values"], mask))
     # whitened over the whole batch (one all-reduce of its moments), as the reference's driver does
@@ -91,17 +81,22 @@ def compute_advantages(run: pipeline.Run, batch: DataProto, kl_ctrl, metrics: di
 
 def main(argv: list[str]) -> None:
     cfg = config.parse(argv, default_preset="tiny_cpu_ppo")
-    run = pipeline.start(cfg, need_critic=True)
-    pipeline.build_models(run, with_ref=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss)
+    run = startup.start(cfg, need_critic=True)
+    startup.build_models(run, with_ref=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss)
     critic = build_critic(run)
-    kl_ctrl = pipeline.kl_controller(cfg)
+    kl_ctrl = kl_control.kl_controller(cfg)
     parts = {"actor": (run.actor.model, run.actor.optimizer), "critic": (critic.model, critic.optimizer)}
-    start = pipeline.resume(run, parts, kl_ctrl)
+    start = resume.resume(run, parts, kl_ctrl)
     for step in range(start, run.total_steps):
         metrics: dict[str, float] = {}
         with stage("step", metrics):
             with stage("rollout", metrics):
-                batch = rollout(run, step, metrics)
+                batch, m = generate(run, next_batch(run))
+            with stage("score", metrics):
+                m.update(score(run, batch))
+            metrics.update(m)
+            batch, m = balance_groups(batch)
+            metrics.update(m)
             with stage("log_probs", metrics):
                 compute_log_probs(run, critic, batch)
             compute_advantages(run, batch, kl_ctrl, metrics)
@@ -110,9 +105,9 @@ def main(argv: list[str]) -> None:
                 if step >= cfg.algorithm.critic_warmup:
                     metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
                                                  run.sizes.mini_batch_per_rank, seed=step))
-        pipeline.log_step(run, step, batch, metrics)
-        pipeline.end_of_step(run, step, parts, kl_ctrl)
-    pipeline.finish(run)
+        metric_log.log_step(run, step, batch, metrics)
+        resume.end_of_step(run, step, parts, kl_ctrl)
+    startup.finish(run)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from lib import algos
-from lib.actor import (Trainee, _micro, accumulation_steps, finish_update, gather_sp, loss_scale,
-                       step_and_record)
+from lib.update import (Trainee, accumulation_steps, split_micro, finish_update, gather_sp, loss_scale,
+                        step_and_record)
 from lib.config import BatchingConfig, CriticConfig
 from lib.dist import Topology
 from lib.forward import response_values
@@ -28,7 +28,7 @@ def compute_values(critic: nn.Module, data: DataProto, batching: BatchingConfig,
     """V (B, R) for every row of ``data``, in the rows' order; zero outside the response mask."""
     data, mine = gather_sp(data.select(["input_ids", "attention_mask", "position_ids", "responses",
                                         "response_mask"]), topo)
-    pieces, restore = _micro(data, batching, topo)
+    pieces, restore = split_micro(data, batching, topo)
     values = torch.cat([response_values(critic, m.to(topo.device), batching.use_remove_padding, sp=topo)
                         for m in pieces])
     values = values[torch.as_tensor(restore, device=values.device)] if restore is not None else values

@@ -19,7 +19,9 @@ import yaml
 
 @contextlib.contextmanager
 def stage(name: str, metrics: dict[str, float]) -> Iterator[None]:
-    """Record ``timing/<name>_s`` and ``memory/<name>_peak_gb`` (GPU allocator peak, or process RSS peak)."""
+    """Add the block's wall time to ``timing/<name>_s`` and raise ``memory/<name>_peak_gb`` to its peak (GPU
+    allocator peak, or process RSS peak): a stage entered several times in a step (dynamic sampling's rounds)
+    reports its total time."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -27,10 +29,13 @@ def stage(name: str, metrics: dict[str, float]) -> Iterator[None]:
     yield
     if cuda:
         torch.cuda.synchronize()
-        metrics[f"memory/{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        peak = torch.cuda.max_memory_allocated() / 2**30
     else:
-        metrics[f"memory/{name}_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    metrics[f"timing/{name}_s"] = time.perf_counter() - t0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    key = f"memory/{name}_peak_gb"
+    metrics[key] = max(metrics.get(key, 0.0), peak)
+    key = f"timing/{name}_s"
+    metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0
 
 
 def run_dir(output_root: str, run_name: str) -> str:

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 def strip_expandable_segments() -> None:
     """Remove expandable_segments from PYTORCH_CUDA_ALLOC_CONF, with a warning. Called before CUDA starts
-    (lib.pipeline.start); if the allocator already runs with them, they are switched off in it as well."""
+    (lib.startup.start); if the allocator already runs with them, they are switched off in it as well."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     parts = [p for p in conf.split(",") if p and not p.replace(" ", "").startswith("expandable_segments")]
     if len(parts) == len([p for p in conf.split(",") if p]):

@@ -1,0 +1,48 @@
+"""Step metrics: response statistics, sample responses, and the reduction over ranks before logging."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from lib.dist import reduce_metrics
+from lib.protocol import DataProto
+from lib.startup import Run
+
+
+def response_metrics(batch: DataProto, max_len: int) -> dict[str, float]:
+    lengths = batch.batch["response_mask"].sum(-1).float()
+    seq = batch.batch["token_level_scores"].sum(-1)
+    return {"reward/mean": float(seq.mean()), "reward/max": float(seq.max()), "reward/min": float(seq.min()),
+            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+            "response/clip_ratio": float((lengths >= max_len).float().mean())}
+
+
+def samples_to_log(run: Run, batch: DataProto, k: int) -> list[tuple[str, str, float]]:
+    k = min(k, len(batch))
+    texts = run.tokenizer.batch_decode(batch.batch["responses"][:k].masked_fill(
+        batch.batch["response_mask"][:k] == 0, run.tokenizer.pad_token_id).tolist(), skip_special_tokens=True)
+    return [(str(batch.non_tensor_batch["raw_prompt"][i])[-60:], texts[i][:120],
+             float(batch.non_tensor_batch["scores"][i])) for i in range(k)]
+
+
+SUMMED_METRICS = ("reward/errors", "reward/timeouts")  # counts: summed over ranks and rollout rounds
+
+
+def global_metrics(run: Run, metrics: dict[str, float]) -> dict[str, float]:
+    """Mean over ranks, except maxima/minima/counts, reduced as such (all ranks, world group).
+    A key some rank lacks (a scorer that never returned it there) counts as 0 on that rank."""
+    keys: list[Any] = [None] * run.topo.world_size
+    dist.all_gather_object(keys, sorted(metrics))  # world: the key sets must agree before the reduction
+    metrics = {k: metrics.get(k, 0.0) for k in sorted(set().union(*keys))}
+    ops = {k: ("max" if k.endswith(("_max", "/max")) or k.startswith("memory/") else
+               "min" if k.endswith(("_min", "/min")) else
+               "sum" if k in SUMMED_METRICS else "mean") for k in metrics}
+    return reduce_metrics(metrics, None, ops)
+
+
+def log_step(run: Run, step: int, batch: DataProto, metrics: dict) -> None:
+    metrics.update(response_metrics(batch, run.cfg.rollout.max_response_length))
+    metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / max(metrics["timing/step_s"], 1e-9)
+    run.logger.log(step + 1, global_metrics(run, metrics), samples_to_log(run, batch, run.cfg.trainer.log_samples))

@@ -1,0 +1,38 @@
+"""The rollout stage: the next prompts of the data stream, and generation with the policy's current weights
+(synced into the engine, which sleeps again afterwards)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lib.data import collate
+from lib.fsdp import move_optimizer
+from lib.protocol import DataProto
+from lib.startup import Run, engine_dtype
+from lib.sync import enter_rollout, exit_rollout
+
+
+def next_batch(run: Run) -> DataProto:
+    """This rank's share of the next train_batch_size prompts of the data stream, each with a uid shared by its
+    n samples."""
+    index = run.data_position
+    run.data_position += 1
+    rows = run.sampler.rows(index, run.topo.rank, run.topo.world_size)
+    batch = collate(run.train, rows, run.cfg.data.max_prompt_length, run.tokenizer.pad_token_id)
+    batch.non_tensor_batch["uid"] = np.array([f"{index}-{r}" for r in rows] + [None], dtype=object)[:-1]
+    return batch
+
+
+def generate(run: Run, prompts: DataProto, validate: bool = False) -> tuple[DataProto, dict[str, float]]:
+    """Sync the policy into the engine, generate (n samples per prompt, interleaved), put the engine to sleep."""
+    cfg = run.cfg
+    if cfg.actor.fsdp.optimizer_offload:
+        move_optimizer(run.actor.optimizer, "cpu")
+    metrics = enter_rollout(run.actor.model, run.engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20,
+                            cfg.actor.fsdp.param_offload)
+    out = run.engine.generate(prompts, validate=validate)
+    exit_rollout(run.actor.model, run.engine, run.topo.device, 2, cfg.actor.fsdp.param_offload)
+    if cfg.actor.fsdp.optimizer_offload:
+        move_optimizer(run.actor.optimizer, run.topo.device)
+    metrics["perf/rollout_tokens_per_s"] = out.meta_info.get("tokens_per_s", 0.0)
+    return out, metrics

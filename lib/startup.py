@@ -1,0 +1,175 @@
+"""Start-up and teardown of a run, shared by both scripts: everything that can fail on user input (config,
+files, custom reward code) is checked before any model loads; then the models, the optimizer and the rollout
+engine are built. ``Run`` holds what the stages of the loop share.
+
+Batch keys, by the stage that writes them:
+  next_batch     input_ids, attention_mask, position_ids (prompts); data_source, ground_truth, extra_info,
+                 raw_prompt, row, uid                                                        (lib/rollout.py)
+  rollout        prompts, responses, response_mask, input_ids, attention_mask, position_ids, rollout_log_probs
+  score          token_level_scores (B, R); scores (object, per row)                        (lib/scoring.py)
+  log-probs      old_log_probs, ref_log_prob (actor / reference); values (critic, PPO)
+  advantages     token_level_rewards, advantages, returns; rollout_is_weights (rollout correction)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lib import checkpoint, toy
+from lib.config import Config, Sizes, resolve, to_dict, validate
+from lib.data import PromptSet, Sampler, check_files, load_prompts
+from lib.dist import Topology, init_topology
+from lib.engine import SamplingConfig
+from lib.fsdp import build_sharded_model
+from lib.logging import RunLogger, excepthook_rank, run_dir
+from lib.models import load_config, load_tokenizer
+from lib.optim import build_optimizer
+from lib.rewards import RewardModel, Scorer, load_custom
+from lib.update import Trainee
+
+
+@dataclass
+class Run:
+    cfg: Config
+    topo: Topology
+    sizes: Sizes
+    path: str
+    tokenizer: Any
+    train: PromptSet
+    val: PromptSet | None
+    sampler: Sampler
+    total_steps: int
+    logger: RunLogger
+    scorer: Scorer
+    engine: Any = None
+    actor: Trainee | None = None
+    ref: torch.nn.Module | None = None
+    data_position: int = 0
+    """Prompt batches drawn from the data stream so far (one per step; more with dynamic sampling). Checkpointed."""
+
+
+def start(cfg: Config, need_critic: bool = False) -> Run:
+    """Process group, toy assets, config checks, data and logger: everything that can fail on user input,
+    before any model is loaded."""
+    if uses_vllm(cfg):
+        from lib.engine.vllm import strip_expandable_segments
+
+        strip_expandable_segments()  # before CUDA's allocator starts: it reads the setting once
+    topo = init_topology(sp_size=cfg.trainer.sp_size, fsdp_shard_size=cfg.actor.fsdp.shard_size,
+                         rollout_tp_size=cfg.rollout.tp_size, device=cfg.trainer.device)
+    excepthook_rank(topo.rank)
+    torch.manual_seed(cfg.trainer.seed)
+    resolve_toy(cfg, topo)
+    resolved = resolve(cfg)
+    try:
+        model_config = load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
+        sizes = validate(cfg, topo.world_size, model_config, need_critic)
+        check_files(cfg.data.train_files, "train")
+        check_files(cfg.data.val_files, "val")
+        if cfg.reward.custom_fn:
+            load_custom(cfg.reward.custom_fn)
+    except (ValueError, OSError) as e:  # user input: one message, no traceback, nothing loaded or written
+        if topo.is_main:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        raise SystemExit(2) from None
+    tokenizer = load_tokenizer(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
+    d = cfg.data
+    train = load_prompts(d.train_files, tokenizer, d.max_prompt_length, d.truncation, d.apply_chat_template, d.limit)
+    val = load_prompts(d.val_files, tokenizer, d.max_prompt_length, d.truncation, d.apply_chat_template,
+                       d.limit) if d.val_files and cfg.trainer.val_every else None
+    sampler = Sampler(len(train), cfg.trainer.train_batch_size, cfg.trainer.seed, d.shuffle)
+    total = cfg.trainer.total_steps or cfg.trainer.epochs * sampler.steps_per_epoch
+    path = run_dir(cfg.trainer.output_root, cfg.trainer.run_name)
+    obj = [path]
+    dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
+    logger = RunLogger(obj[0], to_dict(cfg), total, cfg.trainer.logger, cfg.trainer.project, topo.is_main)
+    logger.print(f"{topo}\nprompts: train {train.stats}, val {val.stats if val else None}; {total} steps; "
+                 f"run folder {obj[0]}" + "".join(f"\nresolved: {line}" for line in resolved))
+    rm = RewardModel(cfg.reward.reward_model, topo.device) if cfg.reward.reward_model else None
+    scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm)
+    return Run(cfg, topo, sizes, obj[0], tokenizer, train, val, sampler, total, logger, scorer)
+
+
+def resolve_toy(cfg: Config, topo: Topology) -> None:
+    """``toy`` in the model path or data files means the embedded task: rank 0 builds it once."""
+    uses_toy = cfg.actor.model.path == "toy" or "toy" in cfg.data.train_files or "toy" in cfg.data.val_files
+    if not uses_toy:
+        return
+    assets = os.path.join(cfg.trainer.output_root, "toy_assets")
+    if topo.is_main:
+        toy.prepare(assets, seed=0)
+    dist.barrier()
+    paths = toy.prepare(assets, seed=0)  # already built: just the paths
+    if cfg.actor.model.path == "toy":
+        cfg.actor.model.path = paths["model"]
+    cfg.data.train_files = [paths["train"] if f == "toy" else f for f in cfg.data.train_files]
+    cfg.data.val_files = [paths["val"] if f == "toy" else f for f in cfg.data.val_files]
+
+
+def build_models(run: Run, with_ref: bool) -> None:
+    cfg, topo = run.cfg, run.topo
+    packed = cfg.actor.batching.use_remove_padding
+    model = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, packed=packed)
+    cfg.actor.optim.total_steps = cfg.actor.optim.total_steps or run.total_steps
+    optimizer, scheduler = build_optimizer(model, cfg.actor.optim)
+    run.actor = Trainee(model, optimizer, scheduler, topo)
+    if with_ref:  # the frozen start policy; never a second rollout engine
+        run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, trainable=False, packed=packed)
+    run.engine = build_engine(run)
+
+
+def engine_dtype(run: Run) -> torch.dtype:
+    return torch.bfloat16 if run.topo.device.type == "cuda" else torch.float32
+
+
+def build_engine(run: Run) -> Any:
+    cfg, topo, r = run.cfg, run.topo, run.cfg.rollout
+    sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n,
+                              max_new_tokens=r.max_response_length, seed=cfg.trainer.seed)
+    val = SamplingConfig(temperature=r.val_temperature, n=r.val_n, max_new_tokens=r.max_response_length,
+                         seed=cfg.trainer.seed + 1)
+    tok = run.tokenizer
+    eos = [tok.eos_token_id]
+    if uses_vllm(cfg):
+        from lib.engine.vllm import VLLMEngine
+
+        # sequences one generate call holds at once on a rank (a TP group generates its ranks' rows together)
+        val_rows = -(-len(run.val) // topo.world_size) * r.val_n if run.val is not None else 0
+        num_seqs = max(run.sizes.samples_per_rank, val_rows) * topo.rollout_tp_size
+        return VLLMEngine(cfg.actor.model.path, topo, tok.pad_token_id, eos, sampling, val,
+                          max_model_len=cfg.data.max_prompt_length + r.max_response_length,
+                          max_num_seqs=min(num_seqs, r.max_num_seqs), kv_cache_bytes=int(r.kv_cache_gb * 2**30),
+                          gpu_memory_utilization=r.gpu_memory_utilization,
+                          dtype=str(engine_dtype(run)).removeprefix("torch."), enforce_eager=r.enforce_eager,
+                          trust_remote_code=cfg.actor.model.trust_remote_code)
+    from lib.engine.hf import HFEngine
+
+    return HFEngine(load_config(cfg.actor.model.path), topo.device, tok.pad_token_id, eos, sampling, val,
+                    dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank)
+
+
+def uses_vllm(cfg: Config) -> bool:
+    """rollout.engine=vllm, or auto on a GPU machine with vllm installed."""
+    import importlib.util
+
+    r = cfg.rollout
+    if r.engine != "auto":
+        return r.engine == "vllm"
+    on_gpu = cfg.trainer.device in ("auto", "cuda") and torch.cuda.is_available()
+    return on_gpu and importlib.util.find_spec("vllm") is not None
+
+
+def finish(run: Run) -> None:
+    checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo, run.tokenizer)
+    run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
+    run.logger.close()
+    run.engine.close()  # vLLM tears its groups down (and the default one) now, not in an atexit hook
+    if dist.is_initialized():
+        dist.destroy_process_group()

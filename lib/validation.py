@@ -1,0 +1,39 @@
+"""Validation on the held-out prompts: mean@N, best@N, maj@N over all ranks."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from lib.data import collate
+from lib.rollout import generate
+from lib.startup import Run
+
+
+def validate_policy(run: Run, step: int) -> dict[str, float]:
+    """Greedy (or val-sampled) responses to the held-out prompts: mean@N, best@N, maj@N over all ranks."""
+    topo, val = run.topo, run.val
+    rows = np.arange(len(val))[topo.rank::topo.world_size]
+    prompts = collate(val, rows, run.cfg.data.max_prompt_length, run.tokenizer.pad_token_id)
+    prompts.non_tensor_batch["uid"] = rows.astype(object)
+    out, _ = generate(run, prompts, validate=True)
+    _, _, scores = run.scorer(out)
+    texts = run.tokenizer.batch_decode(out.batch["responses"].masked_fill(out.batch["response_mask"] == 0,
+                                                                          run.tokenizer.pad_token_id).tolist(),
+                                       skip_special_tokens=True)
+    local = list(zip(out.non_tensor_batch["uid"].tolist(), scores, [t.strip() for t in texts]))
+    gathered: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(gathered, local)  # every rank: the val metrics are logged by rank 0
+    by_prompt: dict[Any, list[tuple[float, str]]] = defaultdict(list)
+    for part in gathered:
+        for uid, s, text in part:
+            by_prompt[uid].append((s, text))
+    n = max(len(v) for v in by_prompt.values())
+    mean = float(np.mean([s for v in by_prompt.values() for s, _ in v]))
+    best = float(np.mean([max(s for s, _ in v) for v in by_prompt.values()]))
+    maj = float(np.mean([dict((t, s) for s, t in v)[Counter(t for _, t in v).most_common(1)[0][0]]
+                         for v in by_prompt.values()]))
+    return {f"val/mean@{n}": mean, "val/best@N": best, "val/maj@N": maj, "val/score_mean": mean}
