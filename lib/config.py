@@ -209,7 +209,10 @@ class RewardConfig:
     reward_model: str = ""
     """Path of a sequence-classification reward model added to the rule score ("" : none)."""
     timeout_s: float = 10.0
-    """Per-sample scorer time limit; a sample past it scores 0 (counted)."""
+    """Per-sample scorer time limit (its worker process is killed, so C code stops too); the sample scores 0 and
+    is counted in reward/timeouts."""
+    num_workers: int = 2
+    """Reward worker processes per rank; a batch is scored in parallel across them."""
 
 
 @dataclass
@@ -417,6 +420,7 @@ def _value_problems(cfg: Config) -> list[str]:
          f"algorithm.kl_ctrl.target_kl={al.kl_ctrl.target_kl} must be > 0"),
         (al.kl_ctrl.kl_coef < 0, f"algorithm.kl_ctrl.kl_coef={al.kl_ctrl.kl_coef} must be >= 0"),
         (rw.timeout_s <= 0, f"reward.timeout_s={rw.timeout_s} must be > 0 (seconds per sample)"),
+        (rw.num_workers < 1, f"reward.num_workers={rw.num_workers} must be >= 1 (worker processes per rank)"),
         (bool(set(t.logger) - set(LOGGERS)), f"trainer.logger has unknown name(s) {sorted(set(t.logger) - set(LOGGERS))}; "
                                              f"use any of {list(LOGGERS)}"),
         # the engines report the log-probs of the filtered distribution they sample from, the trainer those of

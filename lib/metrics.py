@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from lib.dist import reduce_metrics
 from lib.protocol import DataProto
+from lib.rewards import FAILURE_KINDS
 from lib.startup import Run
 
 
@@ -27,7 +28,7 @@ def samples_to_log(run: Run, batch: DataProto, k: int) -> list[tuple[str, str, f
              float(batch.non_tensor_batch["scores"][i])) for i in range(k)]
 
 
-SUMMED_METRICS = ("reward/errors", "reward/timeouts")  # counts: summed over ranks and rollout rounds
+SUMMED_METRICS = tuple(f"reward/{kind}" for kind in FAILURE_KINDS)  # counts: summed over ranks and rounds
 
 
 def global_metrics(run: Run, metrics: dict[str, float]) -> dict[str, float]:

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from lib import algos
 from lib.protocol import DataProto
+from lib.rewards.scorer import Scored
 from lib.startup import Run
 
 
 def score(run: Run, batch: DataProto) -> dict[str, float]:
     """token_level_scores from the rule / custom / reward-model scorer, plus the DAPO overlong penalty."""
-    scores, metrics, per_row = run.scorer(batch)
+    scored = run_scorer(run, batch)
+    scores, metrics, per_row = scored.token_scores, scored.metrics, scored.scores
     a = run.cfg.algorithm
     if a.overlong_buffer:
         lengths = batch.batch["response_mask"].sum(-1)
@@ -25,3 +28,17 @@ def score(run: Run, batch: DataProto) -> dict[str, float]:
     batch.batch["token_level_scores"] = scores
     batch.non_tensor_batch["scores"] = np.array(per_row + [None], dtype=object)[:-1]
     return metrics
+
+
+def run_scorer(run: Run, batch: DataProto) -> Scored:
+    """Score a batch; the first message of each failure kind, on any rank, is printed once per run (rank 0)."""
+    scored = run.scorer(batch)
+    messages: list = [None] * run.topo.world_size
+    dist.all_gather_object(messages, scored.messages)  # world: every rank's new failure kinds, a few strings
+    for part in messages:
+        for kind, message in part.items():
+            if kind not in run.reported_failures:
+                run.reported_failures.add(kind)
+                run.logger.print(f"warning: reward/{kind}: {message} (the sample scores 0; later ones are only "
+                                 f"counted in reward/{kind})")
+    return scored

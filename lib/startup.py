@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +30,8 @@ from lib.fsdp import build_sharded_model
 from lib.logging import RunLogger, excepthook_rank, run_dir
 from lib.models import load_config, load_tokenizer
 from lib.optim import build_optimizer
-from lib.rewards import RewardModel, Scorer, load_custom
+from lib.rewards import load_custom
+from lib.rewards.scorer import RewardModel, Scorer
 from lib.update import Trainee
 
 
@@ -52,6 +53,8 @@ class Run:
     ref: torch.nn.Module | None = None
     data_position: int = 0
     """Prompt batches drawn from the data stream so far (one per step; more with dynamic sampling). Checkpointed."""
+    reported_failures: set[str] = field(default_factory=set)
+    """Reward failure kinds whose first message was printed."""
 
 
 def start(cfg: Config, need_critic: bool = False) -> Run:
@@ -93,7 +96,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     logger.print(f"{topo}\nprompts: train {train.stats}, val {val.stats if val else None}; {total} steps; "
                  f"run folder {obj[0]}" + "".join(f"\nresolved: {line}" for line in resolved))
     rm = RewardModel(cfg.reward.reward_model, topo.device) if cfg.reward.reward_model else None
-    scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm)
+    scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers)
     return Run(cfg, topo, sizes, obj[0], tokenizer, train, val, sampler, total, logger, scorer)
 
 
@@ -170,6 +173,7 @@ def finish(run: Run) -> None:
     checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo, run.tokenizer)
     run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
     run.logger.close()
+    run.scorer.close()
     run.engine.close()  # vLLM tears its groups down (and the default one) now, not in an atexit hook
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,25 +1,23 @@
 """Scoring responses: a rule per ``data_source``, a custom function, or a reward model -> token_level_scores.
 
-A scorer that raises, or runs past ``timeout_s``, gives that sample 0 and is counted in the metrics
-(``reward/errors``, ``reward/timeouts``); the run goes on. Extra keys a scorer returns (acc, format, ...)
-are averaged into the metrics as ``reward/<key>``.
+Rule and custom scorers run in worker processes (``lib/rewards/pool.py``), each sample under a time limit that
+also stops code busy in C. A scorer that raises, returns no usable score (None, NaN, a string, a dict without
+``score``), exits, crashes its worker or runs past the limit costs its sample only: it scores 0 and is counted by
+kind in ``reward/<kind>``; the first message of each kind is printed once. Extra numeric keys a scorer returns
+(acc, format, ...) are averaged into the metrics as ``reward/<key>``; an ``answer`` (or ``pred``) key is the
+extracted answer validation's maj@N votes on.
+
+This module stays free of torch: the workers import it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 import os
-import signal
-import threading
-from collections import defaultdict
-from contextlib import contextmanager
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
-from lib.protocol import DataProto
 from lib.rewards import builtin
 
 ScoreFn = Callable[..., Any]
@@ -30,6 +28,11 @@ RULES: dict[str, ScoreFn] = {
     "math": builtin.math_answer, "HuggingFaceH4/MATH-500": builtin.math_answer,
     "toy": builtin.toy,
 }
+NEEDS_GROUND_TRUTH = {name for name in RULES}  # every rule compares with a reference answer
+
+FAILURE_KINDS = ("errors", "invalid", "exits", "crashes", "timeouts")
+"""How a sample's scoring can fail: the scorer raised; returned no usable score; called sys.exit; killed its
+worker process; ran past reward.timeout_s."""
 
 
 def load_custom(spec: str) -> ScoreFn:
@@ -41,112 +44,38 @@ def load_custom(spec: str) -> ScoreFn:
         raise ValueError(f"custom reward file {path!r} does not exist")
     module_spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as e:  # noqa: BLE001 - user code: any failure to import is a config error
+        raise ValueError(f"custom reward file {path} failed to import: {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{path} has no function {name!r}")
     return fn
 
 
-class _Timeout(Exception):
-    pass
+def rule_for(data_source: Any) -> ScoreFn:
+    if data_source in RULES:
+        return RULES[data_source]
+    raise ValueError(f"no scorer for data_source {data_source!r}; known: {sorted(RULES)}, or set "
+                     f"--reward.custom_fn path/to/file.py:function")
 
 
-@contextmanager
-def _time_limit(seconds: float):
-    # SIGALRM interrupts pure-Python loops in the main thread; elsewhere the limit is not enforced
-    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _raise(*_):
-        raise _Timeout()
-
-    old = signal.signal(signal.SIGALRM, _raise)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+def interpret(out: Any) -> tuple[float, dict[str, float], Any, str]:
+    """A scorer's return value -> (score, numeric extras, answer, failure kind or ""). A real number (bools and
+    numpy scalars count), or a dict with a finite numeric ``score``; anything else is "invalid"."""
+    info = dict(out) if isinstance(out, dict) else {"score": out}
+    answer = info.pop("answer", info.pop("pred", None))
+    score = info.pop("score", None)
+    if not isinstance(score, numbers.Real) or not math.isfinite(score):
+        return 0.0, {}, None, "invalid"
+    extras = {k: float(v) for k, v in info.items() if isinstance(v, numbers.Real) and math.isfinite(v)}
+    return float(score), extras, (None if answer is None else str(answer)), ""
 
 
-class Scorer:
-    def __init__(self, tokenizer: Any, custom: str = "", timeout_s: float = 10.0, reward_model: Any = None):
-        self.tokenizer = tokenizer
-        self.custom = load_custom(custom) if custom else None
-        self.timeout_s = timeout_s
-        self.reward_model = reward_model  # callable(DataProto) -> (B,) scores, e.g. RewardModel below
+def __getattr__(name: str) -> Any:  # the torch-side classes, imported only when asked for
+    if name in ("Scorer", "RewardModel"):
+        from lib.rewards import scorer
 
-    def fn_for(self, data_source: str) -> ScoreFn:
-        if self.custom is not None:
-            return self.custom
-        if data_source in RULES:
-            return RULES[data_source]
-        raise ValueError(f"no scorer for data_source {data_source!r}; known: {sorted(RULES)}, or set "
-                         f"--reward.custom_fn path/to/file.py:function")
-
-    def score_one(self, fn: ScoreFn, text: str, gt: Any, data_source: str, extra: Any) -> tuple[float, dict, str]:
-        try:
-            with _time_limit(self.timeout_s):
-                if fn is self.custom:
-                    out = fn(data_source=data_source, solution_str=text, ground_truth=gt, extra_info=extra)
-                else:
-                    out = fn(text, gt, extra)
-        except _Timeout:
-            return 0.0, {}, "timeouts"
-        except Exception:  # noqa: BLE001 - a broken scorer must not stop the run; counted instead
-            return 0.0, {}, "errors"
-        info = dict(out) if isinstance(out, dict) else {}
-        score = float(info.pop("score", out if not isinstance(out, dict) else 0.0))
-        if not math.isfinite(score):
-            return 0.0, info, "errors"
-        return score, {k: float(v) for k, v in info.items() if isinstance(v, (int, float, bool))}, ""
-
-    def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, float], list[float]]:
-        """token_level_scores (B, R): each score on its response's last token; metrics; per-row scores."""
-        responses, mask = data.batch["responses"], data.batch["response_mask"]
-        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, self.tokenizer.pad_token_id).tolist(),
-                                            skip_special_tokens=True)
-        sources = data.non_tensor_batch.get("data_source", np.array(["toy"] * len(data), dtype=object))
-        truths = data.non_tensor_batch.get("ground_truth", np.array([None] * len(data), dtype=object))
-        extras = data.non_tensor_batch.get("extra_info", np.array([None] * len(data), dtype=object))
-        scores, counts, sums = [], defaultdict(float), defaultdict(list)
-        for text, src, gt, extra in zip(texts, sources, truths, extras):
-            score, info, failure = self.score_one(self.fn_for(src), text, gt, src, extra)
-            scores.append(score)
-            if failure:
-                counts[failure] += 1
-            for k, v in info.items():
-                sums[k].append(v)
-        if self.reward_model is not None:
-            rm = self.reward_model(data).tolist()
-            scores = [s + r for s, r in zip(scores, rm)]
-            sums["rm_score"] = rm
-        token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-        lengths = mask.sum(-1).long().cpu()  # scores are placed on CPU, then follow the batch's device
-        rows = torch.nonzero(lengths > 0).flatten()
-        token_scores[rows, lengths[rows] - 1] = torch.tensor(scores, dtype=torch.float32)[rows]
-        metrics = {"reward/errors": counts["errors"], "reward/timeouts": counts["timeouts"]}
-        metrics.update({f"reward/{k}": float(np.mean(v)) for k, v in sums.items()})
-        return token_scores.to(mask.device), metrics, scores
-
-
-class RewardModel:
-    """A sequence-classification reward model (AutoModelForSequenceClassification, one label) scoring
-    prompt + response; unsharded, inference only."""
-
-    def __init__(self, path: str, device: torch.device):
-        from transformers import AutoModelForSequenceClassification
-
-        self.device = device
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype).to(device)
-        self.model.eval()
-
-    @torch.no_grad()
-    def __call__(self, data: DataProto) -> torch.Tensor:
-        b = data.batch
-        out = self.model(input_ids=b["input_ids"].to(self.device), attention_mask=b["attention_mask"].to(self.device),
-                         position_ids=b["position_ids"].to(self.device))
-        return out.logits[:, 0].float().cpu()
+        return getattr(scorer, name)
+    raise AttributeError(name)

@@ -90,7 +90,7 @@ def math_answer(solution_str: str, ground_truth: str, extra_info: Any = None) ->
         except ImportError:
             correct = False
         correct = correct or normalize_math(pred) == normalize_math(gt)
-    return {"score": float(correct), "acc": float(correct)}
+    return {"score": float(correct), "acc": float(correct), "answer": pred}
 
 
 def toy(solution_str: str, ground_truth: str, extra_info: Any = None) -> dict:

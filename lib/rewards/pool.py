@@ -1,0 +1,110 @@
+"""A pool of reward worker processes with a per-sample time limit.
+
+Samples go out in chunks; each worker reports every sample as it finishes it, so the pool knows which sample a
+worker is on. A worker that runs past ``timeout_s`` on one sample (Python or C code alike) is killed, the sample
+counts as a timeout, the rest of its chunk goes back to the queue and a fresh worker takes its place. A worker that
+dies (``os._exit``, a segfault) costs its current sample the same way ("crashes").
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+Result = tuple[float, dict, Any, str, str]  # score, numeric extras, answer, failure kind, message
+
+
+class _Worker:
+    def __init__(self, custom: str):
+        parent_read, child_write = os.pipe()
+        child_read, parent_write = os.pipe()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        self.proc = subprocess.Popen([sys.executable, "-m", "lib.rewards.worker", str(child_read),
+                                      str(child_write), custom], pass_fds=(child_read, child_write), env=env,
+                                     cwd=ROOT, stdin=subprocess.DEVNULL)
+        os.close(child_read)
+        os.close(child_write)
+        self.inbox = Connection(parent_read, writable=False)
+        self.outbox = Connection(parent_write, readable=False)
+        self.chunk: deque = deque()  # indices sent and not yet reported, in order
+        self.since = 0.0  # when the current sample started (the last report, or the send)
+
+    def send(self, items: list) -> None:
+        self.chunk.extend(item[0] for item in items)
+        self.since = time.monotonic()
+        self.outbox.send(items)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.inbox.close()
+        self.outbox.close()
+
+
+class RewardPool:
+    def __init__(self, custom: str = "", timeout_s: float = 10.0, num_workers: int = 2):
+        self.custom, self.timeout_s = custom, timeout_s
+        self.workers = [_Worker(custom) for _ in range(max(1, num_workers))]
+
+    def score(self, items: list[tuple]) -> list[Result]:
+        """items: (data_source, text, ground_truth, extra_info) per sample -> a Result per sample, in order."""
+        results: list[Result | None] = [None] * len(items)
+        self._items = items
+        size = max(1, -(-len(items) // (4 * len(self.workers))))  # a few chunks per worker balance the load
+        queue = deque((i, *items[i]) for i in range(len(items)))
+        idle = list(self.workers)
+        busy: dict[Connection, _Worker] = {}
+        while queue or busy:
+            while queue and idle:
+                worker = idle.pop()
+                worker.send([queue.popleft() for _ in range(min(size, len(queue)))])
+                busy[worker.inbox] = worker
+            now = time.monotonic()
+            deadline = min(w.since for w in busy.values()) + self.timeout_s
+            for conn in wait(list(busy), timeout=max(0.0, deadline - now)):
+                worker = busy[conn]
+                try:
+                    index, *result = conn.recv()
+                except (EOFError, OSError):  # the worker died on its current sample
+                    try:
+                        code = worker.proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    self._replace(worker, busy, idle, queue, results, "crashes",
+                                  f"the scorer's worker process died (exit code {code})")
+                    continue
+                results[index] = tuple(result)
+                worker.chunk.popleft()
+                worker.since = time.monotonic()
+                if not worker.chunk:
+                    del busy[conn]
+                    idle.append(worker)
+            now = time.monotonic()
+            for worker in [w for w in busy.values() if now - w.since > self.timeout_s]:
+                self._replace(worker, busy, idle, queue, results, "timeouts",
+                              f"the scorer ran past reward.timeout_s={self.timeout_s:g} s")
+        return results  # type: ignore[return-value]
+
+    def _replace(self, worker: _Worker, busy: dict, idle: list, queue: deque, results: list, kind: str,
+                 message: str) -> None:
+        """Kill a worker, fail its current sample, requeue the rest of its chunk, start a fresh worker."""
+        del busy[worker.inbox]
+        worker.kill()
+        current, *rest = worker.chunk
+        results[current] = (0.0, {}, None, kind, message)
+        queue.extendleft(reversed([(i, *self._items[i]) for i in rest]))
+        fresh = _Worker(self.custom)
+        self.workers[self.workers.index(worker)] = fresh
+        idle.append(fresh)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+        self.workers = []

@@ -1,0 +1,47 @@
+"""A reward worker process: ``python -m lib.rewards.worker READ_FD WRITE_FD CUSTOM_SPEC``.
+
+Receives chunks of samples ``[(index, data_source, text, ground_truth, extra_info), ...]`` and sends one result
+per sample, ``(index, score, extras, answer, kind, message)``, as soon as it is scored, so the pool can tell
+which sample a worker is on when it runs past the time limit. Exits when the pool closes its end.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+from lib.rewards import interpret, load_custom, rule_for
+
+
+def score_one(custom, data_source, text, ground_truth, extra_info):
+    try:
+        if custom is not None:
+            out = custom(data_source=data_source, solution_str=text, ground_truth=ground_truth,
+                         extra_info=extra_info)
+        else:
+            out = rule_for(data_source)(text, ground_truth, extra_info)
+    except SystemExit as e:
+        return 0.0, {}, None, "exits", f"the scorer called sys.exit({e.code!r})"
+    except BaseException as e:  # noqa: BLE001 - the scorer's failure costs its sample only
+        return 0.0, {}, None, "errors", f"the scorer raised {type(e).__name__}: {e}"
+    score, extras, answer, kind = interpret(out)
+    message = f"the scorer returned {type(out).__name__} {str(out)[:80]!r}, not a finite score" if kind else ""
+    return score, extras, answer, kind, message
+
+
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
+    inbox, outbox = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
+    custom = load_custom(argv[2]) if len(argv) > 2 and argv[2] else None
+    while True:
+        try:
+            chunk = inbox.recv()
+        except (EOFError, OSError):
+            return
+        for index, data_source, text, ground_truth, extra_info in chunk:
+            outbox.send((index, *score_one(custom, data_source, text, ground_truth, extra_info)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
