@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One entry point. Sets up .venv on first use, then starts every rank with torchrun:
+# One entry point. Sets up .venv on first use, checks the config once, then starts every rank with torchrun:
 #   bash launch.sh                                   # the embedded tiny default (CPU or GPU)
 #   bash launch.sh train_ppo.py --config configs/x.yaml --actor.lr 1e-6
 #   NPROC=8 bash launch.sh train_grpo.py ...         # ranks per node (default: GPUs, or 2 on CPU)
@@ -24,4 +24,18 @@ else
 fi
 # A CPU rank per core: more threads per rank than cores makes gloo runs slower, not faster.
 has_gpu || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
-exec torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "$script" "$@"
+# Every check of the input (config, paths, data rows, custom reward) in one process: one message, before any rank.
+python -m lib.check "$script" "$(( NPROC * ${SLURM_NNODES:-1} ))" "$@" || exit $?
+# Stop signals (Ctrl-C, scancel's SIGTERM, a pre-emption's SIGUSR1) go to the ranks as SIGUSR1, not to torchrun:
+# each rank finishes its step, every rank saves a checkpoint, and the run exits 0. torchrun runs in its own
+# session so that a terminal's Ctrl-C reaches only this script.
+setsid torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "$script" "$@" &
+runner=$!
+stop() { pkill -USR1 -P "$runner" 2>/dev/null || true; }
+trap stop INT TERM USR1
+status=0
+while true; do
+  wait "$runner"; status=$?
+  kill -0 "$runner" 2>/dev/null || break  # a trapped signal interrupted the wait: keep waiting
+done
+exit "$status"

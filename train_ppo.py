@@ -85,8 +85,8 @@ def main(argv: list[str]) -> None:
     startup.build_models(run, with_ref=cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss)
     critic = build_critic(run)
     kl_ctrl = kl_control.kl_controller(cfg)
-    parts = {"actor": (run.actor.model, run.actor.optimizer), "critic": (critic.model, critic.optimizer)}
-    start = resume.resume(run, parts, kl_ctrl)
+    trainees = {"actor": run.actor, "critic": critic}
+    start = resume.resume(run, trainees, kl_ctrl)
     for step in range(start, run.total_steps):
         metrics: dict[str, float] = {}
         with stage("step", metrics):
@@ -106,7 +106,8 @@ def main(argv: list[str]) -> None:
                     metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
                                                  run.sizes.mini_batch_per_rank, seed=step))
         metric_log.log_step(run, step, batch, metrics)
-        resume.end_of_step(run, step, parts, kl_ctrl)
+        if not resume.end_of_step(run, step, trainees, kl_ctrl, metrics):  # a stop signal, or bad steps
+            break
     startup.finish(run)
 
 

@@ -35,6 +35,62 @@ def latest_step(run_path: str) -> int | None:
     return step if os.path.isdir(_dir(run_path, step)) else None
 
 
+RUN_CONTROL = ("trainer.total_steps", "trainer.epochs", "trainer.val_every", "trainer.save_every", "trainer.keep_last",
+               "trainer.logger", "trainer.project", "trainer.log_samples", "trainer.resume", "trainer.max_bad_steps",
+               "trainer.collective_timeout_s", "reward.timeout_s", "reward.num_workers", "rollout.kv_cache_gb",
+               "rollout.max_num_seqs", "rollout.gpu_memory_utilization", "rollout.enforce_eager")
+"""Settings a resumed run may change: how long it runs and how it reports, not what it computes."""
+
+
+def check_run_folder(run_path: str, config: dict, resume: bool) -> int | None:
+    """Before anything is written: the step to resume from (None: a fresh start). Refuses (ValueError) a folder that
+    holds a run when resume is off, and a resume whose config differs from the saved one in anything but
+    ``RUN_CONTROL``, naming the differences."""
+    saved_path = os.path.join(run_path, "config.yaml")
+    holds_run = os.path.isfile(saved_path) or os.path.isdir(os.path.join(run_path, "checkpoints"))
+    if not holds_run:
+        return None
+    if not resume:
+        raise ValueError(f"run folder {run_path} already holds a run and trainer.resume is off: choose another "
+                         f"--trainer.run_name, remove the folder, or leave trainer.resume on to continue it")
+    step = latest_step(run_path)
+    if step is None or not os.path.isfile(saved_path):
+        return step
+    import yaml
+
+    with open(saved_path) as f:
+        saved = _flat(yaml.safe_load(f) or {})
+    now = _flat(config)
+    # settings the saved config lacks (added to the code since) keep their defaults
+    diff = [f"{k}: {saved[k]!r} -> {now.get(k, '(absent)')!r}" for k in sorted(saved)
+            if k not in RUN_CONTROL and saved[k] != now.get(k)]
+    if diff:
+        raise ValueError(f"run folder {run_path} holds a run with another config ({'; '.join(diff[:8])}"
+                         f"{'; ...' if len(diff) > 8 else ''}): resume it with the saved settings, or start a new "
+                         f"run with another --trainer.run_name")
+    return step
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def prune(run_path: str, keep_last: int) -> None:
+    """Remove all but the newest ``keep_last`` complete checkpoints (0: keep all); never the latest."""
+    if keep_last <= 0:
+        return
+    root = os.path.join(run_path, "checkpoints")
+    steps = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit())
+    for step in steps[:-keep_last]:
+        shutil.rmtree(_dir(run_path, step), ignore_errors=True)
+
+
 def _state(parts: dict[str, tuple[nn.Module, Any]]) -> dict:
     state = {}
     for name, (model, optimizer) in parts.items():
@@ -44,8 +100,10 @@ def _state(parts: dict[str, tuple[nn.Module, Any]]) -> dict:
     return state
 
 
-def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trainer_state: dict, topo: Topology) -> str:
-    """Save {name: (model, optimizer or None)} and the trainer state for ``step``."""
+def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trainer_state: dict, topo: Topology,
+         keep_last: int = 0) -> str:
+    """Save {name: (model, optimizer or None)} and the trainer state for ``step``; then keep the newest
+    ``keep_last`` checkpoints (0: all)."""
     final = _dir(run_path, step)
     tmp = final + ".tmp"
     if topo.is_main and os.path.exists(tmp):
@@ -61,6 +119,7 @@ def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trai
         with open(marker + ".tmp", "w") as f:
             f.write(str(step))
         os.replace(marker + ".tmp", marker)
+        prune(run_path, keep_last)
     dist.barrier()
     return final
 

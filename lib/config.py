@@ -130,6 +130,8 @@ class DataConfig:
     shuffle: bool = True
     limit: int = 0
     """Use only the first N rows of each file (0: all), for quick trials."""
+    bad_rows: Literal["error", "skip"] = "error"
+    """A row without a usable prompt, scorer or ground truth: stop naming its file and row, or drop and count it."""
 
 
 @dataclass
@@ -224,8 +226,14 @@ class TrainerConfig:
     """Prompts per step over all ranks (each gets rollout.n samples)."""
     val_every: int = 10
     """Validate every N steps, and before the first and after the last (0: never)."""
-    save_every: int = 0
-    """Save a checkpoint every N steps (0: only at the end)."""
+    save_every: int = 50
+    """Save a checkpoint every N steps, and at the end and on SIGTERM/SIGUSR1/SIGINT (0: only those)."""
+    keep_last: int = 3
+    """Checkpoints kept in the run folder, newest first (0: all)."""
+    max_bad_steps: int = 5
+    """Stop after this many steps in a row whose update was skipped for a non-finite loss or grad norm."""
+    collective_timeout_s: float = 1800.0
+    """How long a collective waits for the other ranks before the run fails (naming each rank's stage)."""
     output_root: str = "runs"
     run_name: str = ""
     """Run folder under output_root ("" : a timestamp). metrics.jsonl, config.yaml, checkpoints go there."""
@@ -239,7 +247,7 @@ class TrainerConfig:
     sp_size: int = 1
     """Ulysses sequence-parallel size."""
     resume: bool = True
-    """Continue from the run folder's latest checkpoint when there is one."""
+    """Continue from the run folder's latest checkpoint when there is one. Off: the run folder must not exist yet."""
 
 
 @dataclass
@@ -289,7 +297,7 @@ def load_preset(name_or_path: str) -> dict:
         return yaml.safe_load(f) or {}
 
 
-def parse(argv: list[str], default_preset: str = "") -> Config:
+def parse(argv: list[str], default_preset: str = "", prog: str | None = None) -> Config:
     argv = list(argv)
     preset = default_preset
     if "--config" in argv:
@@ -306,9 +314,46 @@ def parse(argv: list[str], default_preset: str = "") -> Config:
             if os.environ.get("RANK", "0") == "0":
                 print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+    try:
+        check_bool_flags(argv)
+    except ValueError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    import contextlib
+    import io
+
     import tyro
 
-    return tyro.cli(Config, default=base, args=argv, description=__doc__)
+    quiet = os.environ.get("RANK", "0") != "0"  # tyro's message once, from rank 0
+    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        return tyro.cli(Config, default=base, args=argv, description=__doc__, prog=prog)
+
+
+def bool_fields(obj: Any = None, where: str = "") -> list[str]:
+    """Dotted names of every boolean setting."""
+    obj = Config() if obj is None else obj
+    found = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if is_dataclass(value):
+            found += bool_fields(value, f"{where}{f.name}.")
+        elif isinstance(value, bool):
+            found.append(f"{where}{f.name}")
+    return found
+
+
+def check_bool_flags(argv: list[str]) -> None:
+    """``--x.flag true`` is refused with the flag spelling (booleans are flags on this command line)."""
+    names = {n.replace("_", "-"): n for n in bool_fields()}
+    for i, arg in enumerate(argv):
+        key = arg[2:].split("=", 1)[0].replace("_", "-") if arg.startswith("--") else ""
+        value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+        if key in names and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            on = value.lower() in ("true", "1", "yes", "on")
+            head, _, last = key.rpartition(".")
+            flag = f"--{key}" if on else f"--{head + '.' if head else ''}no-{last}"
+            raise ValueError(f"{arg}{'' if '=' in arg else ' ' + value}: booleans are flags here; use {flag}")
 
 
 def to_dict(cfg: Any) -> dict:
@@ -409,6 +454,9 @@ def _value_problems(cfg: Config) -> list[str]:
         (t.total_steps == 0 and t.epochs <= 0, f"trainer.epochs={t.epochs} must be >= 1 (or set trainer.total_steps)"),
         (t.val_every < 0, f"trainer.val_every={t.val_every} must be >= 0 (0: never)"),
         (t.save_every < 0, f"trainer.save_every={t.save_every} must be >= 0 (0: only at the end)"),
+        (t.keep_last < 0, f"trainer.keep_last={t.keep_last} must be >= 0 (0: keep every checkpoint)"),
+        (t.max_bad_steps < 1, f"trainer.max_bad_steps={t.max_bad_steps} must be >= 1"),
+        (t.collective_timeout_s <= 0, f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0"),
         (not 0 <= al.gamma <= 1, f"algorithm.gamma={al.gamma} must be in [0, 1]"),
         (not 0 <= al.lam <= 1, f"algorithm.lam={al.lam} must be in [0, 1]"),
         (al.overlong_buffer < 0, f"algorithm.overlong_buffer={al.overlong_buffer} must be >= 0 (0: off)"),

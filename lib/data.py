@@ -10,6 +10,7 @@ step s is the s-th slice of that stream, so a resumed run only needs the step nu
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -30,11 +31,54 @@ def check_files(files: list[str], what: str) -> None:
             raise ValueError(f"{what} file {f!r} is neither .parquet nor .jsonl/.json")
 
 
-def _load_rows(files: list[str]) -> list[dict]:
-    from datasets import load_dataset
+def _read(path: str) -> list[Any]:
+    """The rows of one parquet / jsonl / json (array or lines) file; a file that is not one is a ValueError naming it."""
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
 
-    kind = "parquet" if files[0].endswith(".parquet") else "json"
-    return list(load_dataset(kind, data_files=files, split="train"))
+            return pq.read_table(path).to_pylist()
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if path.endswith(".json") and text.lstrip().startswith("["):
+            return json.loads(text)
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, ValueError, UnicodeDecodeError) as e:  # pyarrow's errors are ValueErrors too
+        kind = "parquet" if path.endswith(".parquet") else "JSON lines"
+        raise ValueError(f"{path} cannot be read as {kind}: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def row_problem(row: Any, known_sources: set[str] | None) -> str:
+    """Why a data row cannot be trained on ("" if it can). ``known_sources``: the data sources a scorer exists for
+    (None: a custom reward function scores every row)."""
+    if not isinstance(row, dict):
+        return f"a row must be an object with a 'prompt', not {type(row).__name__}"
+    prompt = row.get("prompt")
+    if prompt is None:
+        return "no 'prompt'"
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            return "an empty prompt"
+    elif isinstance(prompt, list):
+        if not prompt:
+            return "an empty message list in 'prompt'"
+        for i, m in enumerate(prompt):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                return f"prompt message {i} has no string 'content'"
+            if not isinstance(m.get("role"), str):
+                return f"prompt message {i} has no string 'role'"
+    else:
+        return f"'prompt' must be chat messages or a string, not {type(prompt).__name__}"
+    if known_sources is not None:
+        source = row.get("data_source")
+        if source is None:
+            return "no 'data_source' (it picks the scorer; or set --reward.custom_fn)"
+        if source not in known_sources:
+            return f"no scorer for data_source {source!r} (known: {sorted(known_sources)}; or set --reward.custom_fn)"
+        rm = row.get("reward_model")
+        if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+            return f"no 'reward_model.ground_truth' (the {source} scorer compares with it)"
+    return ""
 
 
 @dataclass
@@ -51,40 +95,58 @@ class PromptSet:
 
 
 def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, truncation: str = "filter",
-                 apply_chat_template: bool = True, limit: int = 0) -> PromptSet:
+                 apply_chat_template: bool = True, limit: int = 0, known_sources: set[str] | None = None,
+                 bad_rows: str = "error") -> PromptSet:
+    """Every row is checked (``row_problem``, and a prompt must tokenize to something): ``bad_rows="error"`` refuses
+    the first bad row naming its file and row number; ``"skip"`` drops bad rows and counts them in ``stats``."""
     if truncation not in TRUNCATION:
         raise ValueError(f"data.truncation must be one of {TRUNCATION}, got {truncation!r}")
-    rows = _load_rows(files)
-    if limit:
-        rows = rows[:limit]
-    if rows and "prompt" not in rows[0]:
-        raise ValueError(f"{files[0]} has no 'prompt' column (columns: {sorted(rows[0])}); see examples/ for the layout")
     ids, texts, sources, truths, extras = [], [], [], [], []
-    stats = {"prompts": len(rows), "filtered": 0, "truncated": 0}
-    for row in rows:
-        prompt = row["prompt"]
-        if apply_chat_template and isinstance(prompt, list):
-            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        else:
-            text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
-        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(tokens) > max_prompt_length:
-            if truncation == "filter":
-                stats["filtered"] += 1
+    stats = {"prompts": 0, "filtered": 0, "truncated": 0, "bad_rows": 0}
+    first_bad = ""
+    for path in files:
+        rows = _read(path)
+        if not rows:
+            raise ValueError(f"{path} holds no rows")
+        for number, row in enumerate(rows[:limit] if limit else rows):
+            problem = row_problem(row, known_sources)
+            if not problem:
+                prompt = row["prompt"]
+                if apply_chat_template and isinstance(prompt, list):
+                    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                else:
+                    text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+                tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+                problem = "" if tokens else "the prompt tokenizes to nothing"
+            if problem:
+                if bad_rows == "error":
+                    raise ValueError(f"{path} row {number}: {problem} (fix the row, or set --data.bad_rows skip to "
+                                     f"drop such rows)")
+                stats["bad_rows"] += 1
+                first_bad = first_bad or f"{path} row {number}: {problem}"
                 continue
-            if truncation == "error":
-                raise ValueError(f"a prompt of {len(tokens)} tokens exceeds data.max_prompt_length="
-                                 f"{max_prompt_length}; raise it or set data.truncation to filter/left/right")
-            stats["truncated"] += 1
-            tokens = tokens[-max_prompt_length:] if truncation == "left" else tokens[:max_prompt_length]
-        rm = row.get("reward_model") or {}
-        ids.append(tokens)
-        texts.append(text)
-        sources.append(row.get("data_source", "unknown"))
-        truths.append(rm.get("ground_truth") if isinstance(rm, dict) else None)
-        extras.append(row.get("extra_info"))
+            stats["prompts"] += 1
+            if len(tokens) > max_prompt_length:
+                if truncation == "filter":
+                    stats["filtered"] += 1
+                    continue
+                if truncation == "error":
+                    raise ValueError(f"{path} row {number}: a prompt of {len(tokens)} tokens exceeds "
+                                     f"data.max_prompt_length={max_prompt_length}; raise it or set data.truncation "
+                                     f"to filter/left/right")
+                stats["truncated"] += 1
+                tokens = tokens[-max_prompt_length:] if truncation == "left" else tokens[:max_prompt_length]
+            rm = row.get("reward_model") or {}
+            ids.append(tokens)
+            texts.append(text)
+            sources.append(row.get("data_source", "unknown"))
+            truths.append(rm.get("ground_truth") if isinstance(rm, dict) else None)
+            extras.append(row.get("extra_info"))
+    if first_bad:
+        stats["first_bad_row"] = first_bad
     if not ids:
-        raise ValueError(f"no prompt in {files} fits max_prompt_length={max_prompt_length}")
+        raise ValueError(f"no usable prompt in {files} (max_prompt_length={max_prompt_length}, "
+                         f"{stats['bad_rows']} bad rows{': ' + first_bad if first_bad else ''})")
     obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731 - keeps dicts/lists as objects
     return PromptSet(ids, texts, obj(sources), obj(truths), obj(extras), stats)
 

@@ -43,6 +43,10 @@ def run_dir(output_root: str, run_name: str) -> str:
 
 
 class RunLogger:
+    """``start_step``: the step the run starts from (a resumed checkpoint's, or 0). Rows of metrics.jsonl after it
+    (a killed run's steps past its last checkpoint, or everything on a fresh start) are dropped first, so no
+    step is ever logged twice; a wandb run resumes by the id kept in the run folder."""
+
     def __init__(self, path: str, config: dict, total_steps: int, loggers: list[str], project: str,
                  is_main: bool, start_step: int = 0):
         self.path, self.total, self.is_main = path, total_steps, is_main
@@ -54,14 +58,22 @@ class RunLogger:
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.yaml"), "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)
-        self.jsonl = open(os.path.join(path, "metrics.jsonl"), "a") if "jsonl" in self.loggers else None
+        metrics_path = os.path.join(path, "metrics.jsonl")
+        keep_rows_through(metrics_path, start_step if start_step else -1)
+        self.jsonl = open(metrics_path, "a") if "jsonl" in self.loggers else None
         if "wandb" in self.loggers:
             import wandb
 
             if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
                 os.environ["WANDB_MODE"] = "offline"  # no key: keep the run on disk (wandb sync later)
+            id_path = os.path.join(path, "wandb_id")
+            if not os.path.isfile(id_path):
+                with open(id_path, "w") as f:
+                    f.write(wandb.util.generate_id())
+            with open(id_path) as f:
+                run_id = f.read().strip()
             self.wandb = wandb.init(project=project, name=os.path.basename(path), dir=path, config=config,
-                                    resume="allow")
+                                    id=run_id, resume="allow")
 
     def print(self, *args: Any) -> None:
         if self.is_main and "console" in self.loggers:
@@ -93,6 +105,24 @@ class RunLogger:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def keep_rows_through(path: str, step: int) -> None:
+    """Drop the rows of a metrics.jsonl after ``step`` (and a torn last line), atomically."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            if row.get("step", 0) <= step:
+                kept.append(json.dumps(row) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def excepthook_rank(rank: int) -> None:

@@ -1,32 +1,100 @@
-"""Resume and periodic checkpoints: what decides the next step is saved every save_every steps and at the end,
-and loaded from the run folder's latest checkpoint when a run starts again."""
+"""Resume, periodic checkpoints, and stopping cleanly.
+
+Everything that decides the next step is checkpointed: models, optimizers, lr schedulers, the data position (which
+also keys the rollout seeds, dynamic-sampling rounds included) and the KL coefficient. A run killed at any moment
+and started again with the same command therefore logs the same numbers as one never interrupted.
+
+SIGTERM, SIGUSR1 (SLURM pre-emption, scancel) and SIGINT (Ctrl-C) let the step in flight finish; then every rank
+agrees to stop, a checkpoint is written and the run exits 0 naming it. Steps whose update was skipped (a non-finite
+loss or grad norm) are counted; after ``trainer.max_bad_steps`` in a row the run stops, naming the last checkpoint.
+"""
 
 from __future__ import annotations
 
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
 from lib import checkpoint
-from lib.startup import Run
 from lib.validation import validate_policy
 
+if TYPE_CHECKING:
+    from lib.startup import Run
+    from lib.update import Trainee
 
-def resume(run: Run, parts: dict, kl_ctrl) -> int:
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+_requested: list[int] = []  # the signals received, in order
+
+
+def _on_signal(signum, _frame) -> None:
+    if not _requested:
+        print(f"{signal.Signals(signum).name}: finishing the step in flight, then saving a checkpoint",
+              file=sys.stderr, flush=True)
+    _requested.append(signum)
+    if signum == signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
+
+
+def install_stop_handlers() -> None:
+    _requested.clear()
+    for s in STOP_SIGNALS:
+        signal.signal(s, _on_signal)
+
+
+def _parts(trainees: dict[str, Trainee]) -> dict:
+    return {name: (t.model, t.optimizer) for name, t in trainees.items()}
+
+
+def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
     """Load the run folder's latest checkpoint (if resuming); validate first on a fresh start. Returns the step."""
+    install_stop_handlers()
     last = checkpoint.latest_step(run.path) if run.cfg.trainer.resume else None
     if last is None:
         if run.cfg.trainer.val_every:
             run.logger.log(0, validate_policy(run, 0))
         return 0
-    state = checkpoint.load(run.path, last, parts)
-    kl_ctrl.value = state.get("kl_coef", kl_ctrl.value)
-    run.data_position = state.get("data_position", state["step"])
+    state = checkpoint.load(run.path, last, _parts(trainees))
+    for name, t in trainees.items():
+        t.scheduler.load_state_dict(state["schedulers"][name])
+    kl_ctrl.value = state["kl_coef"]
+    run.data_position = state["data_position"]
     run.logger.print(f"resumed from step {state['step']}")
     return state["step"]
 
 
-def end_of_step(run: Run, step: int, parts: dict, kl_ctrl) -> None:
-    """Validate every val_every steps and at the end; checkpoint every save_every steps and at the end."""
+def save(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl) -> str:
+    state = {"kl_coef": kl_ctrl.value, "data_position": run.data_position,
+             "schedulers": {name: t.scheduler.state_dict() for name, t in trainees.items()}}
+    return checkpoint.save(run.path, step, _parts(trainees), state, run.topo, run.cfg.trainer.keep_last)
+
+
+def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metrics: dict) -> bool:
+    """Validate every val_every steps and at the end; checkpoint every save_every steps, at the end and when a stop
+    signal came. Returns False when the run must stop (a signal, or too many bad steps in a row)."""
     t, done = run.cfg.trainer, step + 1 == run.total_steps
-    if t.val_every and ((step + 1) % t.val_every == 0 or done):
+    skipped = sum(v for k, v in metrics.items() if k.endswith("/skipped_steps"))
+    run.bad_steps = run.bad_steps + 1 if skipped else 0
+    flags = torch.tensor([_requested[0] if _requested else 0, run.bad_steps], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # world: a signal or a bad step on any rank stops every rank
+    signum, bad = int(flags[0]), int(flags[1])
+    if bad >= t.max_bad_steps:
+        last = checkpoint.latest_step(run.path)
+        where = f"{run.path}/checkpoints/step_{last}" if last is not None else "none (no checkpoint was written)"
+        run.logger.print(f"error: {bad} steps in a row skipped their update (non-finite loss or grad norm; see "
+                         f"actor/skipped_steps); last good checkpoint: {where}. Lower the learning rate or check the "
+                         f"rewards, then resume from it.")
+        run.stopped = "bad_steps"
+        return False
+    if t.val_every and ((step + 1) % t.val_every == 0 or done) and not signum:
         run.logger.log(step + 1, validate_policy(run, step + 1))
-    if (t.save_every and (step + 1) % t.save_every == 0) or done:
-        checkpoint.save(run.path, step + 1, parts, {"kl_coef": kl_ctrl.value, "data_position": run.data_position},
-                        run.topo)
+    if (t.save_every and (step + 1) % t.save_every == 0) or done or signum:
+        path = save(run, step + 1, trainees, kl_ctrl)
+        if signum and not done:
+            run.logger.print(f"stopped by {signal.Signals(signum).name} after step {step + 1}: checkpoint {path}; "
+                             f"the same command resumes the run")
+            run.stopped = signal.Signals(signum).name
+            return False
+    return True

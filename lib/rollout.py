@@ -20,6 +20,7 @@ def next_batch(run: Run) -> DataProto:
     rows = run.sampler.rows(index, run.topo.rank, run.topo.world_size)
     batch = collate(run.train, rows, run.cfg.data.max_prompt_length, run.tokenizer.pad_token_id)
     batch.non_tensor_batch["uid"] = np.array([f"{index}-{r}" for r in rows] + [None], dtype=object)[:-1]
+    batch.meta_info["seed_key"] = index  # sampling seeds follow the data position, not a per-process count
     return batch
 
 

@@ -30,7 +30,7 @@ from lib.fsdp import build_sharded_model
 from lib.logging import RunLogger, excepthook_rank, run_dir
 from lib.models import load_config, load_tokenizer
 from lib.optim import build_optimizer
-from lib.rewards import load_custom
+from lib.rewards import RULES, load_custom
 from lib.rewards.scorer import RewardModel, Scorer
 from lib.update import Trainee
 
@@ -53,62 +53,97 @@ class Run:
     ref: torch.nn.Module | None = None
     data_position: int = 0
     """Prompt batches drawn from the data stream so far (one per step; more with dynamic sampling). Checkpointed."""
+    bad_steps: int = 0
+    """Steps in a row whose update was skipped (non-finite loss or grad norm)."""
+    stopped: str = ""
+    """Why the loop ended early: a signal's name, or "bad_steps"."""
     reported_failures: set[str] = field(default_factory=set)
     """Reward failure kinds whose first message was printed."""
 
 
 def start(cfg: Config, need_critic: bool = False) -> Run:
-    """Process group, toy assets, config checks, data and logger: everything that can fail on user input,
-    before any model is loaded."""
+    """Process group, toy assets, config checks, run folder, data and logger: everything that can fail on user
+    input, before any model is loaded."""
     if uses_vllm(cfg):
         from lib.engine.vllm import strip_expandable_segments
 
         strip_expandable_segments()  # before CUDA's allocator starts: it reads the setting once
     topo = init_topology(sp_size=cfg.trainer.sp_size, fsdp_shard_size=cfg.actor.fsdp.shard_size,
-                         rollout_tp_size=cfg.rollout.tp_size, device=cfg.trainer.device)
+                         rollout_tp_size=cfg.rollout.tp_size, device=cfg.trainer.device,
+                         timeout_s=cfg.trainer.collective_timeout_s)
     excepthook_rank(topo.rank)
     torch.manual_seed(cfg.trainer.seed)
     resolve_toy(cfg, topo)
     resolved = resolve(cfg)
+    obj = [run_dir(cfg.trainer.output_root, cfg.trainer.run_name)]
+    dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
+    path = obj[0]
     try:
-        model_config = load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
-        sizes = validate(cfg, topo.world_size, model_config, need_critic)
-        check_files(cfg.data.train_files, "train")
-        check_files(cfg.data.val_files, "val")
-        if cfg.reward.custom_fn:
-            load_custom(cfg.reward.custom_fn)
+        inputs = check_inputs(cfg, topo.world_size, need_critic, path)
     except (ValueError, OSError) as e:  # user input: one message, no traceback, nothing loaded or written
         if topo.is_main:
             print(f"error: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         raise SystemExit(2) from None
-    tokenizer = load_tokenizer(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
-    d = cfg.data
-    train = load_prompts(d.train_files, tokenizer, d.max_prompt_length, d.truncation, d.apply_chat_template, d.limit)
-    val = load_prompts(d.val_files, tokenizer, d.max_prompt_length, d.truncation, d.apply_chat_template,
-                       d.limit) if d.val_files and cfg.trainer.val_every else None
-    sampler = Sampler(len(train), cfg.trainer.train_batch_size, cfg.trainer.seed, d.shuffle)
+    sizes, tokenizer, train, val, sampler = inputs.sizes, inputs.tokenizer, inputs.train, inputs.val, inputs.sampler
+    start_step = inputs.start_step
     total = cfg.trainer.total_steps or cfg.trainer.epochs * sampler.steps_per_epoch
-    path = run_dir(cfg.trainer.output_root, cfg.trainer.run_name)
-    obj = [path]
-    dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
-    logger = RunLogger(obj[0], to_dict(cfg), total, cfg.trainer.logger, cfg.trainer.project, topo.is_main)
+    logger = RunLogger(path, to_dict(cfg), total, cfg.trainer.logger, cfg.trainer.project, topo.is_main,
+                       start_step=start_step or 0)
     logger.print(f"{topo}\nprompts: train {train.stats}, val {val.stats if val else None}; {total} steps; "
-                 f"run folder {obj[0]}" + "".join(f"\nresolved: {line}" for line in resolved))
+                 f"run folder {path}" + "".join(f"\nresolved: {line}" for line in resolved))
     rm = RewardModel(cfg.reward.reward_model, topo.device) if cfg.reward.reward_model else None
     scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers)
-    return Run(cfg, topo, sizes, obj[0], tokenizer, train, val, sampler, total, logger, scorer)
+    return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer)
 
 
-def resolve_toy(cfg: Config, topo: Topology) -> None:
-    """``toy`` in the model path or data files means the embedded task: rank 0 builds it once."""
+@dataclass
+class Inputs:
+    sizes: Sizes
+    start_step: int | None
+    tokenizer: Any
+    train: PromptSet
+    val: PromptSet | None
+    sampler: Sampler
+
+
+def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> Inputs:
+    """Every check of user input, in one process and without a process group (lib/check.py runs it before torchrun
+    starts the ranks; each rank runs it again): config values and size relations, model / critic / reward-model /
+    data / custom-reward paths, the run folder, the data rows. Raises ValueError or OSError with the fix named."""
+    model_config = load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
+    sizes = validate(cfg, world_size, model_config, need_critic)
+    if need_critic and cfg.critic.model.path:
+        load_config(cfg.critic.model.path, cfg.critic.model.trust_remote_code)
+    if cfg.reward.reward_model:
+        load_config(cfg.reward.reward_model)
+    check_files(cfg.data.train_files, "train")
+    check_files(cfg.data.val_files, "val")
+    if cfg.reward.custom_fn:
+        load_custom(cfg.reward.custom_fn)
+    start_step = checkpoint.check_run_folder(path, to_dict(cfg), cfg.trainer.resume)
+    tokenizer = load_tokenizer(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
+    d = cfg.data
+    known = None if cfg.reward.custom_fn else set(RULES)
+    load = lambda files: load_prompts(files, tokenizer, d.max_prompt_length, d.truncation,  # noqa: E731
+                                      d.apply_chat_template, d.limit, known, d.bad_rows)
+    train = load(d.train_files)
+    val = load(d.val_files) if d.val_files and cfg.trainer.val_every else None
+    sampler = Sampler(len(train), cfg.trainer.train_batch_size, cfg.trainer.seed, d.shuffle)
+    return Inputs(sizes, start_step, tokenizer, train, val, sampler)
+
+
+def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:
+    """``toy`` in the model path or data files means the embedded task: rank 0 builds it once (``topo`` None: a
+    single process, lib/check.py)."""
     uses_toy = cfg.actor.model.path == "toy" or "toy" in cfg.data.train_files or "toy" in cfg.data.val_files
     if not uses_toy:
         return
     assets = os.path.join(cfg.trainer.output_root, "toy_assets")
-    if topo.is_main:
+    if topo is None or topo.is_main:
         toy.prepare(assets, seed=0)
-    dist.barrier()
+    if topo is not None:
+        dist.barrier()
     paths = toy.prepare(assets, seed=0)  # already built: just the paths
     if cfg.actor.model.path == "toy":
         cfg.actor.model.path = paths["model"]
@@ -170,10 +205,16 @@ def uses_vllm(cfg: Config) -> bool:
 
 
 def finish(run: Run) -> None:
-    checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo, run.tokenizer)
-    run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
+    """Export the final policy (a run that completed), close the logger, the scorer's workers and the engine. A run
+    stopped by too many bad steps exits 3; one stopped by a signal exits 0 after its checkpoint."""
+    if not run.stopped:
+        checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo,
+                             run.tokenizer)
+        run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
     run.logger.close()
     run.scorer.close()
     run.engine.close()  # vLLM tears its groups down (and the default one) now, not in an atexit hook
     if dist.is_initialized():
         dist.destroy_process_group()
+    if run.stopped == "bad_steps":
+        raise SystemExit(3)

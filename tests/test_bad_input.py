@@ -1,0 +1,131 @@
+"""Bad input through the real entry point (``bash launch.sh``): each case exits 2 with one message that names the
+problem, printed once, before any rank starts; no traceback, no torchrun failure block, nothing written."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOISE = ("Traceback", "ChildFailedError", "torch.distributed.elastic", "[rank")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad_input")
+    good = {"prompt": [{"role": "user", "content": "1,2,3,4,"}], "data_source": "toy",
+            "reward_model": {"ground_truth": "4,3,2,1"}}
+
+    def jsonl(name, rows, raw=None):
+        path = d / name
+        path.write_text(raw if raw is not None else "\n".join(json.dumps(r) for r in rows) + "\n")
+        return str(path)
+
+    out = {
+        "garbage_parquet": jsonl("garbage.parquet", [], raw="this is not parquet"),
+        "garbage_jsonl": jsonl("garbage.jsonl", [], raw="{not json\n"),
+        "empty": jsonl("empty.jsonl", [], raw=""),
+        "no_prompt": jsonl("no_prompt.jsonl", [good, {"data_source": "toy"}]),
+        "empty_messages": jsonl("empty_messages.jsonl", [good, {**good, "prompt": []}]),
+        "no_content": jsonl("no_content.jsonl", [good, {**good, "prompt": [{"role": "user", "content": 5}]}]),
+        "null_source": jsonl("null_source.jsonl", [good, {**good, "data_source": None}]),
+        "unknown_source": jsonl("unknown_source.jsonl", [good, {**good, "data_source": "mystery"}]),
+        "no_truth": jsonl("no_truth.jsonl", [good, {**good, "reward_model": {}}]),
+        "empty_prompt": jsonl("empty_prompt.jsonl", [good, {**good, "prompt": "   "}]),
+        "not_object": jsonl("not_object.jsonl", [good, [1, 2]]),
+        "long": jsonl("long.jsonl", [good, {**good, "prompt": [{"role": "user", "content": "1," * 400}]}]),
+        "text": jsonl("data.txt", [good]),
+    }
+    (d / "broken_reward.py").write_text("import not_a_module_anywhere\n")
+    (d / "reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
+    out["broken_reward"], out["reward"] = str(d / "broken_reward.py"), str(d / "reward.py")
+    out["root"] = str(d / "runs")
+    # a run folder holding a finished run of another config, and one holding any run (for resume off)
+    for name, lr in (("other", 0.5), ("existing", 0.5)):
+        run = d / "runs" / name
+        (run / "checkpoints" / "step_2").mkdir(parents=True)
+        (run / "checkpoints" / "latest").write_text("2")
+        (run / "config.yaml").write_text(f"actor:\n  optim:\n    lr: {lr}\n")
+        (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    return out
+
+
+CASES = [  # (id, script, arguments (with {file} placeholders), what the one message must say)
+    ("bool-as-value", "train_grpo.py", "--algorithm.filter_groups true", "use --algorithm.filter-groups"),
+    ("bool-off", "train_grpo.py", "--trainer.resume off", "use --trainer.no-resume"),
+    ("unknown-flag", "train_grpo.py", "--actor.lrr 1", "Unrecognized options: --actor.lrr"),
+    ("unknown-preset", "train_grpo.py", "--config nope", "no config file or preset 'nope'"),
+    ("bad-choice", "train_grpo.py", "--actor.policy_loss nope", "nope"),
+    ("temperature", "train_grpo.py", "--rollout.temperature 0", "rollout.temperature=0.0"),
+    ("top-p", "train_grpo.py", "--rollout.top_p 1.5", "rollout.top_p=1.5"),
+    ("top-k", "train_grpo.py", "--rollout.top_k -1", "rollout.top_k=-1"),
+    ("group-n", "train_grpo.py", "--rollout.n 1", "rollout.n=1"),
+    ("val-n", "train_grpo.py", "--rollout.val_n 0", "rollout.val_n=0"),
+    ("steps", "train_grpo.py", "--trainer.total_steps -1", "trainer.total_steps=-1"),
+    ("epochs", "train_grpo.py", "--trainer.total_steps 0 --trainer.epochs 0", "trainer.epochs=0"),
+    ("val-every", "train_grpo.py", "--trainer.val_every -1", "trainer.val_every=-1"),
+    ("save-every", "train_grpo.py", "--trainer.save_every -1", "trainer.save_every=-1"),
+    ("keep-last", "train_grpo.py", "--trainer.keep_last -1", "trainer.keep_last=-1"),
+    ("max-bad-steps", "train_grpo.py", "--trainer.max_bad_steps 0", "trainer.max_bad_steps=0"),
+    ("gamma", "train_ppo.py", "--algorithm.gamma 1.5", "algorithm.gamma=1.5"),
+    ("lam", "train_ppo.py", "--algorithm.lam -0.1", "algorithm.lam=-0.1"),
+    ("overlong", "train_grpo.py", "--algorithm.overlong_buffer -1", "algorithm.overlong_buffer=-1"),
+    ("kl-horizon", "train_ppo.py", "--algorithm.kl_ctrl.type adaptive --algorithm.kl_ctrl.horizon 0",
+     "algorithm.kl_ctrl.horizon=0"),
+    ("reward-timeout", "train_grpo.py", "--reward.timeout_s 0", "reward.timeout_s=0.0"),
+    ("reward-workers", "train_grpo.py", "--reward.num_workers 0", "reward.num_workers=0"),
+    ("logger", "train_grpo.py", "--trainer.logger console bogus", "unknown name(s) ['bogus']"),
+    ("lr", "train_grpo.py", "--actor.optim.lr -1", "actor.optim.lr=-1.0"),
+    ("warmup", "train_grpo.py", "--actor.optim.warmup_steps -1", "actor.optim.warmup_steps=-1"),
+    ("grad-norm", "train_grpo.py", "--actor.optim.max_grad_norm 0", "actor.optim.max_grad_norm=0.0"),
+    ("batch-vs-ranks", "train_grpo.py", "--trainer.train_batch_size 7", "7"),
+    ("mini-batch", "train_grpo.py", "--actor.mini_batch_size 5", "must divide by the 2 ranks"),
+    ("sp-size", "train_grpo.py", "--trainer.sp_size 3", "sp_size"),
+    ("model-path", "train_grpo.py", "--actor.model.path /nope/model", "/nope/model"),
+    ("critic-path", "train_ppo.py", "--critic.model.path /nope/critic", "/nope/critic"),
+    ("reward-model-path", "train_grpo.py", "--reward.reward_model /nope/rm", "/nope/rm"),
+    ("train-file", "train_grpo.py", "--data.train_files /nope.parquet", "/nope.parquet"),
+    ("file-kind", "train_grpo.py", "--data.train_files {text}", "neither .parquet nor .jsonl"),
+    ("reward-spec", "train_grpo.py", "--reward.custom_fn nofunction", "path/to/file.py:function_name"),
+    ("reward-file", "train_grpo.py", "--reward.custom_fn /nope.py:score", "does not exist"),
+    ("reward-fn", "train_grpo.py", "--reward.custom_fn {reward}:missing", "has no function 'missing'"),
+    ("reward-import", "train_grpo.py", "--reward.custom_fn {broken_reward}:score", "failed to import"),
+    ("garbage-parquet", "train_grpo.py", "--data.train_files {garbage_parquet}", "cannot be read as parquet"),
+    ("garbage-jsonl", "train_grpo.py", "--data.train_files {garbage_jsonl}", "cannot be read as JSON lines"),
+    ("empty-file", "train_grpo.py", "--data.train_files {empty}", "holds no rows"),
+    ("no-prompt", "train_grpo.py", "--data.train_files {no_prompt}", "row 1: no 'prompt'"),
+    ("empty-messages", "train_grpo.py", "--data.train_files {empty_messages}", "row 1: an empty message list"),
+    ("no-content", "train_grpo.py", "--data.train_files {no_content}", "row 1: prompt message 0 has no string"),
+    ("null-source", "train_grpo.py", "--data.train_files {null_source}", "row 1: no 'data_source'"),
+    ("unknown-source", "train_grpo.py", "--data.train_files {unknown_source}", "no scorer for data_source 'mystery'"),
+    ("no-truth", "train_grpo.py", "--data.train_files {no_truth}", "row 1: no 'reward_model.ground_truth'"),
+    ("empty-prompt", "train_grpo.py", "--data.train_files {empty_prompt}", "row 1: an empty prompt"),
+    ("not-object", "train_grpo.py", "--data.train_files {not_object}", "row 1: a row must be an object"),
+    ("too-long", "train_grpo.py", "--data.train_files {long} --data.truncation error", "row 1: a prompt of"),
+    ("resume-off", "train_grpo.py", "--trainer.run_name existing --trainer.no-resume", "trainer.resume is off"),
+    ("changed-config", "train_grpo.py", "--trainer.run_name other", "actor.optim.lr: 0.5 -> 0.001"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_clean_message(case, files):
+    _, script, args, expected = case
+    argv = ["bash", "launch.sh", script, "--trainer.output_root", files["root"], *args.format(**files).split()]
+    before = {p: os.path.getmtime(p) for p in _written(files["root"])}
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NPROC": "2"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    assert expected in text, text[-3000:]
+    assert text.count(expected) == 1, text  # once, not once per rank
+    assert not any(n in text for n in NOISE), text[-3000:]
+    assert {p: os.path.getmtime(p) for p in _written(files["root"])} == before  # nothing written or touched
+
+
+def _written(root):
+    found = []
+    for base, _, names in os.walk(root):
+        if "toy_assets" not in base:
+            found += [os.path.join(base, n) for n in names]
+    return found
