@@ -136,17 +136,12 @@ def load(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]]) -> d
         return json.load(f)
 
 
-def export_hf(model: nn.Module, model_path: str, out_dir: str, topo: Topology, tokenizer: Any = None) -> None:
-    """Full weights as safetensors + the model's config (and tokenizer): a folder transformers and vLLM load."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
+def export_hf(model: nn.Module, model_path: str, out_dir: str, topo: Topology, trust_remote_code: bool = False,
+              kind: str = "causal_lm") -> None:
+    """The trained weights as a Hugging Face folder (lib/export.py's writer), gathered one tensor at a time."""
+    from lib.export import write_hf
 
     full = full_state_dict_on_rank0(model, topo)
     if topo.is_main:
-        os.makedirs(out_dir, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in full.items()}, os.path.join(out_dir, "model.safetensors"),
-                  metadata={"format": "pt"})
-        AutoConfig.from_pretrained(model_path).save_pretrained(out_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
+        write_hf(full, model_path, out_dir, kind, trust_remote_code)
     dist.barrier()

@@ -209,7 +209,7 @@ def finish(run: Run) -> None:
     stopped by too many bad steps exits 3; one stopped by a signal exits 0 after its checkpoint."""
     if not run.stopped:
         checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo,
-                             run.tokenizer)
+                             run.cfg.actor.model.trust_remote_code)
         run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
     run.logger.close()
     run.scorer.close()

@@ -1,0 +1,105 @@
+"""Hugging Face folders from training state: safetensors in the model's own dtype (sharded when large), its
+config (custom code copied when it has any), generation_config.json, and the tokenizer as the model ships it.
+
+    python -m lib.export CKPT_DIR OUT_DIR [--part actor|critic] [--max-shard-size 5GB]
+
+CKPT_DIR is a checkpoint (``runs/<run>/checkpoints/step_<k>``) or a run folder (its latest checkpoint); the run's
+config.yaml says which model it trained. The end-of-run export (``hf_final/``) writes through the same function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+import torch
+
+from lib import models
+
+KIND = {"actor": "causal_lm", "critic": "critic"}
+
+
+def write_hf(state: dict[str, torch.Tensor], model_path: str, out_dir: str, kind: str = "causal_lm",
+             trust_remote_code: bool = False, max_shard_size: str = "5GB") -> None:
+    """Write full weights ``state`` (HF names) as a folder ``from_pretrained`` and vLLM load, in the dtype of the
+    model at ``model_path``."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    config = models.load_config(model_path, trust_remote_code)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = models.build_empty(config, kind, "sdpa", trust_remote_code)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"the weights lack {missing[:5]}: not a checkpoint of this model ({model_path})")
+    model.config.dtype = dtype
+    if kind == "causal_lm":
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(model_path)
+        except OSError:  # the model ships none: the one its config implies
+            model.generation_config = GenerationConfig.from_model_config(config)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    # as the model ships it: not the trainer's runtime settings (left padding, pad = eos)
+    AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+
+
+def load_checkpoint(ckpt_dir: str, part: str, model_path: str, trust_remote_code: bool = False) -> dict[str, Any]:
+    """One part's full weights from a DCP checkpoint, read in this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    config = models.load_config(model_path, trust_remote_code)
+    model = models.build_empty(config, KIND[part], "sdpa", trust_remote_code)
+    model.to_empty(device="cpu")
+    state = {f"{part}.model": get_model_state_dict(model)}  # the names the trainer saved under
+    dcp.load(state, checkpoint_id=ckpt_dir, no_dist=True)
+    return state[f"{part}.model"]
+
+
+def checkpoint_dir(path: str) -> str:
+    """A checkpoint folder, or a run folder's latest one."""
+    from lib.checkpoint import _dir, latest_step
+
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    step = latest_step(path)
+    if step is None:
+        raise ValueError(f"{path} is neither a checkpoint (runs/<run>/checkpoints/step_<k>) nor a run folder with one")
+    return _dir(path, step)
+
+
+def main(argv: list[str]) -> int:
+    import yaml
+
+    p = argparse.ArgumentParser(prog="python -m lib.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint")
+    p.add_argument("out_dir")
+    p.add_argument("--part", choices=sorted(KIND), default="actor")
+    p.add_argument("--max-shard-size", default="5GB")
+    args = p.parse_args(argv)
+    try:
+        ckpt = checkpoint_dir(os.path.abspath(args.checkpoint))
+        run = os.path.dirname(os.path.dirname(ckpt))
+        with open(os.path.join(run, "config.yaml")) as f:
+            cfg = yaml.safe_load(f)
+        model_cfg = cfg["actor"]["model"]
+        if args.part == "critic" and cfg["critic"]["model"]["path"]:
+            model_cfg = cfg["critic"]["model"]
+        trust = bool(model_cfg.get("trust_remote_code"))
+        state = load_checkpoint(ckpt, args.part, model_cfg["path"], trust)
+        write_hf(state, model_cfg["path"], args.out_dir, KIND[args.part], trust, args.max_shard_size)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"error: {type(e).__name__ + ': ' if isinstance(e, KeyError) else ''}{e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out_dir} from {ckpt} ({args.part})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
