@@ -17,6 +17,11 @@ import torch
 import yaml
 
 
+STAGES: list[str] = []
+"""The stages this rank is in now, outermost first: an error (a collective's timeout included) names them."""
+FAILED_IN: list[str] = []
+
+
 @contextlib.contextmanager
 def stage(name: str, metrics: dict[str, float]) -> Iterator[None]:
     """Add the block's wall time to ``timing/<name>_s`` and raise ``memory/<name>_peak_gb`` to its peak (GPU
@@ -26,7 +31,14 @@ def stage(name: str, metrics: dict[str, float]) -> Iterator[None]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    yield
+    STAGES.append(name)
+    try:
+        yield
+    except BaseException:
+        FAILED_IN[:] = FAILED_IN or ["/".join(STAGES)]  # the innermost stage the error left
+        raise
+    finally:
+        STAGES.pop()
     if cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**30
@@ -126,11 +138,14 @@ def keep_rows_through(path: str, step: int) -> None:
 
 
 def excepthook_rank(rank: int) -> None:
-    """Prefix uncaught errors with the rank, so a multi-rank traceback says where it came from."""
+    """Prefix uncaught errors with the rank and the stage it was in, so a multi-rank traceback (a collective that
+    timed out on one rank because another never reached it) says where each rank was."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        sys.stderr.write(f"[rank {rank}] ")
+        stages = FAILED_IN[0] if FAILED_IN else "/".join(STAGES)
+        where = f" in stage {stages}" if stages else ""
+        sys.stderr.write(f"[rank {rank}{where}] ")
         previous(kind, value, tb)
 
     sys.excepthook = hook

@@ -90,7 +90,8 @@ def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metr
         return False
     if t.val_every and ((step + 1) % t.val_every == 0 or done) and not signum:
         run.logger.log(step + 1, validate_policy(run, step + 1))
-    if (t.save_every and (step + 1) % t.save_every == 0) or done or signum:
+    periodic = t.save_every and (step + 1) % t.save_every == 0 and not run.bad_steps  # a skipped update: no change
+    if periodic or done or signum:
         path = save(run, step + 1, trainees, kl_ctrl)
         if signum and not done:
             run.logger.print(f"stopped by {signal.Signals(signum).name} after step {step + 1}: checkpoint {path}; "

@@ -183,3 +183,17 @@ def test_out_of_range_values_are_refused_with_the_fix(overrides, message):
     with pytest.raises(ValueError) as e:
         config.validate(cfg, 2, tiny_config("qwen2"))
     assert message in str(e.value), str(e.value)
+
+
+def test_bad_rows_are_refused_or_skipped_and_counted(tmp_path):
+    tok = _tok()
+    good = {"prompt": [{"role": "user", "content": "1,2,"}], "data_source": "toy", "reward_model": {"ground_truth": "2,1"}}
+    rows = [good, {**good, "prompt": []}, good, {**good, "data_source": "nobody"}, {**good, "reward_model": None}]
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=r"d.jsonl row 1: an empty message list in 'prompt' .*--data.bad_rows skip"):
+        load_prompts([str(f)], tok, 16, known_sources={"toy"})
+    kept = load_prompts([str(f)], tok, 16, known_sources={"toy"}, bad_rows="skip")
+    assert len(kept) == 2 and kept.stats["bad_rows"] == 3 and "row 1" in kept.stats["first_bad_row"]
+    # a custom reward function scores any data source: only the prompt checks remain
+    assert load_prompts([str(f)], tok, 16, known_sources=None, bad_rows="skip").stats["bad_rows"] == 1

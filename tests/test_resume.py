@@ -108,3 +108,46 @@ def test_stop_signal_saves_a_checkpoint_and_exits_0(tmp_path):
     assert again.returncode == 0, again.stderr[-4000:]
     assert f"resumed from step {step}" in again.stdout
     assert [r["step"] for r in rows(tmp_path)] == list(range(1, step + 2))
+
+
+@pytest.mark.slow
+def test_non_finite_updates_stop_the_run_naming_the_last_checkpoint(tmp_path):
+    """From the third step the reward is +-1e30 (after 2 steps x 256 samples through the rank's one worker); without
+    std normalisation the gradient's norm overflows, so every later update is skipped and counted, and after
+    max_bad_steps in a row the run stops (the ranks exit 3) naming the last checkpoint, which bad steps do not overwrite."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("calls = 0\n"
+                      "def score(data_source, solution_str, ground_truth, extra_info):\n"
+                      "    global calls\n"
+                      "    calls += 1\n"
+                      "    good = float(solution_str.strip() == ground_truth)\n"
+                      "    return good if calls <= 512 else (1e30 if len(solution_str) % 2 else -1e30)\n")
+    out = subprocess.run(command(tmp_path, "--trainer.total_steps", "20", "--trainer.val_every", "0",
+                                 "--trainer.save_every", "1", "--reward.custom_fn", f"{reward}:score",
+                                 "--reward.num_workers", "1", "--algorithm.no-norm-adv-by-std",
+                                 "--trainer.max_bad_steps", "2", "--trainer.log_samples", "0"),
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    assert out.returncode != 0 and "exitcode  : 3" in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("2 steps in a row skipped their update") == 1
+    logged = rows(tmp_path)
+    assert [r["step"] for r in logged if r["actor/skipped_steps"] > 0] == [3, 4]
+    assert "last good checkpoint: " in out.stdout and "checkpoints/step_2" in out.stdout
+    assert int(open(tmp_path / "run" / "checkpoints" / "latest").read()) == 2  # bad steps are not saved
+
+
+@pytest.mark.slow
+def test_faulty_reward_costs_its_samples_and_is_reported_once(tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text("import math\n"
+                      "def score(data_source, solution_str, ground_truth, extra_info):\n"
+                      "    if solution_str.startswith('1'): raise ValueError('cannot parse')\n"
+                      "    if solution_str.startswith('2'): return math.nan\n"
+                      "    return float(solution_str.strip() == ground_truth)\n")
+    out = subprocess.run(command(tmp_path, "--trainer.total_steps", "3", "--trainer.val_every", "0",
+                                 "--reward.custom_fn", f"{reward}:score", "--trainer.log_samples", "0"),
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("warning: reward/errors: the scorer raised ValueError: cannot parse") == 1
+    assert out.stdout.count("warning: reward/invalid:") == 1
+    logged = rows(tmp_path)
+    assert len(logged) == 3 and all(r["reward/errors"] > 0 and r["reward/invalid"] > 0 for r in logged)
