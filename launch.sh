@@ -35,7 +35,7 @@ stop() { pkill -USR1 -P "$runner" 2>/dev/null || true; }
 trap stop INT TERM USR1
 status=0
 while true; do
-  wait "$runner"; status=$?
+  status=0; wait "$runner" || status=$?  # (set -e is on: a failing wait must not end this script)
   kill -0 "$runner" 2>/dev/null || break  # a trapped signal interrupted the wait: keep waiting
 done
 exit "$status"

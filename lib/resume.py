@@ -11,6 +11,7 @@ loss or grad norm) are counted; after ``trainer.max_bad_steps`` in a row the run
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -30,7 +31,7 @@ _requested: list[int] = []  # the signals received, in order
 
 
 def _on_signal(signum, _frame) -> None:
-    if not _requested:
+    if not _requested and os.environ.get("RANK", "0") == "0":
         print(f"{signal.Signals(signum).name}: finishing the step in flight, then saving a checkpoint",
               file=sys.stderr, flush=True)
     _requested.append(signum)
