@@ -10,8 +10,9 @@ in backward. (A context manager around the forward was not seen by that recomput
 checkpointing crashed with a CheckpointError, and plain packing would have attended across sequences.)
 
 Kernels, in order: PyTorch's own varlen flash kernel (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10,
-CUDA, bf16/fp16), the flash-attn package where installed, and on CPU (or fp32 on GPU) one causal sdpa per
-sequence. No S x S mask is ever built. On CPU without sequence parallelism the models keep transformers' sdpa.
+CUDA, bf16/fp16), the flash-attn package where installed, and on CPU (or fp32 on GPU) one causal sdpa over the
+sequences laid side by side, right-padded to the longest (sum of L_max^2 work, not S^2). No S x S mask is ever
+built (transformers' sdpa on a packed row builds one and attends over the whole row).
 """
 
 from __future__ import annotations
@@ -40,6 +41,19 @@ class Packing:
     max_len: int
     group: dist.ProcessGroup | None = None  # the SP group when the row is split over it (Ulysses)
     sp_size: int = 1
+    gather: Tensor | None = None  # (num_segments * max_len,) packed position of each padded slot (0 past the end)
+    valid: Tensor | None = None  # (num_segments * max_len,) bool: the padded slots that hold a token
+
+    def padded_index(self) -> tuple[Tensor, Tensor]:
+        """Where each sequence's tokens sit in a (num_segments, max_len) right-padded layout; made on first use."""
+        if self.gather is None:
+            lengths = torch.tensor([b - a for a, b in self.segments], device=self.cu_seqlens.device)
+            starts = self.cu_seqlens[:-1].long()
+            offset = torch.arange(self.max_len, device=lengths.device)
+            valid = offset[None] < lengths[:, None]
+            self.gather = torch.where(valid, starts[:, None] + offset[None], 0).flatten()
+            self.valid = valid.flatten()
+        return self.gather, self.valid
 
 
 def packing(position_ids: Tensor, group: dist.ProcessGroup | None = None) -> Packing:
@@ -110,11 +124,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, d
                                      p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len, dropout_p=dropout,
                                      softmax_scale=scaling, causal=True)
         return out.transpose(0, 1)[None]
-    # the plain path: one causal sdpa per sequence
-    gqa = k.shape[1] != q.shape[1]
-    outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], dropout_p=dropout,
-                                           is_causal=True, scale=scaling, enable_gqa=gqa) for a, b in p.segments]
-    return torch.cat(outs, dim=2)
+    # the plain path: the sequences side by side, right-padded to the longest, in one causal sdpa. A token attends
+    # only to the tokens before it in its own sequence, never to the padding (which comes after them).
+    gather, valid = p.padded_index()
+    n, length = len(p.segments), p.max_len
+
+    def padded(x: Tensor) -> Tensor:  # (1, H, S, d) -> (n, H, length, d)
+        return x[0][:, gather].unflatten(1, (n, length)).transpose(0, 1)
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), dropout_p=dropout, is_causal=True,
+                                         scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(0, 1).flatten(1, 2)[:, valid][None]
 
 
 def packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,

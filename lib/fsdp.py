@@ -135,7 +135,7 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     counts checked first) or on GPU such a model attends through lib/attention.py's varlen path."""
     from lib import models, ulysses
 
-    attn = models.attn_implementation(topo.device, model_cfg.attn_implementation, packed, topo.sp_size)
+    attn = models.attn_implementation(model_cfg.attn_implementation, packed, topo.sp_size)
     config = models.load_config(model_cfg.path, model_cfg.trust_remote_code)
     if topo.sp_size > 1:
         ulysses.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None)

@@ -20,13 +20,12 @@ log = logging.getLogger(__name__)
 KINDS = ("causal_lm", "critic")
 
 
-def attn_implementation(device: torch.device, requested: str = "auto", packed: bool = False,
-                        sp_size: int = 1) -> str:
-    """The attention a trained model is built with. Packed rows with sequence parallelism, or on CUDA, go through
-    lib/attention.py (varlen kernels: torch's own, or flash-attn); padded rows and CPU without SP use sdpa."""
+def attn_implementation(requested: str = "auto", packed: bool = False, sp_size: int = 1) -> str:
+    """The attention a trained model is built with. Packed rows go through lib/attention.py (varlen kernels: torch's
+    own or flash-attn on CUDA; one padded causal sdpa elsewhere); padded rows use sdpa."""
     from lib import attention
 
-    if sp_size > 1 or (packed and device.type == "cuda" and requested == "auto"):
+    if sp_size > 1 or (packed and requested == "auto"):
         return attention.register()
     if requested != "auto":
         if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
