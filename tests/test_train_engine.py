@@ -166,7 +166,12 @@ def _critic_body(path):
     data.batch["returns"] = (values + 0.3) * data.batch["response_mask"]  # inside the value clip range
     losses = [update_critic(Trainee(model, optimizer, scheduler, topo), data, cfg)["critic/vf_loss"]
               for _ in range(15)]
-    padded = compute_values(model, data, cfg.batching.__class__(use_remove_padding=False), topo)
+    # the same weights in a model built for padded rows (a packed model refuses them)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    padded_model = build_sharded_model(cfg.model, cfg.fsdp, topo, kind="critic", packed=False)
+    set_model_state_dict(padded_model, get_model_state_dict(model))
+    padded = compute_values(padded_model, data, cfg.batching.__class__(use_remove_padding=False), topo)
     packed = compute_values(model, data, cfg.batching, topo)
     return losses, float((padded - packed).abs().max()), bool((values * (1 - data.batch["response_mask"]) == 0).all())
 

@@ -1,0 +1,88 @@
+"""TRL's side of bench/compare_trl.py: GRPOTrainer on the toy task, run with torchrun in the throw-away TRL
+environment that script makes. Writes OUT/timings.json (per optimizer step: wall time, generation time, reward)
+and the final model to OUT/model.
+
+    torchrun --nproc-per-node 2 bench/trl_side.py MODEL TRAIN_JSONL OUT SEED STEPS
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def toy_reward(completions, reward_model, **_):
+    """The toy task's score (lib/rewards/builtin.py:toy): the correct prefix over the longer of answer and response."""
+    scores = []
+    for completion, rm in zip(completions, reward_model):
+        got = (completion[0]["content"] if isinstance(completion, list) else completion).strip()
+        expected = str(rm["ground_truth"])
+        prefix = 0
+        for a, b in zip(got, expected):
+            if a != b:
+                break
+            prefix += 1
+        scores.append(prefix / max(len(expected), len(got), 1))
+    return scores
+
+
+def main(model_path: str, train: str, out: str, seed: int, steps: int) -> None:
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    samples, group, mini = 512, 8, 128  # per RL step: 64 prompts x 8; 4 optimizer steps of 128 samples
+    config = GRPOConfig(
+        output_dir=out, use_cpu=True, seed=seed, report_to=[], save_strategy="no", logging_steps=4,
+        per_device_train_batch_size=mini // world, steps_per_generation=samples // mini, gradient_accumulation_steps=1,
+        num_generations=group, max_completion_length=10, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=1e-3, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, beta=0.0, epsilon=0.2, num_iterations=1,
+        loss_type="dapo", scale_rewards="group", max_steps=steps * samples // mini, bf16=False,
+        remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    data = load_dataset("json", data_files=train, split="train")
+    log: list[dict] = []
+
+    class Timed(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            result = super()._generate_and_score_completions(inputs)
+            log.append({"generate_s": time.perf_counter() - t0})
+            return result
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            log.append({"step": state.global_step, "step_s": now - self.t0})
+            self.t0 = now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                log.append({"step": state.global_step, "reward": logs["reward"], "num_tokens": logs["num_tokens"]})
+
+    trainer = Timed(model=model, args=config, train_dataset=data, processing_class=tokenizer, reward_funcs=toy_reward,
+                    callbacks=[StepClock()])
+    trainer.train()
+    if trainer.accelerator.is_main_process:
+        trainer.save_model(os.path.join(out, "model"))
+        tokenizer.save_pretrained(os.path.join(out, "model"))
+        with open(os.path.join(out, "timings.json"), "w") as f:
+            json.dump(log, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
