@@ -256,7 +256,8 @@ def _vllm_body(path, tp):
 
     topo = init_topology(rollout_tp_size=tp)
     cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-2))
-    model = build_sharded_model(cfg.model, cfg.fsdp, topo)
+    cfg.batching.use_remove_padding = False  # padded rows: processed_log_probs calls the model with them
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo, packed=False)
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     data = rl_batch(4, seed=topo.rank).to(topo.device)
     data.batch["advantages"] = torch.randn(data.batch["response_mask"].shape, device=topo.device)
