@@ -63,7 +63,8 @@ def run_ours(root: str, seed: int, steps: int) -> dict:
     stage = lambda k: statistics.median(r[f"timing/{k}_s"] for r in rows)  # noqa: E731
     return {"step_s": stage("step"), "generate_s": stage("rollout") + stage("score"),
             "update_s": stage("log_probs") + stage("update"),
-            "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in rows),
+            # perf/tokens_per_s is per rank (averaged over ranks): the run's throughput is 2 ranks' worth
+            "tokens_per_s": 2 * statistics.median(r["perf/tokens_per_s"] for r in rows),
             "reward": {r["step"]: r["reward/mean"] for r in rows}, "model": os.path.join(root, f"ours-{seed}", "hf_final")}
 
 
@@ -75,6 +76,7 @@ def run_trl(python: str, root: str, model: str, train: str, seed: int, steps: in
     generate = [e["generate_s"] for e in log if "generate_s" in e]
     rl_steps = [sum(opt_steps[i:i + STEPS_PER_RL_STEP]) for i in range(0, len(opt_steps), STEPS_PER_RL_STEP)]
     rewards = [e for e in log if "reward" in e]
+    # num_tokens: prompt + completion tokens seen so far over both processes (TRL's count, cumulative)
     tokens = [b["num_tokens"] - a["num_tokens"] for a, b in zip([{"num_tokens": 0}] + rewards, rewards)]
     return {"step_s": statistics.median(rl_steps), "generate_s": statistics.median(generate),
             "update_s": statistics.median(rl_steps) - statistics.median(generate),

@@ -22,7 +22,10 @@ def lr_multiplier(step: int, cfg: OptimConfig) -> float:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    # foreach: one multi-tensor kernel per op, not a Python loop over parameters (torch picks it on CUDA only;
+    # on CPU it is the same arithmetic, and faster for the many small tensors of a small model)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                  foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     return optimizer, scheduler
 
@@ -31,7 +34,7 @@ def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_no
     """Clip the global grad norm (over all shards: DTensor norms reduce across the mesh) and step.
     A non-finite norm skips the step and clears the gradients. Returns (norm, stepped)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     norm = float(norm)
