@@ -28,7 +28,6 @@ RULES: dict[str, ScoreFn] = {
     "math": builtin.math_answer, "HuggingFaceH4/MATH-500": builtin.math_answer,
     "toy": builtin.toy,
 }
-NEEDS_GROUND_TRUTH = {name for name in RULES}  # every rule compares with a reference answer
 
 FAILURE_KINDS = ("errors", "invalid", "exits", "crashes", "timeouts")
 """How a sample's scoring can fail: the scorer raised; returned no usable score; called sys.exit; killed its
