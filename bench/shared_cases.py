@@ -48,30 +48,15 @@ def protocol_ops(cls, rows: int, tokens: int, repeats: int = 5) -> dict[str, tup
         "chunk (8 views)": (lambda: data.chunk(8), 0),
         "repeat x2 interleave (copy)": (lambda: data.repeat(2, interleave=True), 2 * total),
     }
-    out = {}
-    for name, (fn, produced) in ops.items():
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = (statistics.median(times) * 1e3, produced / 1e9)
-    return out
+    return {name: (timed(fn, repeats)[1], produced / 1e9) for name, (fn, produced) in ops.items()}
 
 
 def memcpy_gbs(rows: int, tokens: int) -> float:
     """The machine's copy speed for the same bytes: torch.cat of the fields' halves, GB/s."""
     tensors, _ = make_fields(rows, tokens)
     half = rows // 2
-    fn = lambda: [torch.cat([t[:half], t[half:]]) for t in tensors.values()]  # noqa: E731
-    fn()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9 / statistics.median(times)
+    _, ms = timed(lambda: [torch.cat([t[:half], t[half:]]) for t in tensors.values()])
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9 / (ms / 1e3)
 
 
 def advantage_inputs(batch: int, n: int, length: int = 64, seed: int = 0) -> dict:
@@ -86,6 +71,7 @@ def advantage_inputs(batch: int, n: int, length: int = 64, seed: int = 0) -> dic
 
 
 def timed(fn, repeats: int = 5):
+    """(the first call's result, median ms of ``repeats`` more calls)."""
     out = fn()
     times = []
     for _ in range(repeats):

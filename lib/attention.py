@@ -36,7 +36,7 @@ KWARG = "spmd_packing"
 class Packing:
     """Sequence bounds of one packed micro-batch row (the full row: with SP, before slicing)."""
 
-    segments: list[tuple[int, int]]  # [start, end) of every packed sequence, for the per-sequence sdpa path
+    segments: list[tuple[int, int]]  # [start, end) of every packed sequence
     cu_seqlens: Tensor  # (num_segments + 1,) int32 on the device, for varlen kernels
     max_len: int
     group: dist.ProcessGroup | None = None  # the SP group when the row is split over it (Ulysses)
@@ -47,8 +47,8 @@ class Packing:
     def padded_index(self) -> tuple[Tensor, Tensor]:
         """Where each sequence's tokens sit in a (num_segments, max_len) right-padded layout; made on first use."""
         if self.gather is None:
-            lengths = torch.tensor([b - a for a, b in self.segments], device=self.cu_seqlens.device)
             starts = self.cu_seqlens[:-1].long()
+            lengths = self.cu_seqlens[1:].long() - starts
             offset = torch.arange(self.max_len, device=lengths.device)
             valid = offset[None] < lengths[:, None]
             self.gather = torch.where(valid, starts[:, None] + offset[None], 0).flatten()

@@ -23,7 +23,7 @@ from lib.dist import Topology
 from lib.fsdp import full_state_dict_on_rank0
 
 
-def _dir(run_path: str, step: int) -> str:
+def step_dir(run_path: str, step: int) -> str:
     return os.path.join(run_path, "checkpoints", f"step_{step}")
 
 
@@ -32,7 +32,7 @@ def latest_step(run_path: str) -> int | None:
     if not os.path.isfile(marker):
         return None
     step = int(open(marker).read().strip())
-    return step if os.path.isdir(_dir(run_path, step)) else None
+    return step if os.path.isdir(step_dir(run_path, step)) else None
 
 
 RUN_CONTROL = ("trainer.total_steps", "trainer.epochs", "trainer.val_every", "trainer.save_every", "trainer.keep_last",
@@ -88,7 +88,7 @@ def prune(run_path: str, keep_last: int) -> None:
     root = os.path.join(run_path, "checkpoints")
     steps = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit())
     for step in steps[:-keep_last]:
-        shutil.rmtree(_dir(run_path, step), ignore_errors=True)
+        shutil.rmtree(step_dir(run_path, step), ignore_errors=True)
 
 
 def _state(parts: dict[str, tuple[nn.Module, Any]]) -> dict:
@@ -104,7 +104,7 @@ def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trai
          keep_last: int = 0) -> str:
     """Save {name: (model, optimizer or None)} and the trainer state for ``step``; then keep the newest
     ``keep_last`` checkpoints (0: all)."""
-    final = _dir(run_path, step)
+    final = step_dir(run_path, step)
     tmp = final + ".tmp"
     if topo.is_main and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a crashed earlier attempt
@@ -125,7 +125,7 @@ def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trai
 
 
 def load(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]]) -> dict:
-    path = _dir(run_path, step)
+    path = step_dir(run_path, step)
     state = _state(parts)
     dcp.load(state, checkpoint_id=path)
     for name, (model, optimizer) in parts.items():

@@ -64,14 +64,14 @@ def load_checkpoint(ckpt_dir: str, part: str, model_path: str, trust_remote_code
 
 def checkpoint_dir(path: str) -> str:
     """A checkpoint folder, or a run folder's latest one."""
-    from lib.checkpoint import _dir, latest_step
+    from lib.checkpoint import latest_step, step_dir
 
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
     step = latest_step(path)
     if step is None:
         raise ValueError(f"{path} is neither a checkpoint (runs/<run>/checkpoints/step_<k>) nor a run folder with one")
-    return _dir(path, step)
+    return step_dir(path, step)
 
 
 def main(argv: list[str]) -> int:

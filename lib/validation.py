@@ -23,10 +23,7 @@ def validate_policy(run: Run, step: int) -> dict[str, float]:
     prompts.meta_info["seed_key"] = step
     out, _ = generate(run, prompts, validate=True)
     scored = run_scorer(run, out)
-    texts = run.tokenizer.batch_decode(out.batch["responses"].masked_fill(out.batch["response_mask"] == 0,
-                                                                          run.tokenizer.pad_token_id).tolist(),
-                                       skip_special_tokens=True)
-    votes = [a if a is not None else t.strip() for a, t in zip(scored.answers, texts)]
+    votes = [a if a is not None else t.strip() for a, t in zip(scored.answers, scored.texts)]
     local = list(zip(out.non_tensor_batch["uid"].tolist(), scored.scores, votes))
     gathered: list[Any] = [None] * topo.world_size
     dist.all_gather_object(gathered, local)  # every rank: the val metrics are logged by rank 0

@@ -70,11 +70,3 @@ def interpret(out: Any) -> tuple[float, dict[str, float], Any, str]:
         return 0.0, {}, None, "invalid"
     extras = {k: float(v) for k, v in info.items() if isinstance(v, numbers.Real) and math.isfinite(v)}
     return float(score), extras, (None if answer is None else str(answer)), ""
-
-
-def __getattr__(name: str) -> Any:  # the torch-side classes, imported only when asked for
-    if name in ("Scorer", "RewardModel"):
-        from lib.rewards import scorer
-
-        return getattr(scorer, name)
-    raise AttributeError(name)

@@ -56,7 +56,6 @@ class RewardPool:
     def score(self, items: list[tuple]) -> list[Result]:
         """items: (data_source, text, ground_truth, extra_info) per sample -> a Result per sample, in order."""
         results: list[Result | None] = [None] * len(items)
-        self._items = items
         size = max(1, -(-len(items) // (4 * len(self.workers))))  # a few chunks per worker balance the load
         queue = deque((i, *items[i]) for i in range(len(items)))
         idle = list(self.workers)
@@ -77,7 +76,7 @@ class RewardPool:
                         code = worker.proc.wait(timeout=5)
                     except subprocess.TimeoutExpired:
                         code = None
-                    self._replace(worker, busy, idle, queue, results, "crashes",
+                    self._replace(worker, busy, idle, queue, results, items, "crashes",
                                   f"the scorer's worker process died (exit code {code})")
                     continue
                 results[index] = tuple(result)
@@ -88,18 +87,18 @@ class RewardPool:
                     idle.append(worker)
             now = time.monotonic()
             for worker in [w for w in busy.values() if now - w.since > self.timeout_s]:
-                self._replace(worker, busy, idle, queue, results, "timeouts",
+                self._replace(worker, busy, idle, queue, results, items, "timeouts",
                               f"the scorer ran past reward.timeout_s={self.timeout_s:g} s")
         return results  # type: ignore[return-value]
 
-    def _replace(self, worker: _Worker, busy: dict, idle: list, queue: deque, results: list, kind: str,
-                 message: str) -> None:
+    def _replace(self, worker: _Worker, busy: dict, idle: list, queue: deque, results: list, items: list,
+                 kind: str, message: str) -> None:
         """Kill a worker, fail its current sample, requeue the rest of its chunk, start a fresh worker."""
         del busy[worker.inbox]
         worker.kill()
         current, *rest = worker.chunk
         results[current] = (0.0, {}, None, kind, message)
-        queue.extendleft(reversed([(i, *self._items[i]) for i in rest]))
+        queue.extendleft(reversed([(i, *items[i]) for i in rest]))
         fresh = _Worker(self.custom)
         self.workers[self.workers.index(worker)] = fresh
         idle.append(fresh)

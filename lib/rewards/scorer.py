@@ -4,6 +4,7 @@ model), place each score on its response's last token, count failures by kind.""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,15 +15,16 @@ from lib.rewards import FAILURE_KINDS, load_custom
 from lib.rewards.pool import RewardPool
 
 
+@dataclass
 class Scored:
-    """What scoring a batch gives: ``token_scores`` (B, R), ``metrics``, per-row ``scores`` and ``answers``
-    (the extracted answer, None where the scorer gave none), and ``messages``: the first message of each failure
-    kind seen in this batch."""
+    """What scoring a batch gives. ``messages``: the first message of each failure kind seen in this batch."""
 
-    def __init__(self, token_scores: torch.Tensor, metrics: dict[str, float], scores: list[float],
-                 answers: list[Any], messages: dict[str, str]):
-        self.token_scores, self.metrics, self.scores, self.answers = token_scores, metrics, scores, answers
-        self.messages = messages
+    token_scores: torch.Tensor  # (B, R): each score on its response's last token
+    metrics: dict[str, float]
+    scores: list[float]
+    answers: list[Any]  # the extracted answer per row, None where the scorer gave none
+    texts: list[str]  # the decoded responses that were scored
+    messages: dict[str, str]
 
 
 class Scorer:
@@ -63,7 +65,7 @@ class Scorer:
         token_scores[rows, lengths[rows] - 1] = torch.tensor(scores, dtype=torch.float32)[rows]
         metrics = {f"reward/{k}": float(v) for k, v in counts.items()}
         metrics.update({f"reward/{k}": float(np.mean(v)) for k, v in sums.items()})
-        return Scored(token_scores.to(mask.device), metrics, scores, [r[2] for r in results], messages)
+        return Scored(token_scores.to(mask.device), metrics, scores, [r[2] for r in results], texts, messages)
 
     def close(self) -> None:
         self.pool.close()
