@@ -1,6 +1,7 @@
 """Ours against TRL's GRPOTrainer on the embedded default, side by side, several seeds.
 
     python bench/compare_trl.py [--seeds 1 2 3] [--steps 100] [--env .bench_envs/trl]
+    python bench/compare_trl.py --objective     # the per-token loss of both on one identical batch
 
 Both run GRPO on the toy task (lib/toy.py) from the same model weights and prompts with 2 CPU processes over gloo,
 one thread each: 64 prompts x 8 samples per step, at most 10 new tokens, temperature 1, 4 optimizer steps of 128
@@ -103,6 +104,155 @@ def heldout_greedy(model_dir: str, val: str) -> float:
     return statistics.mean(toy(a, r["reward_model"]["ground_truth"])["score"] for a, r in zip(answers, rows))
 
 
+OBJECTIVE_GROUPS, GROUP = 16, 8  # the identical batch: 16 prompts x 8 samples, one mini-batch of 128
+NOISE = 0.1  # the evaluated policy: start weights + this x N(0, 1) x each tensor's mean |weight|
+
+
+def objective_batch(paths: dict, root: str, seed: int = 0) -> dict:
+    """One batch sampled from the start model (eos included in the mask, as both frameworks mask), its toy
+    rewards, and a second policy to evaluate it under: the start weights plus seeded noise, so that ratios move
+    off 1 and some clip. Saved for both sides to read."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lib.rewards.builtin import toy
+
+    tok = AutoTokenizer.from_pretrained(paths["model"])
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32).eval()
+    rows = [json.loads(line) for line in open(paths["train"])][:OBJECTIVE_GROUPS]
+    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompt_ids, prompt_mask = enc["input_ids"].repeat_interleave(GROUP, 0), enc["attention_mask"].repeat_interleave(GROUP, 0)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=1.0,
+                             top_k=0, top_p=1.0, max_new_tokens=10, pad_token_id=tok.pad_token_id)
+    completion = out[:, prompt_ids.shape[1]:]
+    eos = completion == tok.eos_token_id
+    first = torch.where(eos.any(1), eos.int().argmax(1), completion.shape[1])
+    completion_mask = (torch.arange(completion.shape[1])[None] <= first[:, None]).long()
+    completion = completion.masked_fill(completion_mask == 0, tok.pad_token_id)
+    answers = tok.batch_decode(completion, skip_special_tokens=True)
+    rewards = torch.tensor([toy(a, rows[i // GROUP]["reward_model"]["ground_truth"])["score"]
+                            for i, a in enumerate(answers)])
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * NOISE * p.abs().mean())
+    moved = os.path.join(root, "moved")
+    model.save_pretrained(moved)
+    tok.save_pretrained(moved)
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion,
+             "completion_mask": completion_mask, "rewards": rewards}
+    torch.save(batch, os.path.join(root, "batch.pt"))
+    return {"start": paths["model"], "moved": moved, "batch": os.path.join(root, "batch.pt")}
+
+
+def _ours_objective(start: str, moved: str, batch_path: str) -> dict:
+    """Our side, on the tiny preset's 2 ranks: old log-probs under the start policy, GRPO advantages, then
+    update_policy under the moved policy with one 128-sample mini-batch; the gradient is read just before the
+    optimizer step (no clipping: the bound is set out of reach)."""
+    import torch
+
+    from lib import algos
+    from lib.actor import Trainee, compute_log_probs, update_policy
+    from lib.config import ModelConfig, parse
+    from lib.dist import init_topology
+    from lib.engine import build_output
+    from lib.fsdp import build_sharded_model, hf_name
+    from lib.optim import build_optimizer
+    from lib.protocol import DataProto
+
+    cfg = parse([], default_preset="tiny_cpu_grpo")
+    cfg.actor.optim.max_grad_norm = 1e9
+    topo = init_topology(fsdp_shard_size=cfg.actor.fsdp.shard_size, device="cpu")
+    b = torch.load(batch_path)
+    fields = build_output(b["prompt_ids"], b["prompt_mask"], (b["prompt_mask"].cumsum(1) - 1).clamp(min=0),
+                          [row[m.bool()].tolist() for row, m in zip(b["completion_ids"], b["completion_mask"])],
+                          None, pad_id=0, response_width=b["completion_ids"].shape[1])
+    mask = fields["response_mask"]
+    index = torch.arange(len(mask)) // GROUP
+    adv, _ = algos.grpo(b["rewards"][:, None] * mask * (torch.arange(mask.shape[1]) == 0), mask, index.numpy())
+    data = DataProto.from_dict({**fields, "advantages": adv})
+    rows = len(data) // topo.world_size
+    local = data[topo.rank * rows:(topo.rank + 1) * rows]
+    logp = {}
+    for name, path in (("start", start), ("moved", moved)):
+        model = build_sharded_model(ModelConfig(path=path), cfg.actor.fsdp, topo)
+        logp[name] = compute_log_probs(model, local, cfg.actor.batching, topo)[0]
+    local.batch["old_log_probs"] = logp["start"]
+    optimizer, scheduler = build_optimizer(model, cfg.actor.optim)
+    grads = {}
+    optimizer.register_step_pre_hook(lambda *_: grads.update(
+        {hf_name(n): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+         for n, p in model.named_parameters()}))
+    metrics = update_policy(Trainee(model, optimizer, scheduler, topo), local, cfg.actor,
+                            mini_batch_size_per_rank=rows)
+    return {"metrics": metrics, "grads": grads, "advantages": local.batch["advantages"][:, 0],
+            "logp_start": logp["start"], "logp_moved": logp["moved"], "mask": local.batch["response_mask"]}
+
+
+def compare_objective(python: str, root: str) -> None:
+    """Both losses on one identical batch: advantages, per-token log-probs, per-token loss, loss and gradient."""
+    import torch
+
+    from lib import algos, toy
+    from lib.testing import run_distributed
+
+    paths = toy.prepare(os.path.join(root, "toy_assets"), seed=0)
+    files = objective_batch(paths, root)
+    ours = run_distributed(_ours_objective, files["start"], files["moved"], files["batch"], world_size=2)
+    out = os.path.join(root, "trl-objective")
+    os.makedirs(out, exist_ok=True)
+    run = subprocess.run([python, os.path.join(HERE, "trl_side.py"), "objective", files["start"], files["moved"],
+                          paths["train"], files["batch"], out], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if run.returncode:
+        raise SystemExit(f"TRL's side failed:\n{run.stderr[-4000:]}")
+    trl = torch.load(os.path.join(out, "objective.pt"))
+    cat = lambda k: torch.cat([r[k] for r in ours])  # noqa: E731 - rank 0's rows, then rank 1's
+    mask = cat("mask")
+    on = mask.bool()
+
+    def per_token(adv: torch.Tensor) -> torch.Tensor:
+        weights = torch.ones_like(mask, requires_grad=True)
+        loss, _ = algos.vanilla_policy_loss(cat("logp_start"), cat("logp_moved"), adv[:, None] * mask, mask,
+                                            loss_agg_mode="token-sum", weights=weights)
+        loss.backward()
+        return weights.grad
+
+    ours_tokens, ours_with_trl_adv = per_token(cat("advantages")), per_token(trl["advantages"])
+    ratio = (cat("logp_moved") - cat("logp_start")).exp()
+    grads = ours[0]["grads"]
+    names = sorted(set(grads) & set(trl["grads"]))
+    g_ours = torch.cat([grads[n].flatten() for n in names])
+    g_trl = torch.cat([trl["grads"][n].flatten() for n in names])
+    rows = [
+        ("advantages", cat("advantages"), trl["advantages"], None),
+        ("log-probs, start policy", cat("logp_start"), trl["logp_start"], on),
+        ("log-probs, moved policy", cat("logp_moved"), trl["logp_moved"], on),
+        ("per-token loss", ours_tokens, trl["per_token_loss"], on),
+        ("per-token loss, ours with TRL's advantages", ours_with_trl_adv, trl["per_token_loss"], on),
+    ]
+    print(f"One batch of {len(mask)} samples ({int(mask.sum())} response tokens) from the toy start model; "
+          f"moved policy = start + {NOISE} x noise: ratio in [{ratio[on].min():.3f}, {ratio[on].max():.3f}], "
+          f"{float(((ratio[on] - 1).abs() > 0.2).float().mean()):.1%} of tokens outside the clip range")
+    print(f"{'':<46}{'max |ours - TRL|':>18}{'max |TRL|':>12}")
+    for name, a, b, where in rows:
+        a, b = (a[where], b[where]) if where is not None else (a, b)
+        print(f"{name:<46}{float((a - b).abs().max()):>18.2e}{float(b.abs().max()):>12.3f}")
+    loss_ours = ours[0]["metrics"]["actor/pg_loss"]
+    print(f"{'loss (token-mean over the batch)':<46}{abs(loss_ours - float(trl['loss'])):>18.2e}"
+          f"{abs(float(trl['loss'])):>12.4f}")
+    rel = float((g_ours - g_trl).norm() / g_trl.norm())
+    cos = float(torch.nn.functional.cosine_similarity(g_ours.double(), g_trl.double(), dim=0))
+    print(f"gradient over {len(names)} tensors: |ours - TRL| / |TRL| = {rel:.2e}, cosine {cos:.7f}, "
+          f"|TRL| = {float(g_trl.norm()):.4f}")
+    dual = ((ratio > 3.0) & (cat("advantages")[:, None] < 0) & on).sum()
+    print(f"tokens where our dual clip (c = 3, A < 0) binds: {int(dual)} (TRL has no dual clip)")
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} +- {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
 
@@ -112,10 +262,15 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--env", default=os.path.join(ROOT, ".bench_envs", "trl"))
+    ap.add_argument("--objective", action="store_true", help="compare the two losses on one identical batch")
     args = ap.parse_args()
     from lib import toy
 
     python = ensure_env(args.env)
+    if args.objective:
+        with tempfile.TemporaryDirectory() as root:
+            compare_objective(python, root)
+        return
     with tempfile.TemporaryDirectory() as root:
         paths = toy.prepare(os.path.join(root, "toy_assets"), seed=0)
         results: dict[str, list[dict]] = {"ours": [], "TRL": []}

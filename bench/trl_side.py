@@ -3,6 +3,10 @@ environment that script makes. Writes OUT/timings.json (per optimizer step: wall
 and the final model to OUT/model.
 
     torchrun --nproc-per-node 2 bench/trl_side.py MODEL TRAIN_JSONL OUT SEED STEPS
+    python bench/trl_side.py objective START MOVED TRAIN_JSONL BATCH OUT
+
+The second form evaluates TRL's loss on one given batch (bench/compare_trl.py --objective) and saves its
+advantages, per-token log-probs, per-token loss, loss and gradient to OUT.
 """
 
 from __future__ import annotations
@@ -77,5 +81,54 @@ def main(model_path: str, train: str, out: str, seed: int, steps: int) -> None:
             json.dump(log, f)
 
 
-if __name__ == "__main__":
+def objective(start: str, moved: str, train: str, batch_path: str, out: str) -> None:
+    """TRL's own loss (GRPOTrainer._compute_loss, "dapo" = token-mean) on the given batch: old log-probs under
+    the start weights, the loss and its gradient under the moved weights. The per-token loss is read as the
+    derivative of the loss with respect to a per-token mask of ones (TRL multiplies its mask by ``tool_mask``)."""
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    b = torch.load(batch_path)
+    rows, group = len(b["rewards"]), 8
+    config = GRPOConfig(output_dir=out, use_cpu=True, report_to=[], per_device_train_batch_size=rows,
+                        steps_per_generation=1, gradient_accumulation_steps=1, num_generations=group,
+                        max_completion_length=b["completion_ids"].shape[1], beta=0.0, epsilon=0.2, loss_type="dapo",
+                        scale_rewards="group", bf16=False, disable_tqdm=True)
+    tok = AutoTokenizer.from_pretrained(moved)
+    model = AutoModelForCausalLM.from_pretrained(moved, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, args=config, processing_class=tok, reward_funcs=toy_reward,
+                          train_dataset=load_dataset("json", data_files=train, split="train"))
+    start_model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    add_fused_lm_head(start_model, temperature=1.0, outputs=("log_probs", "entropy"))  # as TRL patches its own
+    ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
+    attn = torch.cat([b["prompt_mask"], b["completion_mask"]], 1)
+    width = b["completion_ids"].shape[1]
+    with torch.no_grad():
+        old = trainer._get_per_token_logps_and_entropies(start_model, ids, attn, width, batch_size=rows)[0]
+        now = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, width, batch_size=rows)[0]
+    # TRL's group advantages (GRPOTrainer._generate_and_score_completions with scale_rewards="group")
+    grouped = b["rewards"].view(-1, group)
+    mean, std = grouped.mean(1).repeat_interleave(group), grouped.std(1).repeat_interleave(group)
+    advantages = (b["rewards"] - mean) / (std + 1e-4)
+    ones = torch.ones(b["completion_mask"].shape, requires_grad=True)
+    num_items = b["completion_mask"].sum()
+    inputs = {"prompt_ids": b["prompt_ids"], "prompt_mask": b["prompt_mask"], "completion_ids": b["completion_ids"],
+              "completion_mask": b["completion_mask"], "advantages": advantages, "old_per_token_logps": old,
+              "num_items_in_batch": num_items, "tool_mask": ones}
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which this check does not run
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    torch.save({"loss": loss.detach(), "per_token_loss": ones.grad * num_items, "advantages": advantages,
+                "logp_start": old, "logp_moved": now, "mask": b["completion_mask"],
+                "grads": {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}},
+               os.path.join(out, "objective.pt"))
+
+
+if __name__ == "__main__" and sys.argv[1] == "objective":
+    objective(*sys.argv[2:7])
+elif __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
