@@ -89,11 +89,10 @@ def dynamic_sampling(run: Run, step: int, batch: DataProto, first: dict, metrics
 
 
 def compute_log_probs(run: Run, batch: DataProto) -> None:
-    """old_log_probs (skipped on-policy: the update uses its own, detached) and ref_log_prob."""
+    """old_log_probs (unless the update takes them itself: Sizes.old_in_update) and ref_log_prob."""
     cfg, topo = run.cfg, run.topo
-    needs_old = not run.sizes.on_policy or cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollout_correction != "off"
     t = cfg.rollout.temperature
-    if needs_old:
+    if not run.sizes.old_in_update:
         batch.batch["old_log_probs"], _ = actor_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
     if run.ref is not None:
         batch.batch["ref_log_prob"], _ = actor_log_probs(run.ref, batch, cfg.actor.batching, topo, t)

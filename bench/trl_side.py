@@ -69,7 +69,8 @@ def main(model_path: str, train: str, out: str, seed: int, steps: int) -> None:
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
-                log.append({"step": state.global_step, "reward": logs["reward"], "num_tokens": logs["num_tokens"]})
+                log.append({"step": state.global_step, "reward": logs["reward"], "num_tokens": logs["num_tokens"],
+                            "logs": logs})
 
     trainer = Timed(model=model, args=config, train_dataset=data, processing_class=tokenizer, reward_funcs=toy_reward,
                     callbacks=[StepClock()])

@@ -2,7 +2,8 @@
 normalisation: lib/update.py).
 
 Batch keys read: input_ids, attention_mask, position_ids, responses, response_mask, advantages;
-optional old_log_probs (absent: on-policy, old = current detached), ref_log_prob (KL loss),
+optional old_log_probs (absent, with ppo_epochs 1: the update computes them, see update_policy), ref_log_prob
+(KL loss),
 rollout_is_weights (rollout correction).
 """
 
@@ -30,6 +31,14 @@ def compute_log_probs(model: nn.Module, data: DataProto, batching: BatchingConfi
                       temperature: float = 1.0, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response log-probs (B, R) (and entropy) for every row of ``data``, in the rows' order."""
     data, mine = gather_sp(data.select(["input_ids", "attention_mask", "position_ids", "responses"]), topo)
+    logp, entropy = _gathered_log_probs(model, data, batching, topo, temperature, with_entropy)
+    return logp[mine], (entropy[mine] if entropy is not None else None)
+
+
+@torch.no_grad()
+def _gathered_log_probs(model: nn.Module, data: DataProto, batching: BatchingConfig, topo: Topology,
+                        temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """compute_log_probs for rows the SP group already shares (all of them are returned)."""
     pieces, restore = split_micro(data, batching, topo)
     outs = [response_log_probs(model, m.to(topo.device), temperature, batching.use_remove_padding, with_entropy,
                                sp=topo) for m in pieces]
@@ -38,7 +47,7 @@ def compute_log_probs(model: nn.Module, data: DataProto, batching: BatchingConfi
     if restore is not None:
         logp = logp[torch.as_tensor(restore, device=logp.device)]
         entropy = entropy[torch.as_tensor(restore, device=logp.device)] if entropy is not None else None
-    return logp[mine], (entropy[mine] if entropy is not None else None)
+    return logp, entropy
 
 
 def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature: float = 1.0,
@@ -46,12 +55,21 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
     """``ppo_epochs`` x mini-batches x micro-batches with gradient accumulation; one lr-schedule step.
     Returns metrics averaged over steps and reduced over the data-parallel ranks."""
     topo, model = actor.topo, actor.model
-    on_policy = "old_log_probs" not in data.batch
-    if on_policy and (cfg.ppo_epochs != 1 or (mini_batch_size_per_rank or len(data)) < len(data)):
-        raise ValueError("old_log_probs are missing: compute them first, or use the on-policy shortcut "
-                         "(ppo_epochs=1 and one mini-batch per step)")
+    # old log-probs missing: the policy before this update is the one of the first mini-batch's forward, so
+    # that mini-batch uses its own log-probs (detached, ratio 1) and the others get theirs by a no-grad pass
+    # before the first optimizer step; that saves a forward over one mini-batch (all of it with one mini-batch)
+    lazy_old = "old_log_probs" not in data.batch
+    if lazy_old and cfg.ppo_epochs != 1:
+        raise ValueError("old_log_probs are missing: compute them first (ppo_epochs > 1 reuses them every epoch)")
     if cfg.use_kl_loss and "ref_log_prob" not in data.batch:
         raise ValueError("use_kl_loss needs ref_log_prob in the batch (compute it with the reference model)")
+
+    def old_log_probs_after_the_first(epoch: int, minis: list[DataProto]) -> None:
+        if lazy_old:
+            for mini in minis[1:]:
+                rows = mini.select(["input_ids", "attention_mask", "position_ids", "responses"])
+                mini.batch["old_log_probs"] = _gathered_log_probs(model, rows, cfg.batching, topo, temperature)[0]
+
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
     # unset (None) clip bounds leave the loss's own defaults (config.resolve fills them for a run)
     clip = {k: v for k, v in (("clip_ratio_low", cfg.clip_ratio_low), ("clip_ratio_high", cfg.clip_ratio_high))
@@ -59,7 +77,7 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
     sums: dict[str, list[float]] = defaultdict(list)
     for epoch, pieces, num_tokens, num_seqs in accumulation_steps(actor, data, cfg.ppo_epochs,
                                                                    mini_batch_size_per_rank, cfg.shuffle, seed,
-                                                                   cfg.batching):
+                                                                   cfg.batching, old_log_probs_after_the_first):
         # metrics stay tensors until the optimizer step: one device sync per mini-batch, not per micro-batch
         step_metrics: dict[str, Any] = defaultdict(float)
         for micro in pieces:
@@ -67,7 +85,7 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
             mask = b["response_mask"].to(torch.float32)
             logp, entropy = response_log_probs(model, micro, temperature, cfg.batching.use_remove_padding,
                                                with_entropy=True, sp=topo)
-            old = logp.detach() if on_policy else b["old_log_probs"]
+            old = b["old_log_probs"] if "old_log_probs" in b else logp.detach()
             agg = {"num_global_tokens": num_tokens, "num_global_seqs": num_seqs,
                    "norm_constant": cfg.loss_scale_factor or None}
             pg_loss, pg_metrics = loss_fn(old, logp, b["advantages"], mask, clip_ratio_c=cfg.clip_ratio_c,

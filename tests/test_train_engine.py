@@ -94,6 +94,40 @@ def test_dynamic_batching_and_hsdp_match(model_dir):
         torch.testing.assert_close(dyn0["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
 
 
+def _old_in_update_body(path, precompute):
+    from dataclasses import replace
+
+    from lib.actor import Trainee, compute_log_probs, update_policy
+    from lib.dist import init_topology
+    from lib.fsdp import build_sharded_model, iter_full_params
+    from lib.optim import build_optimizer
+
+    topo = init_topology(device="cpu")
+    cfg = replace(_actor_cfg(path, 1, dynamic=True), ppo_epochs=1, shuffle=True)
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo)
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    per_rank = GLOBAL_ROWS // topo.world_size
+    local = _global_batch()[topo.rank * per_rank:(topo.rank + 1) * per_rank]
+    if precompute:
+        local.batch["old_log_probs"] = compute_log_probs(model, local, cfg.batching, topo, temperature=0.9)[0]
+    metrics = update_policy(Trainee(model, optimizer, scheduler, topo), local, cfg, temperature=0.9,
+                            mini_batch_size_per_rank=per_rank // 2, seed=3)
+    return {"metrics": metrics, "weights": {n: t.clone() for n, t in iter_full_params(model)}}
+
+
+def test_old_log_probs_taken_in_the_update_match_a_separate_pass(model_dir):
+    """Without old log-probs (ppo_epochs 1) the update takes them from the policy before its first step: the
+    first mini-batch from its own forward, the others by a no-grad pass. Same update as a separate pass first.
+    (Before: update_policy refused a batch without old log-probs and more than one mini-batch.)"""
+    separate, _ = run_distributed(_old_in_update_body, model_dir, True, world_size=2)
+    inside, _ = run_distributed(_old_in_update_body, model_dir, False, world_size=2)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
+        assert inside["metrics"][key] == pytest.approx(separate["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert separate["metrics"]["actor/ppo_kl"] != 0.0  # the second mini-batch ran off-policy
+    for name, w in separate["weights"].items():
+        torch.testing.assert_close(inside["weights"][name], w, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def _offload_body(path):
     from lib.config import ActorConfig, ModelConfig
     from lib.dist import init_topology
