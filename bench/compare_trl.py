@@ -1,6 +1,7 @@
 """Ours against TRL's GRPOTrainer on the embedded default, side by side, several seeds.
 
     python bench/compare_trl.py [--seeds 1 2 3] [--steps 100] [--env .bench_envs/trl]
+    python bench/compare_trl.py --case long-tail --steps 5 --seeds 1   # responses of 10 to 400 tokens
     python bench/compare_trl.py --objective     # the per-token loss of both on one identical batch
 
 Both run GRPO on the toy task (lib/toy.py) from the same model weights and prompts with 2 CPU processes over gloo,
@@ -18,20 +19,53 @@ by the same code here (greedy decoding of the 100 held-out prompts, the toy scor
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 TRL = "trl==1.16.0"
-STEPS_PER_RL_STEP = 4  # optimizer steps of 128 samples per 512-sample RL step
 CHECKPOINTS = (10, 50, 100)  # train reward reported at these RL steps
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape both frameworks run: the toy task's digit counts, prompts per step (x 8 samples), samples per
+    optimizer step, and the response cap."""
+
+    digits: tuple[int, int]
+    prompts: int
+    mini: int
+    max_new: int
+    warm_steps: int
+
+    @property
+    def steps_per_rl_step(self) -> int:
+        return self.prompts * 8 // self.mini
+
+    def ours_args(self, paths: dict) -> list[str]:
+        if self == CASES["default"]:
+            return []  # the embedded default, unchanged
+        return ["--actor.model.path", paths["model"], "--data.train_files", paths["train"], "--data.val_files",
+                paths["val"], "--trainer.train_batch_size", str(self.prompts), "--actor.mini_batch_size",
+                str(self.mini), "--rollout.max_response_length", str(self.max_new), "--data.max_prompt_length",
+                str(2 * self.digits[1] + 2)]
+
+
+CASES = {
+    # the embedded default (configs/tiny_cpu_grpo.yaml): 4 optimizer steps of 128 per RL step of 64 x 8
+    "default": Case(digits=(4, 4), prompts=64, mini=128, max_new=10, warm_steps=60),
+    # answers of 5 to 200 digits, log-uniform: responses of about 10 to 400 tokens; 2 optimizer steps of 64
+    "long-tail": Case(digits=(5, 200), prompts=16, mini=64, max_new=400, warm_steps=200),
+}
 
 
 def ensure_env(path: str) -> str:
@@ -55,10 +89,11 @@ def torchrun(python: str, *args: str) -> None:
         raise SystemExit(f"{' '.join(cmd[:8])} ... failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
 
 
-def run_ours(root: str, seed: int, steps: int) -> dict:
+def run_ours(root: str, paths: dict, case: Case, seed: int, steps: int) -> dict:
     torchrun(sys.executable, os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", root, "--trainer.run_name",
              f"ours-{seed}", "--trainer.seed", str(seed), "--trainer.total_steps", str(steps),
-             "--trainer.val_every", "0", "--trainer.log_samples", "0", "--trainer.save_every", "0")
+             "--trainer.val_every", "0", "--trainer.log_samples", "0", "--trainer.save_every", "0",
+             *case.ours_args(paths))
     rows = [json.loads(line) for line in open(os.path.join(root, f"ours-{seed}", "metrics.jsonl"))]
     rows = [r for r in rows if "timing/step_s" in r]
     stage = lambda k: statistics.median(r[f"timing/{k}_s"] for r in rows)  # noqa: E731
@@ -66,27 +101,36 @@ def run_ours(root: str, seed: int, steps: int) -> dict:
             "update_s": stage("log_probs") + stage("update"),
             # perf/tokens_per_s is per rank (averaged over ranks): the run's throughput is 2 ranks' worth
             "tokens_per_s": 2 * statistics.median(r["perf/tokens_per_s"] for r in rows),
-            "reward": {r["step"]: r["reward/mean"] for r in rows}, "model": os.path.join(root, f"ours-{seed}", "hf_final")}
+            "reward": {r["step"]: r["reward/mean"] for r in rows}, "wall": wall_clock(rows),
+            "model": os.path.join(root, f"ours-{seed}", "hf_final")}
 
 
-def run_trl(python: str, root: str, model: str, train: str, seed: int, steps: int) -> dict:
+def run_trl(python: str, root: str, paths: dict, case: Case, seed: int, steps: int) -> dict:
     out = os.path.join(root, f"trl-{seed}")
-    torchrun(python, os.path.join(HERE, "trl_side.py"), model, train, out, str(seed), str(steps))
+    torchrun(python, os.path.join(HERE, "trl_side.py"), paths["model"], paths["train"], out, str(seed), str(steps),
+             str(case.prompts), str(case.mini), str(case.max_new))
     log = json.load(open(os.path.join(out, "timings.json")))
     opt_steps = [e["step_s"] for e in log if "step_s" in e]
     generate = [e["generate_s"] for e in log if "generate_s" in e]
-    rl_steps = [sum(opt_steps[i:i + STEPS_PER_RL_STEP]) for i in range(0, len(opt_steps), STEPS_PER_RL_STEP)]
+    k = case.steps_per_rl_step
+    rl_steps = [sum(opt_steps[i:i + k]) for i in range(0, len(opt_steps), k)]
     rewards = [e for e in log if "reward" in e]
     # num_tokens: prompt + completion tokens seen so far over both processes (TRL's count, cumulative)
     tokens = [b["num_tokens"] - a["num_tokens"] for a, b in zip([{"num_tokens": 0}] + rewards, rewards)]
     return {"step_s": statistics.median(rl_steps), "generate_s": statistics.median(generate),
             "update_s": statistics.median(rl_steps) - statistics.median(generate),
             "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, rl_steps)),
-            "reward": {i + 1: e["reward"] for i, e in enumerate(rewards)}, "model": os.path.join(out, "model")}
+            "reward": {i + 1: e["reward"] for i, e in enumerate(rewards)},
+            "wall": list(itertools.accumulate(rl_steps)), "model": os.path.join(out, "model")}
 
 
-def heldout_greedy(model_dir: str, val: str) -> float:
-    """Mean toy score of greedy responses (at most 10 tokens) to the held-out prompts: the same code for both."""
+def wall_clock(rows: list[dict]) -> list[float]:
+    """Seconds since the first step began, at the end of each step (the sum of the step times)."""
+    return list(itertools.accumulate(r["timing/step_s"] for r in rows))
+
+
+def heldout_greedy(model_dir: str, val: str, max_new: int = 10) -> float:
+    """Mean toy score of greedy responses to the held-out prompts: the same code for both."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,7 +143,7 @@ def heldout_greedy(model_dir: str, val: str) -> float:
     texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+        out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
     answers = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     return statistics.mean(toy(a, r["reward_model"]["ground_truth"])["score"] for a, r in zip(answers, rows))
 
@@ -253,6 +297,29 @@ def compare_objective(python: str, root: str) -> None:
     print(f"tokens where our dual clip (c = 3, A < 0) binds: {int(dual)} (TRL has no dual clip)")
 
 
+def plot_reward_vs_time(results: dict[str, list[dict]], path: str, title: str) -> None:
+    """Train reward per step against the seconds of training so far (the sum of step times): one thin line per
+    seed, each framework in its own colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (name, runs), colour in zip(results.items(), ("tab:blue", "tab:orange")):
+        for i, run in enumerate(runs):
+            steps = sorted(run["reward"])[:len(run["wall"])]
+            ax.plot(run["wall"][:len(steps)], [run["reward"][k] for k in steps], color=colour, lw=0.8, alpha=0.7,
+                    label=name if i == 0 else None)
+    ax.set_xlabel("wall-clock seconds of training (sum of step times)")
+    ax.set_ylabel("train reward (mean of the step's samples)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} +- {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
 
@@ -262,6 +329,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--env", default=os.path.join(ROOT, ".bench_envs", "trl"))
+    ap.add_argument("--case", choices=sorted(CASES), default="default")
+    ap.add_argument("--plot", help="write train reward against wall-clock time of both frameworks to this PNG")
     ap.add_argument("--objective", action="store_true", help="compare the two losses on one identical batch")
     args = ap.parse_args()
     from lib import toy
@@ -271,18 +340,21 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as root:
             compare_objective(python, root)
         return
+    case = CASES[args.case]
     with tempfile.TemporaryDirectory() as root:
-        paths = toy.prepare(os.path.join(root, "toy_assets"), seed=0)
+        paths = toy.prepare(os.path.join(root, "toy_assets"), seed=0, warm_steps=case.warm_steps, digits=case.digits)
         results: dict[str, list[dict]] = {"ours": [], "TRL": []}
         for seed in args.seeds:
-            results["ours"].append(run_ours(root, seed, args.steps))
-            results["TRL"].append(run_trl(python, root, paths["model"], paths["train"], seed, args.steps))
+            results["ours"].append(run_ours(root, paths, case, seed, args.steps))
+            results["TRL"].append(run_trl(python, root, paths, case, seed, args.steps))
             for name in results:
-                results[name][-1]["heldout"] = heldout_greedy(results[name][-1]["model"], paths["val"])
+                results[name][-1]["heldout"] = heldout_greedy(results[name][-1]["model"], paths["val"], case.max_new)
             print(f"seed {seed}: " + ", ".join(f"{n} {r[-1]['step_s']:.3f} s/step, held-out {r[-1]['heldout']:.3f}"
                                                for n, r in results.items()), flush=True)
-        start = heldout_greedy(paths["model"], paths["val"])
-    print(f"\nGRPO on the toy task, {args.steps} steps, 2 CPU ranks x 1 thread, seeds {args.seeds} "
+        start = heldout_greedy(paths["model"], paths["val"], case.max_new)
+    if args.plot:
+        plot_reward_vs_time(results, args.plot, f"{args.case} case, {args.steps} steps, seeds {args.seeds}")
+    print(f"\nGRPO on the toy task ({args.case} case), {args.steps} steps, 2 CPU ranks x 1 thread, seeds {args.seeds} "
           f"(medians per run, then mean over seeds); held-out greedy reward of the start model: {start:.3f}")
     cols = ["s/step", "generate s", "update s", "tokens/s"] + [f"reward@{c}" for c in CHECKPOINTS if c <= args.steps]
     print(f"{'':<8}" + "".join(f"{c:>13}" for c in cols) + f"{'held-out greedy':>20}")
@@ -294,7 +366,7 @@ def main() -> None:
         print(f"{name:<8}" + "".join(f"{v:>13.3f}" if i < 3 else f"{v:>13.0f}" if i == 3 else f"{v:>13.3f}"
                                      for i, v in enumerate(m)) + f"{spread([r['heldout'] for r in runs]):>20}")
     ratio = means["ours"][0] / means["TRL"][0]
-    print(f"ours/TRL s/step: {ratio:.2f} (target <= 0.5)")
+    print(f"ours/TRL s/step: {ratio:.2f} (target: <= 0.5 on the default case, <= 1 on the long-tail case)")
 
 
 if __name__ == "__main__":

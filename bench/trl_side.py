@@ -2,7 +2,7 @@
 environment that script makes. Writes OUT/timings.json (per optimizer step: wall time, generation time, reward)
 and the final model to OUT/model.
 
-    torchrun --nproc-per-node 2 bench/trl_side.py MODEL TRAIN_JSONL OUT SEED STEPS
+    torchrun --nproc-per-node 2 bench/trl_side.py MODEL TRAIN_JSONL OUT SEED STEPS [PROMPTS MINI MAX_NEW]
     python bench/trl_side.py objective START MOVED TRAIN_JSONL BATCH OUT
 
 The second form evaluates TRL's loss on one given batch (bench/compare_trl.py --objective) and saves its
@@ -27,7 +27,8 @@ def toy_reward(completions, reward_model, **_):
             for c, rm in zip(completions, reward_model)]
 
 
-def main(model_path: str, train: str, out: str, seed: int, steps: int) -> None:
+def main(model_path: str, train: str, out: str, seed: int, steps: int, prompts: int = 64, mini: int = 128,
+         max_new: int = 10) -> None:
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -35,11 +36,12 @@ def main(model_path: str, train: str, out: str, seed: int, steps: int) -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    samples, group, mini = 512, 8, 128  # per RL step: 64 prompts x 8; 4 optimizer steps of 128 samples
+    group = 8
+    samples = prompts * group  # per RL step; optimizer steps of `mini` samples
     config = GRPOConfig(
         output_dir=out, use_cpu=True, seed=seed, report_to=[], save_strategy="no", logging_steps=4,
         per_device_train_batch_size=mini // world, steps_per_generation=samples // mini, gradient_accumulation_steps=1,
-        num_generations=group, max_completion_length=10, temperature=1.0, top_p=1.0, top_k=0,
+        num_generations=group, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=1e-3, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, beta=0.0, epsilon=0.2, num_iterations=1,
         loss_type="dapo", scale_rewards="group", max_steps=steps * samples // mini, bf16=False,
@@ -132,4 +134,4 @@ def objective(start: str, moved: str, train: str, batch_path: str, out: str) -> 
 if __name__ == "__main__" and sys.argv[1] == "objective":
     objective(*sys.argv[2:7])
 elif __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:]))

@@ -26,12 +26,16 @@ def example(digits: tuple[int, ...]) -> tuple[str, str]:
     return "".join(f"{d}," for d in digits), ",".join(str(d) for d in reversed(digits))
 
 
-def split_pairs(seed: int = 0, num_train: int = 2000, num_val: int = 100) -> tuple[list[tuple], list[tuple]]:
-    """Distinct digit sequences: the first ``num_train`` for training, the next ``num_val`` held out."""
+def split_pairs(seed: int = 0, num_train: int = 2000, num_val: int = 100,
+                digits: tuple[int, int] = (DIGITS, DIGITS)) -> tuple[list[tuple], list[tuple]]:
+    """Distinct digit sequences: the first ``num_train`` for training, the next ``num_val`` held out.
+    ``digits`` (lo, hi): sequence lengths, log-uniform between them (a long tail of long answers)."""
     rng = random.Random(seed)
+    lo, hi = digits
     seen: dict[tuple, None] = {}
     while len(seen) < num_train + num_val:
-        seen[tuple(rng.randrange(10) for _ in range(DIGITS))] = None
+        n = lo if lo == hi else min(hi, int(lo * (hi / lo) ** rng.random()))
+        seen[tuple(rng.randrange(10) for _ in range(n))] = None
     items = list(seen)
     return items[:num_train], items[num_train:]
 
@@ -75,15 +79,19 @@ def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
             a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             rows.append(p + a)
             labels.append([-100] * len(p) + a)
-        ids = torch.tensor(rows)
-        loss = model(input_ids=ids, labels=torch.tensor(labels)).loss
+        width = max(map(len, rows))  # right-padded when the lengths differ (the long-tail variant)
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        labels = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        loss = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
     model.eval()
 
 
-def build_policy(tokenizer, train_pairs, seed: int = 0, warm_steps: int = 60, heads: int = 4, kv_heads: int = 2):
+def build_policy(tokenizer, train_pairs, seed: int = 0, warm_steps: int = 60, heads: int = 4, kv_heads: int = 2,
+                 max_positions: int = 64):
     """The toy policy: a 2-layer Qwen2 (hidden 64) warm-started on the task. heads=2 gives head size 32, the
     smallest vLLM's CPU attention takes (the vLLM end-to-end test uses it)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -91,7 +99,7 @@ def build_policy(tokenizer, train_pairs, seed: int = 0, warm_steps: int = 60, he
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(SPECIAL) + len(CHARS), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
                          bos_token_id=2)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     warm_start(model, tokenizer, train_pairs, warm_steps, seed)
@@ -99,8 +107,11 @@ def build_policy(tokenizer, train_pairs, seed: int = 0, warm_steps: int = 60, he
     return model
 
 
-def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60) -> dict[str, str]:
-    """Build (once) the tokenizer, the warm-started model and the data files; returns their paths."""
+def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60,
+            digits: tuple[int, int] = (DIGITS, DIGITS)) -> dict[str, str]:
+    """Build (once) the tokenizer, the warm-started model and the data files; returns their paths.
+    ``digits`` (lo, hi) other than the default makes the long-tail variant (answers of 2 lo to 2 hi tokens with
+    the eos; bench/compare_trl.py --case long-tail), with room in the model for the longest prompt + answer."""
     model_dir, data_dir = os.path.join(path, "model"), os.path.join(path, "data")
     out = {"model": model_dir, "train": os.path.join(data_dir, "train.jsonl"),
            "val": os.path.join(data_dir, "val.jsonl")}
@@ -108,10 +119,10 @@ def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60) 
         return out
     os.makedirs(data_dir, exist_ok=True)
     tokenizer = build_tokenizer(model_dir)
-    train_pairs, val_pairs = split_pairs(seed)
+    train_pairs, val_pairs = split_pairs(seed, digits=digits)
     _write_jsonl(out["train"], train_pairs, repeats=1)
     _write_jsonl(out["val"], val_pairs, repeats=1)
-    model = build_policy(tokenizer, train_pairs, seed, warm_steps)
+    model = build_policy(tokenizer, train_pairs, seed, warm_steps, max_positions=max(64, 4 * digits[1] + 16))
     tmp = model_dir + ".tmp"
     model.save_pretrained(tmp)
     for name in os.listdir(tmp):  # weights appear in the model folder only once complete
