@@ -14,6 +14,12 @@ Settings that cannot be matched: the order prompts are drawn in (each framework'
 sampling random streams; TRL replicates the model with DDP, ours runs the tiny preset's replicated FSDP
 (fsdp.shard_size 1); TRL's step includes its own logging. Held-out greedy reward of both final models is scored
 by the same code here (greedy decoding of the 100 held-out prompts, the toy score).
+
+Differences in the objective, as --objective measures them on one identical batch (everything else agrees to
+float32 rounding): the std epsilon of the group advantages (TRL 1e-4, ours and verl 1e-6); TRL divides each
+mini-batch's token sum by the generation batch's mean tokens per mini-batch, ours by the mini-batch's own token
+count (the same on average); TRL shuffles samples across mini-batches, ours keeps groups whole unless
+--actor.shuffle; our dual clip (c = 3 for negative advantages) never binds on this task.
 """
 
 from __future__ import annotations
