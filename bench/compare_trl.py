@@ -52,6 +52,7 @@ class Case:
     mini: int
     max_new: int
     warm_steps: int
+    lr: float = 1e-3
 
     @property
     def steps_per_rl_step(self) -> int:
@@ -63,14 +64,16 @@ class Case:
         return ["--actor.model.path", paths["model"], "--data.train_files", paths["train"], "--data.val_files",
                 paths["val"], "--trainer.train_batch_size", str(self.prompts), "--actor.mini_batch_size",
                 str(self.mini), "--rollout.max_response_length", str(self.max_new), "--data.max_prompt_length",
-                str(2 * self.digits[1] + 2)]
+                str(2 * self.digits[1] + 2), "--actor.optim.lr", str(self.lr)]
 
 
 CASES = {
     # the embedded default (configs/tiny_cpu_grpo.yaml): 4 optimizer steps of 128 per RL step of 64 x 8
     "default": Case(digits=(4, 4), prompts=64, mini=128, max_new=10, warm_steps=60),
-    # answers of 5 to 200 digits, log-uniform: responses of about 10 to 400 tokens; 2 optimizer steps of 64
-    "long-tail": Case(digits=(5, 200), prompts=16, mini=64, max_new=400, warm_steps=200),
+    # answers of 5 to 200 digits, log-uniform: responses of about 10 to 400 tokens; 2 optimizer steps of 64. A time
+    # case, not a learning one: lr 1e-6 keeps both sampling the start model's lengths (at 1e-3 each run's
+    # lengths drift their own way within a few steps, and s/step compares different amounts of work)
+    "long-tail": Case(digits=(5, 200), prompts=16, mini=64, max_new=400, warm_steps=200, lr=1e-6),
 }
 
 
@@ -107,6 +110,7 @@ def run_ours(root: str, paths: dict, case: Case, seed: int, steps: int) -> dict:
             "update_s": stage("log_probs") + stage("update"),
             # perf/tokens_per_s is per rank (averaged over ranks): the run's throughput is 2 ranks' worth
             "tokens_per_s": 2 * statistics.median(r["perf/tokens_per_s"] for r in rows),
+            "length": statistics.mean(r["response/length_mean"] for r in rows),
             "reward": {r["step"]: r["reward/mean"] for r in rows}, "wall": wall_clock(rows),
             "model": os.path.join(root, f"ours-{seed}", "hf_final")}
 
@@ -114,7 +118,7 @@ def run_ours(root: str, paths: dict, case: Case, seed: int, steps: int) -> dict:
 def run_trl(python: str, root: str, paths: dict, case: Case, seed: int, steps: int) -> dict:
     out = os.path.join(root, f"trl-{seed}")
     torchrun(python, os.path.join(HERE, "trl_side.py"), paths["model"], paths["train"], out, str(seed), str(steps),
-             str(case.prompts), str(case.mini), str(case.max_new))
+             str(case.prompts), str(case.mini), str(case.max_new), str(case.lr))
     log = json.load(open(os.path.join(out, "timings.json")))
     opt_steps = [e["step_s"] for e in log if "step_s" in e]
     generate = [e["generate_s"] for e in log if "generate_s" in e]
@@ -126,6 +130,7 @@ def run_trl(python: str, root: str, paths: dict, case: Case, seed: int, steps: i
     return {"step_s": statistics.median(rl_steps), "generate_s": statistics.median(generate),
             "update_s": statistics.median(rl_steps) - statistics.median(generate),
             "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, rl_steps)),
+            "length": statistics.mean(float(e["logs"]["completions/mean_length"]) for e in rewards),
             "reward": {i + 1: e["reward"] for i, e in enumerate(rewards)},
             "wall": list(itertools.accumulate(rl_steps)), "model": os.path.join(out, "model")}
 
@@ -362,17 +367,21 @@ def main() -> None:
         plot_reward_vs_time(results, args.plot, f"{args.case} case, {args.steps} steps, seeds {args.seeds}")
     print(f"\nGRPO on the toy task ({args.case} case), {args.steps} steps, 2 CPU ranks x 1 thread, seeds {args.seeds} "
           f"(medians per run, then mean over seeds); held-out greedy reward of the start model: {start:.3f}")
-    cols = ["s/step", "generate s", "update s", "tokens/s"] + [f"reward@{c}" for c in CHECKPOINTS if c <= args.steps]
+    cols = ["s/step", "generate s", "update s", "tokens/s", "resp. len"] + [f"reward@{c}" for c in CHECKPOINTS
+                                                                           if c <= args.steps]
     print(f"{'':<8}" + "".join(f"{c:>13}" for c in cols) + f"{'held-out greedy':>20}")
     means = {}
     for name, runs in results.items():
-        m = [statistics.mean(r[k] for r in runs) for k in ("step_s", "generate_s", "update_s", "tokens_per_s")]
+        m = [statistics.mean(r[k] for r in runs) for k in ("step_s", "generate_s", "update_s", "tokens_per_s",
+                                                           "length")]
         m += [statistics.mean(r["reward"].get(c, float("nan")) for r in runs) for c in CHECKPOINTS if c <= args.steps]
         means[name] = m
-        print(f"{name:<8}" + "".join(f"{v:>13.3f}" if i < 3 else f"{v:>13.0f}" if i == 3 else f"{v:>13.3f}"
+        print(f"{name:<8}" + "".join(f"{v:>13.0f}" if i == 3 else f"{v:>13.1f}" if i == 4 else f"{v:>13.3f}"
                                      for i, v in enumerate(m)) + f"{spread([r['heldout'] for r in runs]):>20}")
     ratio = means["ours"][0] / means["TRL"][0]
-    print(f"ours/TRL s/step: {ratio:.2f} (target: <= 0.5 on the default case, <= 1 on the long-tail case)")
+    per_token = (means["ours"][0] / means["ours"][4]) / (means["TRL"][0] / means["TRL"][4])
+    print(f"ours/TRL s/step: {ratio:.2f} (target: <= 0.5 on the default case, <= 1 on the long-tail case); "
+          f"per response token (s/step over mean response length): {per_token:.2f}")
 
 
 if __name__ == "__main__":

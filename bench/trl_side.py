@@ -2,7 +2,7 @@
 environment that script makes. Writes OUT/timings.json (per optimizer step: wall time, generation time, reward)
 and the final model to OUT/model.
 
-    torchrun --nproc-per-node 2 bench/trl_side.py MODEL TRAIN_JSONL OUT SEED STEPS [PROMPTS MINI MAX_NEW]
+    torchrun --nproc-per-node 2 bench/trl_side.py MODEL TRAIN_JSONL OUT SEED STEPS [PROMPTS MINI MAX_NEW LR]
     python bench/trl_side.py objective START MOVED TRAIN_JSONL BATCH OUT
 
 The second form evaluates TRL's loss on one given batch (bench/compare_trl.py --objective) and saves its
@@ -28,7 +28,7 @@ def toy_reward(completions, reward_model, **_):
 
 
 def main(model_path: str, train: str, out: str, seed: int, steps: int, prompts: int = 64, mini: int = 128,
-         max_new: int = 10) -> None:
+         max_new: int = 10, lr: float = 1e-3) -> None:
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -39,10 +39,10 @@ def main(model_path: str, train: str, out: str, seed: int, steps: int, prompts: 
     group = 8
     samples = prompts * group  # per RL step; optimizer steps of `mini` samples
     config = GRPOConfig(
-        output_dir=out, use_cpu=True, seed=seed, report_to=[], save_strategy="no", logging_steps=4,
+        output_dir=out, use_cpu=True, seed=seed, report_to=[], save_strategy="no", logging_steps=samples // mini,
         per_device_train_batch_size=mini // world, steps_per_generation=samples // mini, gradient_accumulation_steps=1,
         num_generations=group, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=1e-3, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+        learning_rate=lr, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, beta=0.0, epsilon=0.2, num_iterations=1,
         loss_type="dapo", scale_rewards="group", max_steps=steps * samples // mini, bf16=False,
         remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True,
@@ -134,4 +134,4 @@ def objective(start: str, moved: str, train: str, batch_path: str, out: str) -> 
 if __name__ == "__main__" and sys.argv[1] == "objective":
     objective(*sys.argv[2:7])
 elif __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:9]), *map(float, sys.argv[9:]))

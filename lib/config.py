@@ -48,7 +48,8 @@ class OptimConfig:
 @dataclass
 class FSDPConfig:
     shard_size: int = 0
-    """Ranks one copy of the model is sharded over. 0: all ranks (1-D FSDP); smaller: HSDP (replicate x shard)."""
+    """Ranks one copy of the model is sharded over. 0: all ranks (1-D FSDP); smaller: HSDP (replicate x shard);
+    1: every rank holds the whole model (DDP-like: one FSDP unit, one gradient all-reduce per backward)."""
     mixed_precision: bool = True
     """GPU: bf16 compute, fp32 gradient reduction (params stay fp32). No effect on CPU (fp32)."""
     param_offload: bool = False
