@@ -89,10 +89,13 @@ def dynamic_sampling(run: Run, step: int, batch: DataProto, first: dict, metrics
 
 
 def compute_log_probs(run: Run, batch: DataProto) -> None:
-    """old_log_probs (unless the update takes them itself: Sizes.old_in_update) and ref_log_prob."""
+    """old_log_probs (the engine's with bypass_mode; none when the update takes them itself: Sizes.old_in_update)
+    and ref_log_prob."""
     cfg, topo = run.cfg, run.topo
     t = cfg.rollout.temperature
-    if not run.sizes.old_in_update:
+    if cfg.algorithm.bypass_mode:
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+    elif not run.sizes.old_in_update:
         batch.batch["old_log_probs"], _ = actor_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
     if run.ref is not None:
         batch.batch["ref_log_prob"], _ = actor_log_probs(run.ref, batch, cfg.actor.batching, topo, t)

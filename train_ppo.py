@@ -54,10 +54,12 @@ def build_critic(run: Run) -> Trainee:
 
 
 def compute_log_probs(run: Run, critic: Trainee, batch: DataProto) -> None:
-    """old_log_probs (unless the update takes them itself: Sizes.old_in_update), ref_log_prob, and the critic's
-    values."""
+    """old_log_probs (the engine's with bypass_mode; none when the update takes them itself: Sizes.old_in_update),
+    ref_log_prob, and the critic's values."""
     cfg, topo, t = run.cfg, run.topo, run.cfg.rollout.temperature
-    if not run.sizes.old_in_update:
+    if cfg.algorithm.bypass_mode:
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+    elif not run.sizes.old_in_update:
         batch.batch["old_log_probs"], _ = actor_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
     if run.ref is not None:
         batch.batch["ref_log_prob"], _ = actor_log_probs(run.ref, batch, cfg.actor.batching, topo, t)

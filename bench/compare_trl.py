@@ -2,6 +2,7 @@
 
     python bench/compare_trl.py [--seeds 1 2 3] [--steps 100] [--env .bench_envs/trl]
     python bench/compare_trl.py --case long-tail --steps 5 --seeds 1   # responses of 10 to 400 tokens
+    python bench/compare_trl.py --ours-args "--algorithm.bypass-mode"   # ours with the engine's old log-probs
     python bench/compare_trl.py --objective     # the per-token loss of both on one identical batch
 
 Both run GRPO on the toy task (lib/toy.py) from the same model weights and prompts with 2 CPU processes over gloo,
@@ -28,6 +29,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -98,11 +100,11 @@ def torchrun(python: str, *args: str) -> None:
         raise SystemExit(f"{' '.join(cmd[:8])} ... failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
 
 
-def run_ours(root: str, paths: dict, case: Case, seed: int, steps: int) -> dict:
+def run_ours(root: str, paths: dict, case: Case, seed: int, steps: int, extra: list[str]) -> dict:
     torchrun(sys.executable, os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", root, "--trainer.run_name",
              f"ours-{seed}", "--trainer.seed", str(seed), "--trainer.total_steps", str(steps),
              "--trainer.val_every", "0", "--trainer.log_samples", "0", "--trainer.save_every", "0",
-             *case.ours_args(paths))
+             *case.ours_args(paths), *extra)
     rows = [json.loads(line) for line in open(os.path.join(root, f"ours-{seed}", "metrics.jsonl"))]
     rows = [r for r in rows if "timing/step_s" in r]
     stage = lambda k: statistics.median(r[f"timing/{k}_s"] for r in rows)  # noqa: E731
@@ -341,6 +343,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--env", default=os.path.join(ROOT, ".bench_envs", "trl"))
     ap.add_argument("--case", choices=sorted(CASES), default="default")
+    ap.add_argument("--ours-args", default="", help="extra flags for our runs, e.g. '--algorithm.bypass-mode'")
     ap.add_argument("--plot", help="write train reward against wall-clock time of both frameworks to this PNG")
     ap.add_argument("--objective", action="store_true", help="compare the two losses on one identical batch")
     args = ap.parse_args()
@@ -356,7 +359,7 @@ def main() -> None:
         paths = toy.prepare(os.path.join(root, "toy_assets"), seed=0, warm_steps=case.warm_steps, digits=case.digits)
         results: dict[str, list[dict]] = {"ours": [], "TRL": []}
         for seed in args.seeds:
-            results["ours"].append(run_ours(root, paths, case, seed, args.steps))
+            results["ours"].append(run_ours(root, paths, case, seed, args.steps, shlex.split(args.ours_args)))
             results["TRL"].append(run_trl(python, root, paths, case, seed, args.steps))
             for name in results:
                 results[name][-1]["heldout"] = heldout_greedy(results[name][-1]["model"], paths["val"], case.max_new)

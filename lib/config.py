@@ -201,6 +201,10 @@ class AlgorithmConfig:
     """Importance weights from the engine's log-probs (train/rollout mismatch)."""
     rollout_correction_threshold: float = 2.0
     rollout_correction_mode: Literal["truncate", "mask"] = "truncate"
+    bypass_mode: bool = False
+    """The old log-probs are the engine's own (verl's rollout_correction.bypass_mode with the PPO-clip loss): no
+    old-log-prob pass. The same numbers when the engine computes in the trainer's precision (the HF engine in
+    fp32); otherwise the ratio also carries the engine/trainer mismatch."""
     critic_warmup: int = 0
     """PPO: steps that update only the critic."""
 
@@ -399,7 +403,7 @@ class Sizes:
     critic_mini_batch_per_rank: int
     old_in_update: bool
     """ppo_epochs == 1 and nothing reads the old log-probs before the update (no KL in the reward, no rollout
-    correction): the update takes them from the policy before its first step (lib.actor.update_policy), which
+    correction, no bypass_mode): the update takes them from the policy before its first step (lib.actor.update_policy), which
     saves a forward over one mini-batch."""
 
 
@@ -481,6 +485,13 @@ def _value_problems(cfg: Config) -> list[str]:
          f"the engine's log-probs are of the top-k/top-p-filtered distribution and the trainer's are not, so the "
          f"weights would measure the filter, not a train/rollout mismatch; turn filtering off (top_k 0, top_p 1) "
          f"or rollout_correction off"),
+        (al.bypass_mode and (r.top_k > 0 or r.top_p < 1),
+         f"algorithm.bypass_mode with rollout.top_k={r.top_k} / top_p={r.top_p}: the engine's log-probs are of the "
+         f"top-k/top-p-filtered distribution, so the PPO ratio would compare it with the unfiltered policy; turn "
+         f"filtering off (top_k 0, top_p 1) or bypass_mode off"),
+        (al.bypass_mode and al.rollout_correction != "off",
+         f"algorithm.bypass_mode with rollout_correction={al.rollout_correction}: bypass makes the old log-probs the "
+         f"engine's, so the correction weights would all be 1; use one of the two"),
         (cfg.critic.fsdp.shard_size not in (0, cfg.actor.fsdp.shard_size),
          f"critic.fsdp.shard_size={cfg.critic.fsdp.shard_size}: the critic is sharded on the actor's mesh; set "
          f"actor.fsdp.shard_size instead"),
@@ -590,6 +601,6 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
     if problems:
         raise ValueError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
     old_in_update = (a.ppo_epochs == 1 and not cfg.algorithm.use_kl_in_reward
-                     and cfg.algorithm.rollout_correction == "off")
+                     and cfg.algorithm.rollout_correction == "off" and not cfg.algorithm.bypass_mode)
     return Sizes(world_size, dp, t.train_batch_size // world_size, t.train_batch_size // world_size * r.n,
                  sizes["actor"], sizes["critic"], old_in_update)

@@ -167,6 +167,8 @@ def test_packing_on_a_gpu_without_a_varlen_kernel_is_refused(monkeypatch):
     ({"reward.timeout_s": 0.0}, "reward.timeout_s=0.0 must be > 0"),
     ({"trainer.logger": ["console", "tensorbord"]}, "unknown name(s) ['tensorbord']"),
     ({"algorithm.rollout_correction": "token", "rollout.top_k": 5}, "turn filtering off (top_k 0, top_p 1)"),
+    ({"algorithm.bypass_mode": True, "rollout.top_p": 0.9}, "turn filtering off (top_k 0, top_p 1) or bypass_mode off"),
+    ({"algorithm.bypass_mode": True, "algorithm.rollout_correction": "token"}, "use one of the two"),
     ({"critic.fsdp.shard_size": 1}, "the critic is sharded on the actor's mesh"),
     ({"critic.fsdp.param_offload": True}, "critic.fsdp.param_offload / optimizer_offload are not supported"),
     ({"algorithm.adv_estimator": "remax"}, "algorithm.adv_estimator='remax'"),
