@@ -2,7 +2,7 @@
 
     python bench/compare_trl.py [--seeds 1 2 3] [--steps 100] [--env .bench_envs/trl]
     python bench/compare_trl.py --case long-tail --steps 5 --seeds 1   # responses of 10 to 400 tokens
-    python bench/compare_trl.py --ours-args "--algorithm.bypass-mode"   # ours with the engine's old log-probs
+    python bench/compare_trl.py --ours-args="--algorithm.bypass-mode"   # ours with the engine's old log-probs
     python bench/compare_trl.py --objective     # the per-token loss of both on one identical batch
 
 Both run GRPO on the toy task (lib/toy.py) from the same model weights and prompts with 2 CPU processes over gloo,
@@ -343,7 +343,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--env", default=os.path.join(ROOT, ".bench_envs", "trl"))
     ap.add_argument("--case", choices=sorted(CASES), default="default")
-    ap.add_argument("--ours-args", default="", help="extra flags for our runs, e.g. '--algorithm.bypass-mode'")
+    ap.add_argument("--ours-args", default="",
+                    help="extra flags for our runs, given with '=': --ours-args=--algorithm.bypass-mode")
     ap.add_argument("--plot", help="write train reward against wall-clock time of both frameworks to this PNG")
     ap.add_argument("--objective", action="store_true", help="compare the two losses on one identical batch")
     args = ap.parse_args()

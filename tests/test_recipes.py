@@ -47,6 +47,11 @@ def _command_spans(text):
     """Backtick spans of README.md that are command lines or flag lists."""
     for span in re.findall(r"`([^`\n]+)`", text):
         tokens = shlex.split(span)
+        if len(tokens) > 1 and tokens[1].startswith("bench/"):  # a bench command: the flags it hands our trainer
+            for t in tokens:
+                if t.startswith("--ours-args="):
+                    yield span, shlex.split(t.removeprefix("--ours-args="))
+            continue
         flags = [i for i, t in enumerate(tokens) if t.startswith("--") and "." in t]
         if not flags or "..." in tokens or any("/" in tokens[i] or "section." in tokens[i] for i in flags):
             continue
