@@ -180,7 +180,8 @@ def objective_batch(paths: dict, root: str, seed: int = 0) -> dict:
     rows = [json.loads(line) for line in open(paths["train"])][:OBJECTIVE_GROUPS]
     texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    prompt_ids, prompt_mask = enc["input_ids"].repeat_interleave(GROUP, 0), enc["attention_mask"].repeat_interleave(GROUP, 0)
+    prompt_ids = enc["input_ids"].repeat_interleave(GROUP, 0)
+    prompt_mask = enc["attention_mask"].repeat_interleave(GROUP, 0)
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=1.0,
