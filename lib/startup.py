@@ -7,7 +7,8 @@ Batch keys, by the stage that writes them:
                  raw_prompt, row, uid                                                        (lib/rollout.py)
   rollout        prompts, responses, response_mask, input_ids, attention_mask, position_ids, rollout_log_probs
   score          token_level_scores (B, R); scores (object, per row)                        (lib/scoring.py)
-  log-probs      old_log_probs, ref_log_prob (actor / reference); values (critic, PPO)
+  log-probs      old_log_probs (actor; the engine's with bypass_mode; left to the update when Sizes.old_in_update),
+                 ref_log_prob (reference); values (critic, PPO)
   advantages     token_level_rewards, advantages, returns; rollout_is_weights (rollout correction)
 """
 
