@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lib.config import OptimConfig
+from lib.fsdp import average_gradients
 
 
 def lr_multiplier(step: int, cfg: OptimConfig) -> float:
@@ -32,7 +33,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Opt
 
 def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> tuple[float, bool]:
     """Clip the global grad norm (over all shards: DTensor norms reduce across the mesh) and step.
-    A non-finite norm skips the step and clears the gradients. Returns (norm, stepped)."""
+    A non-finite norm skips the step and clears the gradients. Returns (norm, stepped).
+    A plain replica's gradients are first averaged over the ranks (lib.fsdp.average_gradients)."""
+    average_gradients(model)
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
     if hasattr(norm, "full_tensor"):

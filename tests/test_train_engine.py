@@ -85,9 +85,10 @@ def test_two_ranks_match_one_process(model_dir, agg):
         torch.testing.assert_close(r0["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
 
 
-def test_dynamic_batching_and_hsdp_match(model_dir):
+def test_dynamic_batching_and_replicated_ranks_match(model_dir):
     (fixed,) = run_distributed(_train_body, model_dir, 2, False, 0, "token-mean", world_size=1)
-    dyn0, _ = run_distributed(_train_body, model_dir, 2, True, 1, "token-mean", world_size=2)  # HSDP (2 x 1)
+    # shard groups of one rank: a plain replica on each rank, its gradients averaged by lib.fsdp.average_gradients
+    dyn0, _ = run_distributed(_train_body, model_dir, 2, True, 1, "token-mean", world_size=2)
     torch.testing.assert_close(dyn0["logp"], fixed["logp"], rtol=1e-5, atol=1e-5)
     assert dyn0["metrics"]["actor/pg_loss"] == pytest.approx(fixed["metrics"]["actor/pg_loss"], rel=1e-4)
     for name, w in fixed["weights"].items():
