@@ -49,7 +49,8 @@ class OptimConfig:
 class FSDPConfig:
     shard_size: int = 0
     """Ranks one copy of the model is sharded over. 0: all ranks (1-D FSDP); smaller: HSDP (replicate x shard);
-    1: every rank holds the whole model (DDP-like: one FSDP unit, one gradient all-reduce per backward)."""
+    1: every rank holds the whole model (DDP-like: a plain replica, its gradients averaged by one all-reduce per
+    optimizer step; with a bf16 compute cast on GPU, one FSDP unit at the root)."""
     mixed_precision: bool = True
     """GPU: bf16 compute, fp32 gradient reduction (params stay fp32). No effect on CPU (fp32)."""
     param_offload: bool = False
