@@ -11,8 +11,9 @@ dynamic sampling, overlong penalty, token-mean), GSPO and CISPO losses, and roll
 Where this departs from the paper:
 - The KL term uses the k3 estimator by default (as the paper), aggregated like the policy loss
   (token-mean by default, where the paper averages per sequence first).
-- One policy update per rollout batch by default (ppo_epochs=1, one mini-batch): old log-probs are then the
-  current ones, detached (the on-policy shortcut), so the ratio is 1 and clipping only acts with more epochs.
+- With ppo_epochs=1 (the default) the update takes the old log-probs from the policy before its first step:
+  the first mini-batch's own forward, detached (ratio 1, so with one mini-batch clipping never acts), and a
+  no-grad pass for the other mini-batches (lib/actor.py).
 - Batches are rebalanced across ranks by whole groups (Karmarkar-Karp on a*L + L^2) before the update.
 - Dynamic sampling draws each extra round from the next prompts of the data stream (no prompt is skipped), so
   a step can consume several batches; when the rounds keep more groups than needed, the last round's surplus
@@ -28,13 +29,12 @@ import torch
 import torch.distributed as dist
 
 from lib import algos, config, kl_control, metrics as metric_log, resume, startup
-from lib.actor import compute_log_probs as actor_log_probs
 from lib.actor import update_policy
 from lib.balance import balance_groups
 from lib.dist import sum_over_ranks
 from lib.logging import stage
 from lib.protocol import DataProto
-from lib.rollout import generate, next_batch
+from lib.rollout import generate, next_batch, policy_log_probs
 from lib.scoring import score
 from lib.startup import Run
 
@@ -88,19 +88,6 @@ def dynamic_sampling(run: Run, step: int, batch: DataProto, first: dict, metrics
     return batch, merged
 
 
-def compute_log_probs(run: Run, batch: DataProto) -> None:
-    """old_log_probs (the engine's with bypass_mode; none when the update takes them itself: Sizes.old_in_update)
-    and ref_log_prob."""
-    cfg, topo = run.cfg, run.topo
-    t = cfg.rollout.temperature
-    if cfg.algorithm.bypass_mode:
-        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-    elif not run.sizes.old_in_update:
-        batch.batch["old_log_probs"], _ = actor_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
-    if run.ref is not None:
-        batch.batch["ref_log_prob"], _ = actor_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
-
-
 def compute_advantages(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> None:
     cfg, b = run.cfg, batch.batch
     a, mask = cfg.algorithm, b["response_mask"]
@@ -143,7 +130,7 @@ def main(argv: list[str]) -> None:
             batch, balance_metrics = balance_groups(batch)  # whole groups, so group statistics stay on one rank
             metrics.update(balance_metrics)
             with stage("log_probs", metrics):
-                compute_log_probs(run, batch)
+                policy_log_probs(run, batch)
             compute_advantages(run, batch, kl_ctrl, metrics)
             with stage("update", metrics):
                 metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,

@@ -23,7 +23,6 @@ import torch
 
 from lib import algos, config, kl_control, metrics as metric_log, resume, startup
 from lib.actor import Trainee
-from lib.actor import compute_log_probs as actor_log_probs
 from lib.actor import update_policy
 from lib.balance import balance_groups
 from lib.critic import compute_values, update_critic
@@ -32,7 +31,7 @@ from lib.fsdp import build_sharded_model
 from lib.logging import stage
 from lib.optim import build_optimizer
 from lib.protocol import DataProto
-from lib.rollout import generate, next_batch
+from lib.rollout import generate, next_batch, policy_log_probs
 from lib.scoring import score
 from lib.startup import Run
 
@@ -54,16 +53,9 @@ def build_critic(run: Run) -> Trainee:
 
 
 def compute_log_probs(run: Run, critic: Trainee, batch: DataProto) -> None:
-    """old_log_probs (the engine's with bypass_mode; none when the update takes them itself: Sizes.old_in_update),
-    ref_log_prob, and the critic's values."""
-    cfg, topo, t = run.cfg, run.topo, run.cfg.rollout.temperature
-    if cfg.algorithm.bypass_mode:
-        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-    elif not run.sizes.old_in_update:
-        batch.batch["old_log_probs"], _ = actor_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
-    if run.ref is not None:
-        batch.batch["ref_log_prob"], _ = actor_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
-    batch.batch["values"] = compute_values(critic.model, batch, cfg.critic.batching, topo)
+    """The policy's log-probs (lib.rollout.policy_log_probs) and the critic's values."""
+    policy_log_probs(run, batch)
+    batch.batch["values"] = compute_values(critic.model, batch, run.cfg.critic.batching, run.topo)
 
 
 def compute_advantages(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> None:

@@ -42,6 +42,7 @@ sys.path.insert(0, ROOT)
 
 TRL = "trl==1.16.0"
 CHECKPOINTS = (10, 50, 100)  # train reward reported at these RL steps
+GROUP = 8  # samples per prompt, in every case
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Case:
 
     @property
     def steps_per_rl_step(self) -> int:
-        return self.prompts * 8 // self.mini
+        return self.prompts * GROUP // self.mini
 
     def ours_args(self, paths: dict) -> list[str]:
         if self == CASES["default"]:
@@ -113,7 +114,8 @@ def run_ours(root: str, paths: dict, case: Case, seed: int, steps: int, extra: l
             # perf/tokens_per_s is per rank (averaged over ranks): the run's throughput is 2 ranks' worth
             "tokens_per_s": 2 * statistics.median(r["perf/tokens_per_s"] for r in rows),
             "length": statistics.mean(r["response/length_mean"] for r in rows),
-            "reward": {r["step"]: r["reward/mean"] for r in rows}, "wall": wall_clock(rows),
+            "reward": {r["step"]: r["reward/mean"] for r in rows},
+            "wall": list(itertools.accumulate(r["timing/step_s"] for r in rows)),
             "model": os.path.join(root, f"ours-{seed}", "hf_final")}
 
 
@@ -134,12 +136,8 @@ def run_trl(python: str, root: str, paths: dict, case: Case, seed: int, steps: i
             "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, rl_steps)),
             "length": statistics.mean(float(e["logs"]["completions/mean_length"]) for e in rewards),
             "reward": {i + 1: e["reward"] for i, e in enumerate(rewards)},
-            "wall": list(itertools.accumulate(rl_steps)), "model": os.path.join(out, "model")}
-
-
-def wall_clock(rows: list[dict]) -> list[float]:
-    """Seconds since the first step began, at the end of each step (the sum of the step times)."""
-    return list(itertools.accumulate(r["timing/step_s"] for r in rows))
+            "wall": list(itertools.accumulate(rl_steps)),  # seconds of training at the end of each step
+            "model": os.path.join(out, "model")}
 
 
 def heldout_greedy(model_dir: str, val: str, max_new: int = 10) -> float:
@@ -161,7 +159,7 @@ def heldout_greedy(model_dir: str, val: str, max_new: int = 10) -> float:
     return statistics.mean(toy(a, r["reward_model"]["ground_truth"])["score"] for a, r in zip(answers, rows))
 
 
-OBJECTIVE_GROUPS, GROUP = 16, 8  # the identical batch: 16 prompts x 8 samples, one mini-batch of 128
+OBJECTIVE_GROUPS = 16  # the identical batch: 16 prompts x 8 samples, one mini-batch of 128
 NOISE = 0.1  # the evaluated policy: start weights + this x N(0, 1) x each tensor's mean |weight|
 
 

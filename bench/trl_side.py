@@ -21,6 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib.rewards.builtin import toy  # noqa: E402
 
 
+GROUP = 8  # samples per prompt
+
+
 def toy_reward(completions, reward_model, **_):
     """The toy task's score, from our own scorer (lib.rewards does not import torch or anything TRL lacks)."""
     return [toy(c[0]["content"] if isinstance(c, list) else c, rm["ground_truth"])["score"]
@@ -36,12 +39,11 @@ def main(model_path: str, train: str, out: str, seed: int, steps: int, prompts: 
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    group = 8
-    samples = prompts * group  # per RL step; optimizer steps of `mini` samples
+    samples = prompts * GROUP  # per RL step; optimizer steps of `mini` samples
     config = GRPOConfig(
         output_dir=out, use_cpu=True, seed=seed, report_to=[], save_strategy="no", logging_steps=samples // mini,
         per_device_train_batch_size=mini // world, steps_per_generation=samples // mini, gradient_accumulation_steps=1,
-        num_generations=group, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
+        num_generations=GROUP, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=lr, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, beta=0.0, epsilon=0.2, num_iterations=1,
         loss_type="dapo", scale_rewards="group", max_steps=steps * samples // mini, bf16=False,
@@ -95,9 +97,9 @@ def objective(start: str, moved: str, train: str, batch_path: str, out: str) -> 
     from trl.trainer.utils import add_fused_lm_head
 
     b = torch.load(batch_path)
-    rows, group = len(b["rewards"]), 8
+    rows = len(b["rewards"])
     config = GRPOConfig(output_dir=out, use_cpu=True, report_to=[], per_device_train_batch_size=rows,
-                        steps_per_generation=1, gradient_accumulation_steps=1, num_generations=group,
+                        steps_per_generation=1, gradient_accumulation_steps=1, num_generations=GROUP,
                         max_completion_length=b["completion_ids"].shape[1], beta=0.0, epsilon=0.2, loss_type="dapo",
                         scale_rewards="group", bf16=False, disable_tqdm=True)
     tok = AutoTokenizer.from_pretrained(moved)
@@ -113,8 +115,8 @@ def objective(start: str, moved: str, train: str, batch_path: str, out: str) -> 
         old = trainer._get_per_token_logps_and_entropies(start_model, ids, attn, width, batch_size=rows)[0]
         now = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attn, width, batch_size=rows)[0]
     # TRL's group advantages (GRPOTrainer._generate_and_score_completions with scale_rewards="group")
-    grouped = b["rewards"].view(-1, group)
-    mean, std = grouped.mean(1).repeat_interleave(group), grouped.std(1).repeat_interleave(group)
+    grouped = b["rewards"].view(-1, GROUP)
+    mean, std = grouped.mean(1).repeat_interleave(GROUP), grouped.std(1).repeat_interleave(GROUP)
     advantages = (b["rewards"] - mean) / (std + 1e-4)
     ones = torch.ones(b["completion_mask"].shape, requires_grad=True)
     num_items = b["completion_mask"].sum()

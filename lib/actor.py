@@ -64,7 +64,7 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
     if cfg.use_kl_loss and "ref_log_prob" not in data.batch:
         raise ValueError("use_kl_loss needs ref_log_prob in the batch (compute it with the reference model)")
 
-    def old_log_probs_after_the_first(epoch: int, minis: list[DataProto]) -> None:
+    def old_log_probs_after_the_first(minis: list[DataProto]) -> None:
         for mini in minis[1:]:
             rows = mini.select(["input_ids", "attention_mask", "position_ids", "responses"])
             mini.batch["old_log_probs"] = _gathered_log_probs(model, rows, cfg.batching, topo, temperature)[0]

@@ -1,10 +1,11 @@
 """The rollout stage: the next prompts of the data stream, and generation with the policy's current weights
-(synced into the engine, which sleeps again afterwards)."""
+(synced into the engine, which sleeps again afterwards); then the policy's log-probs of what was generated."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from lib.actor import compute_log_probs
 from lib.data import collate
 from lib.fsdp import move_optimizer
 from lib.protocol import DataProto
@@ -37,3 +38,15 @@ def generate(run: Run, prompts: DataProto, validate: bool = False) -> tuple[Data
         move_optimizer(run.actor.optimizer, run.topo.device)
     metrics["perf/rollout_tokens_per_s"] = out.meta_info.get("tokens_per_s", 0.0)
     return out, metrics
+
+
+def policy_log_probs(run: Run, batch: DataProto) -> None:
+    """The policy's part of the log-prob stage: old_log_probs (the engine's own with bypass_mode; none when the
+    update takes them itself, Sizes.old_in_update) and the reference's ref_log_prob."""
+    cfg, topo, t = run.cfg, run.topo, run.cfg.rollout.temperature
+    if cfg.algorithm.bypass_mode:
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+    elif not run.sizes.old_in_update:
+        batch.batch["old_log_probs"], _ = compute_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
+    if run.ref is not None:
+        batch.batch["ref_log_prob"], _ = compute_log_probs(run.ref, batch, cfg.actor.batching, topo, t)

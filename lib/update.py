@@ -81,10 +81,10 @@ def loss_scale(topo: Topology) -> float:
 
 def accumulation_steps(trainee: Trainee, data: DataProto, epochs: int, mini_batch_size_per_rank: int | None,
                        shuffle: bool, seed: int, batching: BatchingConfig,
-                       before_epoch: Callable[[int, list[DataProto]], None] | None = None):
+                       before_epoch: Callable[[list[DataProto]], None] | None = None):
     """The update's loop over ``epochs`` x mini-batches: yields (epoch, micro-batches on the device, global token
     count, global sequence count) for each optimizer step. The SP group's rows are gathered first (DESIGN step 7).
-    ``before_epoch(epoch, mini_batches)`` runs before an epoch's first optimizer step."""
+    ``before_epoch(mini_batches)`` runs before each epoch's first optimizer step."""
     topo = trainee.topo
     mb_size = (mini_batch_size_per_rank or len(data)) * topo.sp_size
     data, _ = gather_sp(data, topo)
@@ -92,7 +92,7 @@ def accumulation_steps(trainee: Trainee, data: DataProto, epochs: int, mini_batc
     for epoch in range(epochs):
         minis = mini_batches(data, mb_size, shuffle, seed * 1000 + epoch)
         if before_epoch is not None:
-            before_epoch(epoch, minis)
+            before_epoch(minis)
         for mini in minis:
             num_tokens, num_seqs = global_counts(mini.batch["response_mask"], topo)
             pieces, _ = split_micro(mini, batching, topo)
