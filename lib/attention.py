@@ -13,6 +13,11 @@ Kernels, in order: PyTorch's own varlen flash kernel (``torch.nn.attention.varle
 CUDA, bf16/fp16), the flash-attn package where installed, and on CPU (or fp32 on GPU) one causal sdpa over the
 sequences laid side by side, right-padded to the longest (sum of L_max^2 work, not S^2). No S x S mask is ever
 built (transformers' sdpa on a packed row builds one and attends over the whole row).
+
+The model's own attention features are honoured on every path: a sliding window (varlen kernels take it as a
+window size, the plain path as a band mask), logit soft-capping and attention sinks (flash-attn takes the
+soft-cap; what a kernel lacks goes to ``math_attention``, the attention written out). Another model is never
+computed silently: tests/test_model_zoo.py checks packed = padded = eager for each architecture.
 """
 
 from __future__ import annotations
@@ -89,12 +94,15 @@ def _varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None) -> Tensor:
+def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, window: int | None) -> Tensor:
     """q (T, H, d), k/v (T, KV, d) -> (T, H, d). The keyword names changed between torch 2.10 and 2.12."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_params()
-    kw: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "window_size" in params:  # (left, right): a window of W tokens is the token and W - 1 before it
+        kw: dict[str, Any] = {"window_size": (window - 1 if window else -1, 0)}
+    else:
+        kw = {"is_causal": True}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kw["enable_gqa"] = True
@@ -109,20 +117,57 @@ def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | 
     return varlen_attn(q, k, v, p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len, **kw)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, dropout: float = 0.0) -> Tensor:
+def allowed(length: int, window: int | None, device: torch.device) -> Tensor:
+    """(L, L) bool: query i sees key j when j <= i and, with a sliding window of W tokens, i - j < W (transformers'
+    sliding_window_overlay: the token itself and the W - 1 before it)."""
+    i = torch.arange(length, device=device)
+    diff = i[:, None] - i[None, :]
+    return (diff >= 0) & (diff < window) if window else diff >= 0
+
+
+def math_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float | None, window: int | None = None,
+                   softcap: float | None = None, sinks: Tensor | None = None, dropout: float = 0.0) -> Tensor:
+    """Causal attention written out, for what sdpa lacks: logit soft-capping (Gemma-2: cap * tanh(s / cap)) and
+    attention sinks (GPT-OSS: one learned logit per head joins each softmax and is dropped after it).
+    q (n, H, L, d); k, v (n, KV, L, d); sinks (H,). Returns (n, H, L, d). Softmax in float32, as the eager
+    references do."""
+    heads = q.shape[1]
+    if k.shape[1] != heads:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed(q.shape[2], window, q.device), float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, heads, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1).float(), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores.float(), dim=-1)
+    probs = F.dropout(probs.to(q.dtype), p=dropout, training=dropout > 0)
+    return probs @ v
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, dropout: float = 0.0,
+           window: int | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Causal attention within each packed sequence. q: (1, H, S, d); k, v: (1, KV, S, d) with KV dividing H
-    (GQA: the kernels share each kv head, so no repeated copy is kept for backward). Returns (1, H, S, d)."""
+    (GQA: the kernels share each kv head, so no repeated copy is kept for backward). Returns (1, H, S, d).
+    ``window`` (a sliding window of that many tokens), ``softcap`` and ``sinks`` (one logit per head of q) are
+    honoured by every path: a kernel that lacks one hands the call to the next, down to ``math_attention``."""
+    window = window if window and window < p.max_len else None  # a window longer than every sequence is none
     fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     kernel = varlen_kernel() if fast else None
-    if kernel == "torch" and dropout == 0.0:
-        out = _torch_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), p, scaling)
+    torch_ok = window is None or "window_size" in _varlen_params() if kernel == "torch" else False
+    if kernel == "torch" and dropout == 0.0 and softcap is None and sinks is None and torch_ok:
+        out = _torch_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), p, scaling, window)
         return out.transpose(0, 1)[None]
-    if kernel is not None and _installed("flash_attn"):
+    if kernel is not None and _installed("flash_attn") and sinks is None:
         from flash_attn import flash_attn_varlen_func
 
         out = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
                                      p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len, dropout_p=dropout,
-                                     softmax_scale=scaling, causal=True)
+                                     softmax_scale=scaling, causal=True,
+                                     window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap or 0.0)
         return out.transpose(0, 1)[None]
     # the plain path: the sequences side by side, right-padded to the longest, in one causal sdpa. A token attends
     # only to the tokens before it in its own sequence, never to the padding (which comes after them).
@@ -132,8 +177,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, d
     def padded(x: Tensor) -> Tensor:  # (1, H, S, d) -> (n, H, length, d)
         return x[0][:, gather].unflatten(1, (n, length)).transpose(0, 1)
 
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), dropout_p=dropout, is_causal=True,
-                                         scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    if softcap or sinks is not None:
+        out = math_attention(padded(q), padded(k), padded(v), scaling, window, softcap, sinks, dropout)
+    else:
+        band = {"attn_mask": allowed(length, window, q.device)} if window else {"is_causal": True}
+        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), dropout_p=dropout, scale=scaling,
+                                             enable_gqa=k.shape[1] != q.shape[1], **band)
     return out.transpose(0, 1).flatten(1, 2)[:, valid][None]
 
 
@@ -149,8 +198,12 @@ def packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, att
         raise RuntimeError(f"a model built with attn_implementation={NAME!r} takes packed rows only: call it with "
                            f"{KWARG}=lib.attention.packing(position_ids) (lib/forward.py does)")
     dropout = dropout if module.training else 0.0
+    # what the model's attention does besides causal softmax(q k / sqrt(d)) v: Mistral/Gemma/GPT-OSS sliding
+    # windows, Gemma-2 soft-capping, GPT-OSS sinks (the names transformers' attention calls pass)
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     if p.group is None:
-        return attend(query, key, value, p, scaling, dropout).transpose(1, 2).contiguous(), None
+        out = attend(query, key, value, p, scaling, dropout, window, softcap, sinks)
+        return out.transpose(1, 2).contiguous(), None
     sp, kv_heads = p.sp_size, key.shape[1]
     if kv_heads < sp:  # sp % kv_heads == 0 (checked before loading): one repeated kv head per rank
         key = key.repeat_interleave(sp // kv_heads, dim=1)
@@ -158,7 +211,9 @@ def packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, att
     q = ulysses.all_to_all(query, p.group, scatter_dim=1, gather_dim=2)  # (1, H/sp, S, d)
     k = ulysses.all_to_all(key, p.group, scatter_dim=1, gather_dim=2)
     v = ulysses.all_to_all(value, p.group, scatter_dim=1, gather_dim=2)
-    out = attend(q, k, v, p, scaling, dropout)  # (1, H/sp, S, d)
+    if sinks is not None:  # this rank holds the sp_rank-th slice of the heads
+        sinks = sinks.chunk(sp)[dist.get_rank(p.group)]
+    out = attend(q, k, v, p, scaling, dropout, window, softcap, sinks)  # (1, H/sp, S, d)
     out = ulysses.all_to_all(out, p.group, scatter_dim=2, gather_dim=1)  # (1, H, S_local, d)
     return out.transpose(1, 2).contiguous(), None
 

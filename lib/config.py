@@ -161,6 +161,10 @@ class RolloutConfig:
     """vLLM without CUDA graphs / torch.compile: starts in seconds, decodes slower."""
     sync_bucket_mb: int = 512
     """Weight-sync bucket size."""
+    hf_batch_tokens: int = 65536
+    """HF engine: prompt + response tokens of the rows generated together (a call with more runs in chunks of
+    whole prompts, each prefilled once for its n samples). Bounds its KV cache: tokens x layers x 2 x KV heads x
+    head size x dtype bytes."""
     val_temperature: float = 0.0
     """Validation sampling temperature (0: greedy)."""
     val_n: int = 1

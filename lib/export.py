@@ -30,7 +30,7 @@ def write_hf(state: dict[str, torch.Tensor], model_path: str, out_dir: str, kind
     config = models.load_config(model_path, trust_remote_code)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = models.build_empty(config, kind, "sdpa", trust_remote_code)
+    model = models.build_empty(config, kind, models.padded_attention(config), trust_remote_code)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -55,7 +55,7 @@ def load_checkpoint(ckpt_dir: str, part: str, model_path: str, trust_remote_code
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     config = models.load_config(model_path, trust_remote_code)
-    model = models.build_empty(config, KIND[part], "sdpa", trust_remote_code)
+    model = models.build_empty(config, KIND[part], models.padded_attention(config), trust_remote_code)
     model.to_empty(device="cpu")
     state = {f"{part}.model": get_model_state_dict(model)}  # the names the trainer saved under
     dcp.load(state, checkpoint_id=ckpt_dir, no_dist=True)

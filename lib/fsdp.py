@@ -86,7 +86,13 @@ def average_gradients(model: nn.Module) -> None:
 def load_from_rank0(model: nn.Module, full_model: nn.Module | None, topo: Topology) -> None:
     """Materialise the sharded meta ``model`` on the device and fill it from rank 0's ``full_model``
     (None on other ranks): parameters and persistent buffers through the state dict, every buffer by broadcast."""
+    from lib.models import retie, tied_aliases
+
+    aliases = tied_aliases(model)
     model.to_empty(device=topo.device)
+    # a plain replica's tied embeddings come back untied from to_empty (FSDP2 keeps its one sharded tensor):
+    # tie them again, or lm_head and the embedding would train as two matrices
+    retie(model, aliases)
     if topo.is_main and full_model is None:
         raise ValueError("rank 0 must pass the loaded model")
     full_sd = full_model.state_dict() if topo.is_main else {}
@@ -169,8 +175,8 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     counts checked first) or on GPU such a model attends through lib/attention.py's varlen path."""
     from lib import models, ulysses
 
-    attn = models.attn_implementation(model_cfg.attn_implementation, packed, topo.sp_size)
     config = models.load_config(model_cfg.path, model_cfg.trust_remote_code)
+    attn = models.attn_implementation(model_cfg.attn_implementation, packed, topo.sp_size, config)
     if topo.sp_size > 1:
         ulysses.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
                             or config.num_attention_heads, topo.sp_size)

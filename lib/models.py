@@ -20,9 +20,10 @@ log = logging.getLogger(__name__)
 KINDS = ("causal_lm", "critic")
 
 
-def attn_implementation(requested: str = "auto", packed: bool = False, sp_size: int = 1) -> str:
+def attn_implementation(requested: str = "auto", packed: bool = False, sp_size: int = 1, config: Any = None) -> str:
     """The attention a trained model is built with. Packed rows go through lib/attention.py (varlen kernels: torch's
-    own or flash-attn on CUDA; one padded causal sdpa elsewhere); padded rows use sdpa."""
+    own or flash-attn on CUDA; one padded causal sdpa elsewhere, or exact math where the model's attention has a
+    feature sdpa lacks); padded rows use what ``padded_attention`` picks for ``config``."""
     from lib import attention
 
     if sp_size > 1 or (packed and requested == "auto"):
@@ -32,7 +33,24 @@ def attn_implementation(requested: str = "auto", packed: bool = False, sp_size: 
             raise ValueError("attn_implementation=flash_attention_2 but flash_attn is not installed; "
                              "pip install -e '.[flash-attn]' or use attn_implementation=auto")
         return requested
-    return "sdpa"
+    return padded_attention(config)
+
+
+def padded_attention(config: Any = None, requested: str = "auto") -> str:
+    """The attention for padded rows (the HF engine, the padded trainer path): ``requested`` unless auto or the
+    packed-only implementation; else sdpa where the model class takes it, eager where it does not (Gemma-2's
+    soft-capping, GPT-OSS's sinks: transformers refuses sdpa for those)."""
+    from lib import attention
+
+    if requested not in ("auto", attention.NAME):
+        return requested
+    if config is None:
+        return "sdpa"
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping
+    cls = mapping[type(config)] if type(config) in mapping else None
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def check_model_path(path: str) -> None:
@@ -109,6 +127,44 @@ def load_full(path: str, kind: str, attn_impl: str, trust_remote_code: bool = Fa
     config = _model_config(load_config(path, trust_remote_code), kind)
     return cls.from_pretrained(path, config=config, attn_implementation=attn_impl,
                                trust_remote_code=trust_remote_code, dtype=torch.float32)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Parameters registered under two names (tied embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``):
+    alias -> the name ``named_parameters()`` lists. Read it right after building, since moving the model to or from
+    the meta device (``to("meta")``, ``to_empty``) gives every name a tensor of its own."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def retie(model: nn.Module, aliases: dict[str, str]) -> None:
+    """Make each alias the very tensor of its target again (after ``to_empty``/``to("meta")`` untied them)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for alias, target in aliases.items():
+        if params[alias] is not params[target]:
+            module, _, attr = alias.rpartition(".")
+            setattr(model.get_submodule(module), attr, params[target])
+
+
+def stop_token_ids(path: str, tokenizer: Any, trust_remote_code: bool = False) -> list[int]:
+    """The ids that end a response: the tokenizer's eos and every eos id of the model's generation_config.json
+    (Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>; Llama-3.x-Instruct ends a turn with <|eot_id|>), as
+    transformers' generate and vLLM stop on them."""
+    from transformers import GenerationConfig
+
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        eos = GenerationConfig.from_pretrained(path, trust_remote_code=trust_remote_code).eos_token_id
+    except OSError:  # no generation_config.json: the model config's eos
+        eos = getattr(load_config(path, trust_remote_code), "eos_token_id", None)
+    ids += [eos] if isinstance(eos, int) else list(eos or [])
+    return sorted(set(ids))
 
 
 def check_not_meta(model: nn.Module) -> None:

@@ -29,7 +29,7 @@ from lib.dist import Topology, init_topology
 from lib.engine import SamplingConfig
 from lib.fsdp import build_sharded_model
 from lib.logging import RunLogger, excepthook_rank, run_dir
-from lib.models import load_config, load_tokenizer
+from lib.models import load_config, load_tokenizer, stop_token_ids
 from lib.optim import build_optimizer
 from lib.rewards import RULES, load_custom
 from lib.rewards.scorer import RewardModel, Scorer
@@ -175,7 +175,8 @@ def build_engine(run: Run) -> Any:
     val = SamplingConfig(temperature=r.val_temperature, n=r.val_n, max_new_tokens=r.max_response_length,
                          seed=cfg.trainer.seed + 1)
     tok = run.tokenizer
-    eos = [tok.eos_token_id]
+    eos = stop_token_ids(cfg.actor.model.path, tok, cfg.actor.model.trust_remote_code)
+    run.logger.print(f"stop tokens: {eos} ({', '.join(repr(tok.convert_ids_to_tokens(i)) for i in eos)})")
     if uses_vllm(cfg):
         from lib.engine.vllm import VLLMEngine
 
@@ -190,8 +191,9 @@ def build_engine(run: Run) -> Any:
                           trust_remote_code=cfg.actor.model.trust_remote_code)
     from lib.engine.hf import HFEngine
 
-    return HFEngine(load_config(cfg.actor.model.path), topo.device, tok.pad_token_id, eos, sampling, val,
-                    dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank)
+    return HFEngine(load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code), topo.device,
+                    tok.pad_token_id, eos, sampling, val, dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank,
+                    attn_implementation=cfg.actor.model.attn_implementation, batch_tokens=r.hf_batch_tokens)
 
 
 def uses_vllm(cfg: Config) -> bool:

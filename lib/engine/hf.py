@@ -45,22 +45,32 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 class HFEngine:
     def __init__(self, config: Any, device: torch.device, pad_token_id: int, eos_token_ids: list[int],
                  sampling: SamplingConfig, val_sampling: SamplingConfig | None = None, dtype: torch.dtype | None = None,
-                 rank_seed: int = 0, attn_implementation: str = "sdpa"):
+                 rank_seed: int = 0, attn_implementation: str = "auto", batch_tokens: int = 65536):
+        """``eos_token_ids``: every id that ends a response (lib.models.stop_token_ids). ``attn_implementation``:
+        auto picks sdpa, or eager for models transformers runs only that way (lib.models.padded_attention).
+        ``batch_tokens``: prompt + response tokens generated together (see ``generate``)."""
         from transformers import AutoModelForCausalLM
+
+        from lib.models import padded_attention, tied_aliases
 
         self.device, self.pad_id, self.eos_ids = device, pad_token_id, list(eos_token_ids)
         self.sampling, self.val_sampling = sampling, val_sampling or SamplingConfig(temperature=0.0,
                                                                                     max_new_tokens=sampling.max_new_tokens)
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        self.rank_seed = rank_seed
+        self.rank_seed, self.batch_tokens = rank_seed, batch_tokens
         self.calls = {False: 0, True: 0}  # per kind: validating never shifts the training samples
         with torch.device("cpu"), _no_init():
-            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                          dtype=self.dtype)
+            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=padded_attention(
+                config, attn_implementation), dtype=self.dtype)
+        self.model.tie_weights()  # transformers skips the tie when building without weight init
         self.model.eval().requires_grad_(False)
+        # tied embeddings: lm_head.weight is embed_tokens.weight. Moving to and from meta unties them; they are
+        # tied again at every wake, and a sync writes the one tensor under its listed name
+        self.aliases = tied_aliases(self.model)
         # buffers (rotary inv_freq) are computed in __init__, not loaded: keep them to restore after a wake
         self._buffers = {n: b.clone() for n, b in self.model.named_buffers()}
         self._params = dict(self.model.named_parameters())
+        self._written: set[str] = set()
         self.level = 0
         self.metrics: dict[str, float] = {}
         self.sleep(2)
@@ -74,10 +84,15 @@ class HFEngine:
 
     def sleep(self, level: int = 2) -> None:
         """Level 1: the replica moves to CPU (weights kept). Level 2: the replica's memory is freed."""
+        from lib.models import retie
+
         self.metrics["engine/mem_before_sleep_gb"] = self._mem()
         self.model.to("meta" if level == 2 else "cpu")
+        retie(self.model, self.aliases)
         self._params = dict(self.model.named_parameters())
         self.level = level
+        if level == 2:
+            self._written = set()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.metrics["engine/mem_after_sleep_gb"] = self._mem()
@@ -85,6 +100,8 @@ class HFEngine:
     def wake_up(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
         """``weights``: allocate (level 2, contents undefined until load_weights) or bring back (level 1).
         ``kv_cache``: nothing to do; the HF cache is allocated per generate call."""
+        from lib.models import retie
+
         if "weights" in tags and self.level:
             self.metrics["engine/mem_before_wake_gb"] = self._mem()
             if self.level == 2:
@@ -93,6 +110,7 @@ class HFEngine:
                     buf.copy_(self._buffers[name])
             else:
                 self.model.to(self.device)
+            retie(self.model, self.aliases)
             self._params = dict(self.model.named_parameters())
             self.level = 0
             self.metrics["engine/mem_after_wake_gb"] = self._mem()
@@ -108,9 +126,20 @@ class HFEngine:
         if self.level:
             raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
         for name, tensor in weights:
+            if name in self.aliases:
+                raise KeyError(f"the engine ties {name!r} to {self.aliases[name]!r} (tied embeddings) but the weights "
+                               f"sent hold {name!r} as a tensor of its own: the trained model lost the tie")
             if name not in self._params:
-                raise KeyError(f"engine has no parameter {name!r} (tied or renamed?)")
+                raise KeyError(f"engine has no parameter {name!r} (renamed, or another architecture?)")
             self._params[name].copy_(tensor)
+            self._written.add(name)
+
+    def verify_sync(self) -> None:
+        """After a sync: every parameter was written since the weights woke (a tied alias is its target), so the
+        engine never samples from a stale or uninitialised tensor."""
+        missing = sorted(set(self._params) - self._written)
+        if self.level == 0 and missing:
+            raise RuntimeError(f"the weight sync left {len(missing)} engine parameters unwritten: {missing[:5]}")
 
     # ---- generation
 
@@ -122,28 +151,62 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, data: DataProto, validate: bool = False) -> DataProto:
         """Rows: left-padded ``input_ids``/``attention_mask``/``position_ids`` prompts. Returns the rollout fields
-        (lib.engine.build_output) plus the input's non-tensors, ``n`` samples per prompt, interleaved."""
+        (lib.engine.build_output) plus the input's non-tensors, ``n`` samples per prompt, interleaved.
+
+        Memory is bounded whatever the batch: prompts go in chunks of at most ``batch_tokens`` prompt + response
+        tokens (n samples each), each prompt is prefilled once and its KV cache copied to its n samples, and only
+        the last position's logits are computed. Samples are drawn from the call's generator chunk after chunk:
+        the same batch, seed and ``batch_tokens`` give the same samples."""
         if self.level:
             raise RuntimeError("generate on a sleeping engine: call wake_up() first")
         sp = self.val_sampling if validate else self.sampling
         t0 = time.perf_counter()
         key = data.meta_info.get("seed_key", self.calls[validate])
-        data = expand_samples(data, sp.n)
         ids = data.batch["input_ids"].to(self.device)
         mask = data.batch["attention_mask"].to(self.device)
         pos = data.batch["position_ids"].to(self.device)
-        batch = ids.shape[0]
         gen = self._generator(sp.seed, validate, key)
         stop = torch.tensor(sorted(set(self.eos_ids) | set(sp.stop_token_ids)), device=self.device)
+        per_chunk = max(1, self.batch_tokens // ((ids.shape[1] + sp.max_new_tokens) * sp.n))
+        responses, logprob_lists = [], []
+        for start in range(0, ids.shape[0], per_chunk):
+            rows = slice(start, start + per_chunk)
+            r, lp = self._generate_chunk(ids[rows], mask[rows], pos[rows], sp, gen, stop)
+            responses += r
+            logprob_lists += lp
+        self.calls[validate] += 1
+        data = expand_samples(data, sp.n)
+        fields = build_output(data.batch["input_ids"].to(self.device), data.batch["attention_mask"].to(self.device),
+                              data.batch["position_ids"].to(self.device), responses, logprob_lists, self.pad_id)
+        elapsed = time.perf_counter() - t0
+        num_tokens = sum(len(r) for r in responses)
+        meta = {"generate_s": elapsed, "generated_tokens": num_tokens, "tokens_per_s": num_tokens / max(elapsed, 1e-9)}
+        return DataProto.from_dict(fields, dict(data.non_tensor_batch), {**data.meta_info, **meta})
+
+    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
+                        gen: torch.Generator, stop: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+        """Prompts (b, P) -> b * n responses (eos included) and their log-probs, samples of a prompt adjacent."""
         from transformers import DynamicCache
 
-        cache = DynamicCache()
+        keep = mask.bool().any(0)  # columns where every prompt of the chunk is padding carry nothing
+        first = int(keep.float().argmax()) if bool(keep.any()) else 0
+        ids, mask, pos = ids[:, first:], mask[:, first:], pos[:, first:]
+        cache = DynamicCache(config=self.model.config)  # sliding-window layers keep only their window
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        if sp.n > 1:  # one prefill per prompt, its cache copied to the n samples
+            cache.batch_repeat_interleave(sp.n)
+            logits, mask, pos = (x.repeat_interleave(sp.n, 0) for x in (logits, mask, pos))
+        batch = logits.shape[0]
         out_tokens, out_logp = [], []
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        step_ids, step_pos, full_mask = ids, pos, mask
-        for _ in range(sp.max_new_tokens):
-            logits = self.model(input_ids=step_ids, attention_mask=full_mask, position_ids=step_pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1].float()
+        step_pos, full_mask = pos[:, -1:], mask
+        for step in range(sp.max_new_tokens):
+            if step:
+                step_pos = step_pos + 1
+                full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)
+                logits = self.model(input_ids=token[:, None], attention_mask=full_mask, position_ids=step_pos,
+                                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
             if sp.temperature > 0:
                 scaled = filter_logits(logits / sp.temperature, sp.top_k, sp.top_p)
                 token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen).squeeze(-1)
@@ -159,9 +222,6 @@ class HFEngine:
             done = done | torch.isin(token, stop)
             if bool(done.all()):
                 break
-            step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
-            full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)
-        self.calls[validate] += 1
         tokens = torch.stack(out_tokens, 1).cpu() if out_tokens else torch.zeros(batch, 0, dtype=torch.long)
         logps = torch.stack(out_logp, 1).cpu() if out_logp else torch.zeros(batch, 0)
         responses, logprob_lists = [], []
@@ -170,8 +230,4 @@ class HFEngine:
             end = next((j + 1 for j, t in enumerate(row) if t in stop_set), len(row))
             responses.append(row[:end])
             logprob_lists.append(lp[:end])
-        fields = build_output(ids, mask, pos, responses, logprob_lists, self.pad_id)
-        elapsed = time.perf_counter() - t0
-        num_tokens = sum(len(r) for r in responses)
-        meta = {"generate_s": elapsed, "generated_tokens": num_tokens, "tokens_per_s": num_tokens / max(elapsed, 1e-9)}
-        return DataProto.from_dict(fields, dict(data.non_tensor_batch), {**data.meta_info, **meta})
+        return responses, logprob_lists

