@@ -55,7 +55,7 @@ def build_tokenizer(path: str):
     return fast
 
 
-def _write_jsonl(path: str, pairs: list[tuple[int, int]], repeats: int) -> None:
+def write_jsonl(path: str, pairs: list[tuple[int, int]], repeats: int) -> None:
     with open(path, "w") as f:
         for r in range(repeats):
             for i, digits in enumerate(pairs):
@@ -120,8 +120,8 @@ def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60,
     os.makedirs(data_dir, exist_ok=True)
     tokenizer = build_tokenizer(model_dir)
     train_pairs, val_pairs = split_pairs(seed, digits=digits)
-    _write_jsonl(out["train"], train_pairs, repeats=1)
-    _write_jsonl(out["val"], val_pairs, repeats=1)
+    write_jsonl(out["train"], train_pairs, repeats=1)
+    write_jsonl(out["val"], val_pairs, repeats=1)
     model = build_policy(tokenizer, train_pairs, seed, warm_steps, max_positions=max(64, 4 * digits[1] + 16))
     tmp = model_dir + ".tmp"
     model.save_pretrained(tmp)

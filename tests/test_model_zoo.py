@@ -75,3 +75,54 @@ def test_engine_packed_and_padded_log_probs_equal_eager(name, zoo_root):
     for what, got in (("engine", rollout.batch["rollout_log_probs"]), ("padded", padded), ("packed", packed)):
         diff = (got - reference)[mask].abs().max().item()
         assert diff < 1e-4, (name, what, diff)
+
+
+MODES = {  # name: train_grpo flags
+    "fsdp": ["--actor.fsdp.shard_size", "0"],
+    "replica": ["--actor.fsdp.shard_size", "1"],
+    "sp2": ["--actor.fsdp.shard_size", "0", "--trainer.sp_size", "2"],
+}
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_two_grpo_steps_train_the_model_that_samples(mode, zoo_root, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from lib.export import load_checkpoint
+
+    for name in CASES:
+        zoo.build(name, zoo_root)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tests", "zoo_driver.py"), zoo_root, str(tmp_path), *CASES, "--", *MODES[mode],
+           "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    ids = torch.randint(3, zoo.VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    for name in CASES:
+        run = tmp_path / name
+        rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+        assert [r["step"] for r in rows] == [1, 2], name
+        # the engine samples from the model the trainer trains: same log-probs, every step
+        diffs = [r["rollout/logp_abs_diff"] for r in rows]
+        assert max(diffs) < 1e-4, (name, mode, diffs)
+        assert all(r["actor/grad_norm"] > 0 for r in rows), (name, rows)  # the update moved the weights
+        # the export is the trained policy: its logits equal those of the checkpoint's weights, loaded untied so
+        # that a head trained apart from the embedding would show
+        config = AutoModelForCausalLM.from_pretrained(run / "hf_final").config
+        state = load_checkpoint(str(run / "checkpoints" / "step_2"), "actor", os.path.join(zoo_root, name))
+        if config.tie_word_embeddings:
+            assert torch.equal(state.get("lm_head.weight", state["model.embed_tokens.weight"]),
+                               state["model.embed_tokens.weight"]), name
+        config.tie_word_embeddings = False
+        trained = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        trained.load_state_dict({"lm_head.weight": state["model.embed_tokens.weight"], **state}, strict=True)
+        exported = AutoModelForCausalLM.from_pretrained(run / "hf_final", dtype=torch.float32)
+        diff = (logits_of(trained.eval(), ids) - logits_of(exported.eval(), ids)).abs().max().item()
+        assert diff < 1e-5, (name, mode, diff)
