@@ -1,7 +1,8 @@
 """Prompt datasets in the common RL parquet/jsonl layout, tokenised with the chat template, and a sampler.
 
 Columns (as prepared for other RL frameworks, so those files work unchanged): ``prompt`` (chat messages, or
-a plain string), ``data_source``, ``reward_model.ground_truth``, ``extra_info``. Prompts longer than
+a plain string), ``data_source``, ``reward_model.ground_truth``, ``extra_info``. Any other column (TRL's layout:
+``prompt`` + ``solution``, say) is kept per row and handed to a custom reward function as a keyword argument. Prompts longer than
 ``max_prompt_length`` are filtered out, truncated (left or right) or refused, and counted.
 
 Sampling is deterministic in (seed, epoch): epoch e visits the rows in ``permutation(seed + e)``; the batch of
@@ -21,6 +22,7 @@ import torch
 from lib.protocol import DataProto
 
 TRUNCATION = ("filter", "left", "right", "error")
+STANDARD_COLUMNS = ("prompt", "data_source", "reward_model", "extra_info")
 
 
 def check_files(files: list[str], what: str) -> None:
@@ -89,6 +91,8 @@ class PromptSet:
     ground_truth: np.ndarray
     extra_info: np.ndarray
     stats: dict[str, int]
+    columns: np.ndarray | None = None
+    """Per row, a dict of the columns besides prompt, data_source, reward_model and extra_info (TRL's layout)."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -101,7 +105,7 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
     the first bad row naming its file and row number; ``"skip"`` drops bad rows and counts them in ``stats``."""
     if truncation not in TRUNCATION:
         raise ValueError(f"data.truncation must be one of {TRUNCATION}, got {truncation!r}")
-    ids, texts, sources, truths, extras = [], [], [], [], []
+    ids, texts, sources, truths, extras, others = [], [], [], [], [], []
     stats = {"prompts": 0, "filtered": 0, "truncated": 0, "bad_rows": 0}
     first_bad = ""
     for path in files:
@@ -142,13 +146,14 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
             sources.append(row.get("data_source", "unknown"))
             truths.append(rm.get("ground_truth") if isinstance(rm, dict) else None)
             extras.append(row.get("extra_info"))
+            others.append({k: v for k, v in row.items() if k not in STANDARD_COLUMNS})
     if first_bad:
         stats["first_bad_row"] = first_bad
     if not ids:
         raise ValueError(f"no usable prompt in {files} (max_prompt_length={max_prompt_length}, "
                          f"{stats['bad_rows']} bad rows{': ' + first_bad if first_bad else ''})")
     obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731 - keeps dicts/lists as objects
-    return PromptSet(ids, texts, obj(sources), obj(truths), obj(extras), stats)
+    return PromptSet(ids, texts, obj(sources), obj(truths), obj(extras), stats, obj(others))
 
 
 def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> DataProto:
@@ -163,7 +168,7 @@ def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> Da
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
     return DataProto.from_dict({"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids},
                                {"data_source": prompts.data_source[rows], "ground_truth": prompts.ground_truth[rows],
-                                "extra_info": prompts.extra_info[rows],
+                                "extra_info": prompts.extra_info[rows], "columns": prompts.columns[rows],
                                 "raw_prompt": np.array([prompts.texts[r] for r in rows] + [None], dtype=object)[:-1],
                                 "row": rows.astype(object)})
 

@@ -4,7 +4,7 @@ engine are built. ``Run`` holds what the stages of the loop share.
 
 Batch keys, by the stage that writes them:
   next_batch     input_ids, attention_mask, position_ids (prompts); data_source, ground_truth, extra_info,
-                 raw_prompt, row, uid                                                        (lib/rollout.py)
+                 columns, raw_prompt, row, uid                                                       (lib/rollout.py)
   rollout        prompts, responses, response_mask, input_ids, attention_mask, position_ids, rollout_log_probs
   score          token_level_scores (B, R); scores (object, per row)                        (lib/scoring.py)
   log-probs      old_log_probs (actor; the engine's with bypass_mode; left to the update when Sizes.old_in_update),
@@ -31,7 +31,7 @@ from lib.fsdp import build_sharded_model
 from lib.logging import RunLogger, excepthook_rank, run_dir
 from lib.models import load_config, load_tokenizer, stop_token_ids
 from lib.optim import build_optimizer
-from lib.rewards import RULES, load_custom
+from lib.rewards import RULES, check_truth_source, load_custom
 from lib.rewards.scorer import RewardModel, Scorer
 from lib.update import Trainee
 
@@ -130,6 +130,8 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
                                       d.apply_chat_template, d.limit, known, d.bad_rows)
     train = load(d.train_files)
     val = load(d.val_files) if d.val_files and cfg.trainer.val_every else None
+    if cfg.reward.custom_fn:
+        check_truth_source(load_custom(cfg.reward.custom_fn), cfg.reward.custom_fn, train.ground_truth, train.columns)
     sampler = Sampler(len(train), cfg.trainer.train_batch_size, cfg.trainer.seed, d.shuffle)
     return Inputs(sizes, start_step, tokenizer, train, val, sampler)
 

@@ -36,6 +36,8 @@ def files(tmp_path_factory):
         "not_object": jsonl("not_object.jsonl", [good, [1, 2]]),
         "long": jsonl("long.jsonl", [good, {**good, "prompt": [{"role": "user", "content": "1," * 400}]}]),
         "text": jsonl("data.txt", [good]),
+        # TRL's layout: a prompt and a solution column, no reward_model
+        "trl": jsonl("trl.jsonl", [{"prompt": [{"role": "user", "content": "1,2,3,4,"}], "solution": "4,3,2,1"}]),
     }
     (d / "broken_reward.py").write_text("import not_a_module_anywhere\n")
     (d / "reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
@@ -91,6 +93,8 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
     ("reward-file", "train_grpo.py", "--reward.custom_fn /nope.py:score", "does not exist"),
     ("reward-fn", "train_grpo.py", "--reward.custom_fn {reward}:missing", "has no function 'missing'"),
     ("reward-import", "train_grpo.py", "--reward.custom_fn {broken_reward}:score", "failed to import"),
+    ("trl-rows-no-truth", "train_grpo.py", "--data.train_files {trl} --data.val_files {trl} --reward.custom_fn "
+     "{reward}:score", "no data row has reward_model.ground_truth"),
     ("garbage-parquet", "train_grpo.py", "--data.train_files {garbage_parquet}", "cannot be read as parquet"),
     ("garbage-jsonl", "train_grpo.py", "--data.train_files {garbage_jsonl}", "cannot be read as JSON lines"),
     ("empty-file", "train_grpo.py", "--data.train_files {empty}", "holds no rows"),

@@ -199,3 +199,41 @@ def test_bad_rows_are_refused_or_skipped_and_counted(tmp_path):
     assert len(kept) == 2 and kept.stats["bad_rows"] == 3 and "row 1" in kept.stats["first_bad_row"]
     # a custom reward function scores any data source: only the prompt checks remain
     assert load_prompts([str(f)], tok, 16, known_sources=None, bad_rows="skip").stats["bad_rows"] == 1
+
+
+def test_trl_layout_rows_reach_the_custom_function(tmp_path):
+    """TRL's layout (prompt + solution, no reward_model): the custom function gets the row's other columns as
+    keyword arguments, as TRL passes them; one that takes none of them is refused (it would score every sample
+    against ground_truth=None). Before: the function got ground_truth=None and every reward was 0."""
+    from lib.rewards import check_truth_source, load_custom
+    from lib.rewards.scorer import Scorer
+
+    tok = _tok()
+    f = tmp_path / "trl.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": "1,2,"}], "solution": "2,1", "level": 1},
+            {"prompt": [{"role": "user", "content": "3,4,"}], "solution": "4,3", "level": 2}]
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "fns.py").write_text(
+        "def by_solution(data_source, solution_str, ground_truth, extra_info, solution=None):\n"
+        "    return float(solution_str == solution)\n"
+        "def by_kwargs(data_source, solution_str, ground_truth, extra_info, **kwargs):\n"
+        "    return kwargs['level'] + float(solution_str == kwargs['solution'])\n"
+        "def blind(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return float(solution_str == ground_truth)\n")
+    prompts = load_prompts([str(f)], tok, 8, known_sources=None)
+    assert list(prompts.ground_truth) == [None, None] and prompts.columns[0] == {"solution": "2,1", "level": 1}
+    batch = collate(prompts, np.array([0, 1]), 8, tok.pad_token_id)
+    answers = [tok("2,1", add_special_tokens=False)["input_ids"], tok("0,0", add_special_tokens=False)["input_ids"]]
+    batch.batch["responses"] = torch.tensor(answers)
+    batch.batch["response_mask"] = torch.ones(2, 3)
+    for name, expected in (("by_solution", [1.0, 0.0]), ("by_kwargs", [2.0, 2.0])):
+        spec = f"{tmp_path / 'fns.py'}:{name}"
+        check_truth_source(load_custom(spec), spec, prompts.ground_truth, prompts.columns)
+        scorer = Scorer(tok, spec, num_workers=1)
+        try:
+            assert scorer(batch).scores == expected, name
+        finally:
+            scorer.close()
+    spec = f"{tmp_path / 'fns.py'}:blind"
+    with pytest.raises(ValueError, match="no data row has reward_model.ground_truth"):
+        check_truth_source(load_custom(spec), spec, prompts.ground_truth, prompts.columns)

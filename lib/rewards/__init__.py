@@ -53,6 +53,36 @@ def load_custom(spec: str) -> ScoreFn:
     return fn
 
 
+FIXED_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+def keyword_columns(fn: ScoreFn, columns: Any) -> list[str]:
+    """The row columns (besides the standard four) ``fn`` takes as keyword arguments, as TRL passes a dataset's
+    columns to its reward functions: every one with ``**kwargs``, else those it names."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: pass nothing extra
+        return []
+    any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return [c for c in columns if c not in FIXED_ARGUMENTS and (any_kw or c in params)]
+
+
+def check_truth_source(fn: ScoreFn, spec: str, truths: Any, columns: Any) -> None:
+    """Refuse a custom scorer that would see no ground truth at all: no row has reward_model.ground_truth and the
+    function takes none of the rows' other columns (it would get ground_truth=None for every sample)."""
+    if any(t is not None for t in truths):
+        return
+    names = sorted({k for row in columns for k in row})
+    if keyword_columns(fn, names):
+        return
+    raise ValueError(f"no data row has reward_model.ground_truth, and --reward.custom_fn {spec} takes none of the "
+                     f"rows' other columns {names} as a keyword argument: it would get ground_truth=None for every "
+                     f"sample. Add the column as a parameter (def fn(..., {names[0] if names else 'solution'}=None)) "
+                     f"or **kwargs, or put each row's answer in reward_model.ground_truth")
+
+
 def rule_for(data_source: Any) -> ScoreFn:
     if data_source in RULES:
         return RULES[data_source]

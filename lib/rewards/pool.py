@@ -54,7 +54,7 @@ class RewardPool:
         self.workers = [_Worker(custom) for _ in range(max(1, num_workers))]
 
     def score(self, items: list[tuple]) -> list[Result]:
-        """items: (data_source, text, ground_truth, extra_info) per sample -> a Result per sample, in order."""
+        """items: (data_source, text, ground_truth, extra_info[, columns]) per sample -> a Result per sample, in order."""
         results: list[Result | None] = [None] * len(items)
         size = max(1, -(-len(items) // (4 * len(self.workers))))  # a few chunks per worker balance the load
         queue = deque((i, *items[i]) for i in range(len(items)))

@@ -44,7 +44,9 @@ class Scorer:
         sources = data.non_tensor_batch.get("data_source", np.array(["toy"] * n, dtype=object))
         truths = data.non_tensor_batch.get("ground_truth", np.array([None] * n, dtype=object))
         extras = data.non_tensor_batch.get("extra_info", np.array([None] * n, dtype=object))
-        results = self.pool.score(list(zip(sources.tolist(), texts, truths.tolist(), extras.tolist())))
+        columns = data.non_tensor_batch.get("columns", np.array([None] * n, dtype=object))
+        results = self.pool.score(list(zip(sources.tolist(), texts, truths.tolist(), extras.tolist(),
+                                           columns.tolist())))
         counts = dict.fromkeys(FAILURE_KINDS, 0)
         sums: dict[str, list[float]] = defaultdict(list)
         messages: dict[str, str] = {}

@@ -1,6 +1,6 @@
 """A reward worker process: ``python -m lib.rewards.worker READ_FD WRITE_FD CUSTOM_SPEC``.
 
-Receives chunks of samples ``[(index, data_source, text, ground_truth, extra_info), ...]`` and sends one result
+Receives chunks of samples ``[(index, data_source, text, ground_truth, extra_info, columns), ...]`` and sends one result
 per sample, ``(index, score, extras, answer, kind, message)``, as soon as it is scored, so the pool can tell
 which sample a worker is on when it runs past the time limit. Exits when the pool closes its end.
 """
@@ -11,14 +11,17 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
-from lib.rewards import interpret, load_custom, rule_for
+from lib.rewards import interpret, keyword_columns, load_custom, rule_for
 
 
-def score_one(custom, data_source, text, ground_truth, extra_info):
+def score_one(custom, data_source, text, ground_truth, extra_info, columns=None):
+    """``columns``: the row's other columns; a custom function gets those it takes as keyword arguments."""
     try:
         if custom is not None:
+            columns = columns or {}
+            more = {k: columns[k] for k in keyword_columns(custom, columns)}
             out = custom(data_source=data_source, solution_str=text, ground_truth=ground_truth,
-                         extra_info=extra_info)
+                         extra_info=extra_info, **more)
         else:
             out = rule_for(data_source)(text, ground_truth, extra_info)
     except SystemExit as e:
@@ -39,8 +42,8 @@ def main(argv: list[str]) -> None:
             chunk = inbox.recv()
         except (EOFError, OSError):
             return
-        for index, data_source, text, ground_truth, extra_info in chunk:
-            outbox.send((index, *score_one(custom, data_source, text, ground_truth, extra_info)))
+        for index, *sample in chunk:
+            outbox.send((index, *score_one(custom, *sample)))
 
 
 if __name__ == "__main__":
