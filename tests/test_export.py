@@ -91,3 +91,24 @@ def test_export_names_a_folder_without_a_checkpoint(tmp_path, capsys):
 
     assert export.main([str(tmp_path), str(tmp_path / "out")]) == 2
     assert "neither a checkpoint" in capsys.readouterr().err
+
+
+def test_a_head_trained_apart_from_a_tied_embedding_is_exported_untied(tmp_path):
+    """Weights whose lm_head differs from the embedding of a model that ties them (a checkpoint written before the
+    trainer kept the tie): re-tying would throw the trained head away (logits off by ~0.1 after 2 steps); the
+    export is untied instead and gives the weights' logits."""
+    from transformers import AutoModelForCausalLM
+
+    from lib.export import write_hf
+
+    path = save_tiny_model(str(tmp_path / "tied"), "qwen2", tie_word_embeddings=True)
+    config = AutoModelForCausalLM.from_pretrained(path).config
+    config.tie_word_embeddings = False
+    torch.manual_seed(1)
+    untied = AutoModelForCausalLM.from_config(config).eval()
+    write_hf({k: v.clone() for k, v in untied.state_dict().items()}, path, str(tmp_path / "out"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.arange(3, 15).reshape(2, 6)
+    with torch.no_grad():
+        assert torch.allclose(exported(input_ids=ids).logits, untied(input_ids=ids).logits, atol=1e-6)
+    assert not exported.config.tie_word_embeddings
