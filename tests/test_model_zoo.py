@@ -126,3 +126,40 @@ def test_two_grpo_steps_train_the_model_that_samples(mode, zoo_root, tmp_path):
         exported = AutoModelForCausalLM.from_pretrained(run / "hf_final", dtype=torch.float32)
         diff = (logits_of(trained.eval(), ids) - logits_of(exported.eval(), ids)).abs().max().item()
         assert diff < 1e-5, (name, mode, diff)
+
+
+def test_the_engine_stops_where_generate_stops(zoo_root, tmp_path):
+    """Both engines stop on the tokenizer's eos and every eos id of generation_config.json, as transformers'
+    generate does. Here the generation config lists the token the model writes first for one prompt: that row
+    ends after one token. Before, the HF engine stopped on the tokenizer's eos only and ran to the length cap."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    path = str(tmp_path / "model")
+    shutil.copytree(zoo.build("qwen2_tied", zoo_root), path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    model = build(path, "sdpa")
+    prompts = chat_prompts(tok, 4)
+    b = prompts.batch
+    with torch.no_grad():
+        first = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                      position_ids=b["position_ids"]).logits[0, -1].argmax().item()
+    GenerationConfig(eos_token_id=[tok.eos_token_id, first], pad_token_id=tok.pad_token_id).save_pretrained(path)
+    stops = stop_token_ids(path, tok)
+    assert stops == sorted({tok.eos_token_id, first})
+    engine = HFEngine(model.config, torch.device("cpu"), tok.pad_token_id, stops,
+                      SamplingConfig(temperature=0.0, max_new_tokens=16))
+    engine.wake_up()
+    engine.load_weights(model.named_parameters())
+    out = engine.generate(prompts)
+    lengths = out.batch["response_mask"].sum(-1).long().tolist()
+    assert lengths[0] == 1 and out.batch["responses"][0, 0].item() == first
+    with torch.no_grad():
+        ref = model.generate(input_ids=b["input_ids"], attention_mask=b["attention_mask"], do_sample=False,
+                             max_new_tokens=16, generation_config=GenerationConfig.from_pretrained(path))
+    for i, n in enumerate(lengths):  # the same tokens, ending at the same place
+        expected = ref[i, b["input_ids"].shape[1]:].tolist()
+        cut = next((j + 1 for j, t in enumerate(expected) if t in stops), len(expected))
+        assert out.batch["responses"][i, :n].tolist() == expected[:cut], i
