@@ -367,3 +367,19 @@ def test_vllm_engine_after_a_step(tmp_path, tp, ballast):
             assert r["free_after_sleep_gb"] >= r["free_base_gb"] - 0.5  # memory back near its baseline
     if world == 2:  # tp=1: two data-parallel groups, two seeds; tp=2: one group, each rank keeps its own rows
         assert not torch.equal(ranks[0]["sampled"], ranks[1]["sampled"])
+
+
+def test_chunked_generation_equals_one_batch(model):
+    """rollout.hf_batch_tokens bounds the rows generated together: with a budget of one prompt per chunk the
+    greedy responses (n=2, each prompt prefilled once and its cache copied) equal those of one batch."""
+    def run(batch_tokens):
+        e = HFEngine(model.config, torch.device("cpu"), pad_token_id=0, eos_token_ids=[EOS],
+                     sampling=SamplingConfig(temperature=0.0, max_new_tokens=8, n=2), batch_tokens=batch_tokens)
+        e.wake_up()
+        e.load_weights(model.named_parameters())
+        return e.generate(prompts(5))
+
+    whole, chunked = run(10**6), run(1)
+    assert torch.equal(whole.batch["responses"], chunked.batch["responses"])
+    assert torch.allclose(whole.batch["rollout_log_probs"], chunked.batch["rollout_log_probs"], atol=1e-5)
+    assert whole.batch["responses"].shape[0] == 10
