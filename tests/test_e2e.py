@@ -24,13 +24,22 @@ def val_curve(tmp_path):
     return [(r["step"], r["val/score_mean"]) for r in rows if "val/score_mean" in r], rows
 
 
+# Held-out greedy reward of the default GRPO preset, step 0 -> 60 (2 ranks; an unchanged policy scores exactly
+# the start value, 0.269, since validation is greedy). Measured spread of the gain (CPU results differ between
+# machines and the RL trajectory amplifies the difference; threads per rank made no difference):
+#   2-core AMD EPYC, seeds 1-6 x 1 and 2 threads per rank: +0.137 to +0.297 (seed 1: +0.213; identical per thread
+#   count); the AMD EPYC, seed 1: +0.101; 2-core Xeon (README): seed 1 +0.21.
+# The threshold sits at half the worst case measured.
+GRPO_MIN_GAIN = 0.05
+
+
 @pytest.mark.slow
 def test_grpo_toy_reward_rises(tmp_path):
     torchrun("train_grpo.py", tmp_path, "--trainer.total_steps", "60", "--trainer.val_every", "30")
     curve, rows = val_curve(tmp_path)
     start, end = curve[0][1], curve[-1][1]
     assert curve[0][0] == 0 and curve[-1][0] == 60
-    assert end > start + 0.15, curve  # measured: 0.27 -> 0.48 at 60 steps (0.64 at 100)
+    assert end > start + GRPO_MIN_GAIN, curve
     train = [r for r in rows if "actor/pg_loss" in r]
     assert len(train) == 60 and all(r["actor/skipped_steps"] == 0 for r in train)
     # the engine's log-probs of its samples against the trainer's: the synced weights are current every step
@@ -65,10 +74,12 @@ GOLDEN = {  # step: (reward/mean, actor/pg_loss, actor/grad_norm, response/lengt
 }
 
 
-# CPU kernels differ between machines (the same torch and transformers gave grad_norm 1.2366 at step 2 on one
-# Xeon and 1.2405 on another): step 1 holds to 1e-3; by step 3 the samples drift, so later steps get a band
-# that still catches a changed objective or data path (each of those moved these numbers by far more).
-TOLERANCE = {1: (1e-3, 1e-3), 2: (1e-3, 1e-2), 3: (1e-2, 1e-1)}  # step: (reward/length, loss/grad-norm) rel
+# CPU kernels differ between machines, and so do the toy assets built on them. Measured against GOLDEN (taken on a
+# 2-core Xeon), the largest relative differences, (reward/length, loss/grad-norm):
+#   another Xeon: step 2 grad_norm 3e-3;
+#   2-core AMD EPYC: step 1 (0, 8.4e-4), step 2 (0, 4.5e-3), step 3 (1.1e-2, 4.2e-2).
+# Each tolerance is 4x or more the worst measured; a changed objective or data path moves step 1 by far more.
+TOLERANCE = {1: (1e-3, 1e-2), 2: (1e-2, 5e-2), 3: (5e-2, 2.5e-1)}  # step: (reward/length, loss/grad-norm) rel
 
 
 @pytest.mark.slow
