@@ -48,11 +48,16 @@ def test_grpo_toy_reward_rises(tmp_path):
     assert os.path.isfile(tmp_path / "run" / "config.yaml")
 
 
+# PPO preset, held-out greedy reward step 0 -> 50, 2-core AMD EPYC, seeds 1-4, 1 thread per rank: +0.179 to +0.270
+# (seed 1: +0.179). GRPO's seed 1 lost half its gain on another AMD machine; the threshold allows for the same.
+PPO_MIN_GAIN = 0.05
+
+
 @pytest.mark.slow
 def test_ppo_toy_reward_rises(tmp_path):
     torchrun("train_ppo.py", tmp_path, "--trainer.total_steps", "50", "--trainer.val_every", "50")
     curve, rows = val_curve(tmp_path)
-    assert curve[-1][1] > curve[0][1] + 0.1, curve
+    assert curve[-1][1] > curve[0][1] + PPO_MIN_GAIN, curve
     assert any("critic/vf_loss" in r for r in rows) and any("algorithm/kl_coef" in r for r in rows)
 
 
