@@ -1,4 +1,8 @@
-"""Tiny random models and RL batches for tests (no hub, no tokenizer)."""
+"""Tiny random models and RL batches for tests (no hub, no tokenizer).
+
+The models are shaped like the ones users bring, unless a test asks otherwise: tied embeddings, GQA (4 query heads
+over 2 KV heads), a vocabulary of thousands, and two eos ids in generation_config.json. tests/zoo.py has real
+architectures with real tokenizers and chat templates."""
 
 from __future__ import annotations
 
@@ -8,14 +12,15 @@ import torch
 
 from lib.protocol import DataProto
 
-VOCAB = 97
+VOCAB = 2048
+EOS_IDS = [1, 3]  # the tokenizer's eos and a second one, as Qwen2.5-Instruct's generation config lists
 
 
 def tiny_config(arch: str = "qwen2", **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
                   attention_dropout=0.0, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     common.update(overrides)
     if arch == "qwen2":
@@ -28,11 +33,12 @@ def tiny_config(arch: str = "qwen2", **overrides):
 
 
 def save_tiny_model(path: str, arch: str = "qwen2", seed: int = 0, **overrides) -> str:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     if not os.path.exists(os.path.join(path, "config.json")):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+        model.generation_config = GenerationConfig(eos_token_id=EOS_IDS, pad_token_id=0, bos_token_id=2)
         model.save_pretrained(path)
     return path
 
@@ -49,9 +55,9 @@ def rl_batch(num_rows: int, prompt_len: int = 6, response_len: int = 5, seed: in
     r_mask = torch.zeros(num_rows, response_len, dtype=torch.long)
     for i in range(num_rows):
         p, r = int(p_lens[i]), int(r_lens[i])
-        prompts[i, prompt_len - p:] = torch.randint(3, VOCAB, (p,), generator=g)
+        prompts[i, prompt_len - p:] = torch.randint(4, VOCAB, (p,), generator=g)
         p_mask[i, prompt_len - p:] = 1
-        responses[i, :r] = torch.randint(3, VOCAB, (r,), generator=g)
+        responses[i, :r] = torch.randint(4, VOCAB, (r,), generator=g)
         r_mask[i, :r] = 1
     attention_mask = torch.cat([p_mask, r_mask], 1)
     position_ids = (torch.cumsum(attention_mask, 1) - 1).clamp(min=0)

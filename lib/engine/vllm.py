@@ -94,6 +94,14 @@ class VLLMEngine:
                            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                            skip_tokenizer_init=True, trust_remote_code=trust_remote_code, enable_prefix_caching=True,
                            **_logprobs_mode_kwargs())
+        # the parameters a sync must write, read before any reload: a tied lm_head is the embedding's own tensor
+        # here (during a layerwise reload it sits on meta apart from it, and finalising puts the shared one back)
+        names: list[str] = []
+        _run_on_model(self.llm, lambda model: names.extend(n for n, _ in model.named_parameters()))
+        self.param_names = frozenset(names)
+        hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
+        self.tied_head = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
+        self._embedding: torch.Tensor | None = None
         self.metrics: dict[str, float] = {}
         self._loading = False  # inside a layerwise reload (between the first bucket and wake_up(kv_cache))
         self.asleep: set[str] = set()
@@ -137,6 +145,10 @@ class VLLMEngine:
             self._loading = True
             self._written: set[str] | None = set()
         batch = list(weights)
+        if self.tied_head:
+            # vLLM's loader skips lm_head.weight for a tied model, and during a layerwise reload its head layer
+            # sits on meta apart from the embedding: keep the embedding to load the head with (verify_sync)
+            self._embedding = next((t for n, t in batch if n.endswith("embed_tokens.weight")), self._embedding)
 
         def load(model: Any) -> None:
             loaded = model.load_weights(batch)  # the vLLM names written (fused q/k/v count once)
@@ -150,14 +162,28 @@ class VLLMEngine:
     def verify_sync(self) -> None:
         """After a sync: every vLLM parameter was written (a tied lm_head is the embedding itself in vLLM and not a
         parameter of its own), so the engine never samples from a dummy or stale tensor."""
+        if self._loading and self.tied_head:
+            self._load_tied_head()
         written = getattr(self, "_written", None)
         if not self._loading or written is None:
             return
-        names: list[str] = []
-        _run_on_model(self.llm, lambda model: names.extend(n for n, _ in model.named_parameters()))
-        missing = sorted(set(names) - written)
+        missing = sorted(self.param_names - written)
         if missing:
             raise RuntimeError(f"the weight sync left {len(missing)} vLLM parameters unwritten: {missing[:5]}")
+
+    def _load_tied_head(self) -> None:
+        """Write the synced embedding into the tied head's own layer. Without it, finalising the reload puts the
+        head's previous kernel tensors back (on CPU a packed copy of the start weights), so vLLM would sample from
+        a head the trainer no longer has: logp_abs_diff 0.26 on a tied model after one step."""
+        embedding, self._embedding = self._embedding, None
+        if embedding is None:
+            raise RuntimeError("the weight sync of a tied-embedding model sent no embed_tokens.weight")
+
+        def load(model: Any) -> None:
+            head = model.lm_head.weight
+            getattr(head, "weight_loader", None)(head, embedding)
+
+        _run_on_model(self.llm, load)
 
     def _finish_load(self) -> None:
         if self._loading:
