@@ -10,9 +10,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(script, tmp_path, *args, timeout=900):
+def torchrun(script, tmp_path, *args, timeout=900, gpu=False):
+    """The script on 2 gloo CPU ranks (the GPUs hidden: these tests are about the CPU path, and a one-GPU machine
+    cannot give 2 ranks a device each); ``gpu``: one rank per GPU (at most 2) where there are GPUs."""
+    import torch
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+    nproc = 2
+    if gpu and torch.cuda.is_available():
+        nproc = min(2, torch.cuda.device_count())
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(nproc),
            os.path.join(ROOT, script), "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run", *args]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
@@ -112,8 +122,8 @@ def test_grpo_with_the_vllm_engine(tmp_path):
     toy.build_policy(tok, toy.split_pairs(0)[0], heads=2, kv_heads=1).save_pretrained(policy)
     common = ("--actor.model.path", policy, "--trainer.total_steps", "2", "--trainer.val_every", "2",
               "--algorithm.rollout_correction", "token", "--rollout.enforce_eager")
-    torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm")
-    torchrun("train_grpo.py", tmp_path / "hf", *common, "--rollout.engine", "hf")
+    torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm", gpu=True)
+    torchrun("train_grpo.py", tmp_path / "hf", *common, "--rollout.engine", "hf", gpu=True)
     (v, rows), (h, _) = val_curve(tmp_path / "vllm"), val_curve(tmp_path / "hf")
     assert v[0] == h[0] and v[0][1] > 0.1, (v, h)
     train = [r for r in rows if "actor/pg_loss" in r]

@@ -98,7 +98,7 @@ def test_two_grpo_steps_train_the_model_that_samples(mode, zoo_root, tmp_path):
 
     for name in CASES:
         zoo.build(name, zoo_root)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo CPU ranks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
            os.path.join(ROOT, "tests", "zoo_driver.py"), zoo_root, str(tmp_path), *CASES, "--", *MODES[mode],
            "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward"]

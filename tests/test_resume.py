@@ -25,7 +25,7 @@ def command(tmp_path, *args, name="run"):
 
 
 def env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo CPU
 
 
 def rows(tmp_path, name="run"):

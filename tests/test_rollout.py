@@ -395,3 +395,19 @@ def test_chunked_generation_equals_one_batch(model):
     assert torch.equal(whole.batch["responses"], chunked.batch["responses"])
     assert torch.allclose(whole.batch["rollout_log_probs"], chunked.batch["rollout_log_probs"], atol=1e-5)
     assert whole.batch["responses"].shape[0] == 10
+
+
+def test_request_seeds_are_shared_by_a_tp_group_and_distinct_otherwise():
+    """The seeds handed to vLLM: ranks computing the same call (a TP group) get equal lists; requests, steps and
+    rollout groups get distinct ones. Before, requests carried no seed and vLLM's GPU runner drew each from
+    numpy's global generator, which differs across TP ranks and repeats across steps."""
+    from lib.engine import call_seed, request_seeds
+
+    step3_group0 = request_seeds(call_seed(7, 0, False, 3), 64)
+    assert step3_group0 == request_seeds(call_seed(7, 0, False, 3), 64)  # the other ranks of the TP group
+    assert len(set(step3_group0)) == 64  # every request its own
+    others = [request_seeds(call_seed(7, 0, False, 4), 64), request_seeds(call_seed(7, 1, False, 3), 64),
+              request_seeds(call_seed(7, 0, True, 3), 64), request_seeds(call_seed(8, 0, False, 3), 64)]
+    for other in others:  # next step, another rollout group, validation, another run seed
+        assert not set(other) & set(step3_group0)
+    assert all(0 <= s < 2**63 for s in step3_group0)

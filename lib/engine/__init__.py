@@ -82,6 +82,15 @@ def call_seed(seed: int, group: int, validate: bool, call: int) -> int:
     return hash((seed, group, validate, call)) % (2**63)
 
 
+def request_seeds(call: int, num_requests: int) -> list[int]:
+    """One seed per request of a generate call whose seed is ``call`` (``call_seed``): request i gets a seed of
+    its own, the same on every rank that computes the same call (a TP group generates its gathered rows together,
+    so its ranks hand vLLM equal seeds and sample equal tokens), and a new one at every step and in every rollout
+    group. vLLM's GPU runner samples with Gumbel noise from the request's seed and position alone; without a seed
+    it would draw one from numpy's global generator, differently on each TP rank (vllm/v1/worker/gpu/sample)."""
+    return [hash((call, i)) % (2**63) for i in range(num_requests)]
+
+
 # vLLM hands out KV memory in blocks of up to 256 tokens (the CPU backends' only block size; GPUs use 16)
 KV_BLOCK_TOKENS = 256
 

