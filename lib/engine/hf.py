@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lib.engine import SamplingConfig, build_output, call_seed, expand_samples
+from lib.models import padded_attention, retie, tied_aliases
 from lib.protocol import DataProto
 
 
@@ -51,8 +52,6 @@ class HFEngine:
         ``batch_tokens``: prompt + response tokens generated together (see ``generate``)."""
         from transformers import AutoModelForCausalLM
 
-        from lib.models import padded_attention, tied_aliases
-
         self.device, self.pad_id, self.eos_ids = device, pad_token_id, list(eos_token_ids)
         self.sampling, self.val_sampling = sampling, val_sampling or SamplingConfig(temperature=0.0,
                                                                                     max_new_tokens=sampling.max_new_tokens)
@@ -84,8 +83,6 @@ class HFEngine:
 
     def sleep(self, level: int = 2) -> None:
         """Level 1: the replica moves to CPU (weights kept). Level 2: the replica's memory is freed."""
-        from lib.models import retie
-
         self.metrics["engine/mem_before_sleep_gb"] = self._mem()
         self.model.to("meta" if level == 2 else "cpu")
         retie(self.model, self.aliases)
@@ -100,8 +97,6 @@ class HFEngine:
     def wake_up(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
         """``weights``: allocate (level 2, contents undefined until load_weights) or bring back (level 1).
         ``kv_cache``: nothing to do; the HF cache is allocated per generate call."""
-        from lib.models import retie
-
         if "weights" in tags and self.level:
             self.metrics["engine/mem_before_wake_gb"] = self._mem()
             if self.level == 2:
