@@ -2,8 +2,8 @@
 
 Columns (as prepared for other RL frameworks, so those files work unchanged): ``prompt`` (chat messages, or
 a plain string), ``data_source``, ``reward_model.ground_truth``, ``extra_info``. Any other column (TRL's layout:
-``prompt`` + ``solution``, say) is kept per row and handed to a custom reward function as a keyword argument. Prompts longer than
-``max_prompt_length`` are filtered out, truncated (left or right) or refused, and counted.
+``prompt`` + ``solution``, say) is kept per row and handed to a custom reward function as a keyword argument.
+Prompts longer than ``max_prompt_length`` are filtered out, truncated (left or right) or refused, and counted.
 
 Sampling is deterministic in (seed, epoch): epoch e visits the rows in ``permutation(seed + e)``; the batch of
 step s is the s-th slice of that stream, so a resumed run only needs the step number.

@@ -30,15 +30,16 @@ def write_hf(state: dict[str, torch.Tensor], model_path: str, out_dir: str, kind
     config = models.load_config(model_path, trust_remote_code)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
-    if getattr(config, "tie_word_embeddings", False) and head is not None and embed is not None \
-            and not torch.equal(head, embed):
+    model = models.build_empty(config, kind, models.padded_attention(config), trust_remote_code)
+    apart = [a for a, t in models.tied_aliases(model).items()
+             if a in state and t in state and not torch.equal(state[a], state[t])]
+    if apart:
         # a head trained apart from the embedding (a checkpoint from before the trainer kept the tie): tying them
         # again would throw the trained head away, so the export is untied and holds both
-        print(f"warning: the weights hold lm_head.weight apart from the embedding; {out_dir} is written with "
-              f"tie_word_embeddings false", file=sys.stderr)
+        print(f"warning: the weights hold {apart} apart from what the model ties them to; {out_dir} is written "
+              f"with tie_word_embeddings false", file=sys.stderr)
         config.tie_word_embeddings = False
-    model = models.build_empty(config, kind, models.padded_attention(config), trust_remote_code)
+        model = models.build_empty(config, kind, models.padded_attention(config), trust_remote_code)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

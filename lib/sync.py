@@ -58,7 +58,7 @@ def sync_weights(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes
         largest_bucket = max(largest_bucket, nbytes)
         engine.load_weights(bucket)
         del bucket
-    engine.verify_sync()  # every engine parameter written (or a declared alias of one): never a stale tensor
+    engine.finish_sync()  # every engine parameter written (or a declared alias of one): never a stale tensor
     if cuda:
         torch.cuda.synchronize(device)
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30

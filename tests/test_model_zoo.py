@@ -63,7 +63,7 @@ def test_engine_packed_and_padded_log_probs_equal_eager(name, zoo_root):
                                     if eager.config.tie_word_embeddings else {})
     engine.wake_up(["weights"])
     engine.load_weights(eager.named_parameters())  # named_parameters lists a tied head once, as the trainer does
-    engine.verify_sync()
+    engine.finish_sync()
     engine.wake_up(["kv_cache"])
     with torch.no_grad():
         rollout = engine.generate(chat_prompts(tok))

@@ -85,8 +85,7 @@ class HFEngine:
         """Level 1: the replica moves to CPU (weights kept). Level 2: the replica's memory is freed."""
         self.metrics["engine/mem_before_sleep_gb"] = self._mem()
         self.model.to("meta" if level == 2 else "cpu")
-        retie(self.model, self.aliases)
-        self._params = dict(self.model.named_parameters())
+        self._moved()
         self.level = level
         if level == 2:
             self._written = set()
@@ -105,10 +104,15 @@ class HFEngine:
                     buf.copy_(self._buffers[name])
             else:
                 self.model.to(self.device)
-            retie(self.model, self.aliases)
-            self._params = dict(self.model.named_parameters())
+            self._moved()
             self.level = 0
             self.metrics["engine/mem_after_wake_gb"] = self._mem()
+
+    def _moved(self) -> None:
+        """After the replica moved: tie its aliases again (moves to and from meta untie them) and list its
+        parameters anew (the moved tensors)."""
+        retie(self.model, self.aliases)
+        self._params = dict(self.model.named_parameters())
 
     def reset_prefix_cache(self) -> None:
         pass  # no cross-request cache to invalidate
@@ -129,9 +133,9 @@ class HFEngine:
             self._params[name].copy_(tensor)
             self._written.add(name)
 
-    def verify_sync(self) -> None:
-        """After a sync: every parameter was written since the weights woke (a tied alias is its target), so the
-        engine never samples from a stale or uninitialised tensor."""
+    def finish_sync(self) -> None:
+        """The last call of a sync: every parameter was written since the weights woke (a tied alias is its
+        target), so the engine never samples from a stale or uninitialised tensor."""
         missing = sorted(set(self._params) - self._written)
         if self.level == 0 and missing:
             raise RuntimeError(f"the weight sync left {len(missing)} engine parameters unwritten: {missing[:5]}")

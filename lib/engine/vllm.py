@@ -104,6 +104,7 @@ class VLLMEngine:
         hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
         self.tied_head = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
         self._embedding: torch.Tensor | None = None
+        self._written: set[str] | None = set()  # the vLLM names one sync wrote (None: its loader does not say)
         self.metrics: dict[str, float] = {}
         self._loading = False  # inside a layerwise reload (between the first bucket and wake_up(kv_cache))
         self.asleep: set[str] = set()
@@ -145,11 +146,11 @@ class VLLMEngine:
         if not self._loading:
             _reload(self.llm, begin=True)
             self._loading = True
-            self._written: set[str] | None = set()
+            self._written = set()
         batch = list(weights)
         if self.tied_head:
             # vLLM's loader skips lm_head.weight for a tied model, and during a layerwise reload its head layer
-            # sits on meta apart from the embedding: keep the embedding to load the head with (verify_sync)
+            # sits on meta apart from the embedding: keep the embedding to load the head with (finish_sync)
             self._embedding = next((t for n, t in batch if n.endswith("embed_tokens.weight")), self._embedding)
 
         def load(model: Any) -> None:
@@ -161,15 +162,17 @@ class VLLMEngine:
 
         _run_on_model(self.llm, load)
 
-    def verify_sync(self) -> None:
-        """After a sync: every vLLM parameter was written (a tied lm_head is the embedding itself in vLLM and not a
-        parameter of its own), so the engine never samples from a dummy or stale tensor."""
-        if self._loading and self.tied_head:
-            self._load_tied_head()
-        written = getattr(self, "_written", None)
-        if not self._loading or written is None:
+    def finish_sync(self) -> None:
+        """The last call of a sync: load the tied head (``_load_tied_head``), then check that every vLLM parameter
+        was written (a tied lm_head is the embedding itself as built, not a parameter of its own), so the engine
+        never samples from a dummy or stale tensor."""
+        if not self._loading:
             return
-        missing = sorted(self.param_names - written)
+        if self.tied_head:
+            self._load_tied_head()
+        if self._written is None:
+            return
+        missing = sorted(self.param_names - self._written)
         if missing:
             raise RuntimeError(f"the weight sync left {len(missing)} vLLM parameters unwritten: {missing[:5]}")
 
@@ -183,7 +186,7 @@ class VLLMEngine:
 
         def load(model: Any) -> None:
             head = model.lm_head.weight
-            getattr(head, "weight_loader", None)(head, embedding)
+            head.weight_loader(head, embedding)
 
         _run_on_model(self.llm, load)
 

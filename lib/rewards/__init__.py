@@ -12,7 +12,9 @@ This module stays free of torch: the workers import it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import math
 import numbers
 import os
@@ -56,16 +58,20 @@ def load_custom(spec: str) -> ScoreFn:
 FIXED_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
-def keyword_columns(fn: ScoreFn, columns: Any) -> list[str]:
-    """The row columns (besides the standard four) ``fn`` takes as keyword arguments, as TRL passes a dataset's
-    columns to its reward functions: every one with ``**kwargs``, else those it names."""
-    import inspect
-
+@functools.cache
+def _keywords(fn: ScoreFn) -> tuple[bool, frozenset[str]]:
+    """(takes **kwargs, its parameter names), read once per function: workers ask for every sample."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: pass nothing extra
-        return []
-    any_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        return False, frozenset()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), frozenset(params)
+
+
+def keyword_columns(fn: ScoreFn, columns: Any) -> list[str]:
+    """The row columns (besides the standard four) ``fn`` takes as keyword arguments, as TRL passes a dataset's
+    columns to its reward functions: every one with ``**kwargs``, else those it names."""
+    any_kw, params = _keywords(fn)
     return [c for c in columns if c not in FIXED_ARGUMENTS and (any_kw or c in params)]
 
 
