@@ -34,7 +34,7 @@ from lib.balance import balance_groups
 from lib.dist import sum_over_ranks
 from lib.logging import stage
 from lib.protocol import DataProto
-from lib.rollout import generate, next_batch, policy_log_probs
+from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
 from lib.scoring import score
 from lib.startup import Run
 
@@ -100,12 +100,7 @@ def compute_advantages(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> No
         rewards, mask, index=batch.non_tensor_batch["uid"], gamma=a.gamma, lam=a.lam,
         norm_adv_by_std=a.norm_adv_by_std, reduce=sum_over_ranks())
     b["advantages"], b["returns"] = adv, ret
-    if a.rollout_correction != "off":
-        w, keep, m = algos.rollout_correction(b["old_log_probs"], b["rollout_log_probs"], mask,
-                                              a.rollout_correction, a.rollout_correction_threshold,
-                                              a.rollout_correction_mode)
-        b["rollout_is_weights"], b["response_mask"] = w, keep
-        metrics.update({k: float(v) for k, v in m.items()})
+    correct_rollout(run, batch, metrics)  # train/rollout mismatch: importance weights, or tokens masked out
 
 # ---- the loop
 

@@ -31,7 +31,7 @@ from lib.fsdp import build_sharded_model
 from lib.logging import stage
 from lib.optim import build_optimizer
 from lib.protocol import DataProto
-from lib.rollout import generate, next_batch, policy_log_probs
+from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
 from lib.scoring import score
 from lib.startup import Run
 
@@ -69,6 +69,7 @@ def compute_advantages(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> No
     # whitened over the whole batch (one all-reduce of its moments), as the reference's driver does
     b["advantages"], b["returns"] = algos.gae(rewards, mask, values=b["values"], gamma=a.gamma, lam=a.lam,
                                               reduce=sum_over_ranks())
+    correct_rollout(run, batch, metrics)  # train/rollout mismatch: importance weights, or tokens masked out
 
 
 

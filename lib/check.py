@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     cfg = config.parse(args, default_preset=preset, prog=os.path.basename(script))  # a command-line error: tyro's message, exit 2
     try:
         resolve_toy(cfg)
-        config.resolve(cfg)
+        config.resolve(cfg, need_critic)
         check_inputs(cfg, world_size, need_critic, run_dir(cfg.trainer.output_root, cfg.trainer.run_name))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

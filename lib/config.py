@@ -181,8 +181,9 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    """A key of lib.algos.ADVANTAGE_ESTIMATORS."""
+    adv_estimator: str = ""
+    """A key of lib.algos.ADVANTAGE_ESTIMATORS. "": the script's own (grpo in train_grpo.py, gae in train_ppo.py,
+    which takes no other)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std. False (+ loss_agg_mode seq-mean-token-sum-norm) is Dr.GRPO."""
     gamma: float = 1.0
@@ -304,7 +305,16 @@ def load_preset(name_or_path: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"no config file or preset {name_or_path!r}; presets: {presets()}")
     with open(path) as f:
-        return yaml.safe_load(f) or {}
+        try:
+            delta = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path} is not valid YAML: {e}") from None
+    if delta is None:
+        return {}
+    if not isinstance(delta, dict):
+        raise ValueError(f"{path} must hold a mapping of config sections (data:, actor:, rollout:, ...) at its top "
+                         f"level, not a {type(delta).__name__}")
+    return delta
 
 
 def parse(argv: list[str], default_preset: str = "", prog: str | None = None) -> Config:
@@ -370,14 +380,25 @@ def to_dict(cfg: Any) -> dict:
     return asdict(cfg)
 
 
-def resolve(cfg: Config) -> list[str]:
-    """Fill the values whose default depends on other settings (a policy loss's own clip range, the Dr.GRPO
-    constant); returns a line per value filled, for the log. The saved config holds the resolved values."""
+def fill_estimator(cfg: Config, need_critic: bool) -> bool:
+    """An empty algorithm.adv_estimator becomes the script's own: gae for train_ppo.py, grpo for train_grpo.py."""
+    if cfg.algorithm.adv_estimator:
+        return False
+    cfg.algorithm.adv_estimator = "gae" if need_critic else "grpo"
+    return True
+
+
+def resolve(cfg: Config, need_critic: bool = False) -> list[str]:
+    """Fill the values whose default depends on other settings (the script's advantage estimator, a policy loss's
+    own clip range, the Dr.GRPO constant); returns a line per value filled, for the log. The saved config holds
+    the resolved values. ``need_critic``: train_ppo.py."""
     import inspect
 
     from lib import algos
 
     lines = []
+    if fill_estimator(cfg, need_critic):
+        lines.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (the script's own)")
     a = cfg.actor
     loss = algos.POLICY_LOSSES.get(a.policy_loss)
     params = inspect.signature(loss).parameters if loss is not None else {}
@@ -454,7 +475,7 @@ def _value_problems(cfg: Config) -> list[str]:
                              f"validation is rollout.val_temperature 0)"),
         (not 0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1] (1: off)"),
         (r.top_k < 0, f"rollout.top_k={r.top_k} must be >= 0 (0: off)"),
-        (r.n < 2 and al.adv_estimator in GROUP_ESTIMATORS,
+        (r.n == 1 and al.adv_estimator in GROUP_ESTIMATORS,
          f"rollout.n={r.n}: algorithm.adv_estimator={al.adv_estimator} compares the samples of a prompt; use "
          f"rollout.n >= 2"),
         (r.n < 1, f"rollout.n={r.n} must be >= 1"),
@@ -537,20 +558,26 @@ def _packing_problems(cfg: Config, need_critic: bool) -> list[str]:
 
 def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic: bool = False) -> Sizes:
     from lib import algos
+    from lib.dist import divisors
 
     problems: list[str] = []
     t, a, r = cfg.trainer, cfg.actor, cfg.rollout
+    fill_estimator(cfg, need_critic)
     sp = t.sp_size
     if sp < 1 or world_size % sp:
         problems.append(f"trainer.sp_size={sp} must divide the {world_size} ranks")
         sp = 1
     if r.tp_size < 1 or world_size % r.tp_size:
         problems.append(f"rollout.tp_size={r.tp_size} must divide the {world_size} ranks")
+    shard = a.fsdp.shard_size
+    if shard < 0 or (shard and world_size % shard):
+        problems.append(f"actor.fsdp.shard_size={shard} must divide the {world_size} ranks; use one of "
+                        f"{divisors(world_size)} (0 shards over all ranks)")
     dp = world_size // sp
     if t.train_batch_size % world_size:
         problems.append(f"trainer.train_batch_size={t.train_batch_size} prompts must divide by the {world_size} "
                         f"ranks; use a multiple of {world_size}")
-    samples = t.train_batch_size * r.n
+    samples = max(t.train_batch_size * r.n, 1)  # (rollout.n < 1 is refused with the value checks below)
     sizes = {}
     for name, section in (("actor", a), ("critic", cfg.critic)):
         mini = section.mini_batch_size or samples
@@ -582,6 +609,13 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                         f"{sorted(algos.ADVANTAGE_ESTIMATORS)}")
     if cfg.algorithm.adv_estimator == "gae" and not need_critic:
         problems.append("algorithm.adv_estimator=gae needs a critic: run train_ppo.py")
+    if need_critic and cfg.algorithm.adv_estimator != "gae":
+        problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: train_ppo.py computes advantages "
+                        f"with GAE from its critic; leave the setting out (or gae), or run train_grpo.py for "
+                        f"{cfg.algorithm.adv_estimator}")
+    if need_critic and cfg.algorithm.filter_groups:
+        problems.append("algorithm.filter_groups (DAPO dynamic sampling over groups) is train_grpo.py's; "
+                        "turn it off for train_ppo.py")
     problems += _value_problems(cfg)
     if cfg.algorithm.overlong_buffer >= r.max_response_length:
         problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} must be below "

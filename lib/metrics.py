@@ -13,7 +13,8 @@ from lib.startup import Run
 
 
 def response_metrics(batch: DataProto, max_len: int) -> dict[str, float]:
-    lengths = batch.batch["response_mask"].sum(-1).float()
+    b = batch.batch
+    lengths = b.get("sampled_mask", b["response_mask"]).sum(-1).float()  # tokens sampled, masked out of the loss or not
     seq = batch.batch["token_level_scores"].sum(-1)
     return {"reward/mean": float(seq.mean()), "reward/max": float(seq.max()), "reward/min": float(seq.min()),
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),

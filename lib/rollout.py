@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lib import algos
 from lib.actor import compute_log_probs
 from lib.data import collate
 from lib.fsdp import move_optimizer
@@ -50,3 +51,19 @@ def policy_log_probs(run: Run, batch: DataProto) -> None:
         batch.batch["old_log_probs"], _ = compute_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
     if run.ref is not None:
         batch.batch["ref_log_prob"], _ = compute_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
+
+
+def correct_rollout(run: Run, batch: DataProto, metrics: dict[str, float]) -> None:
+    """Rollout correction (algorithm.rollout_correction, after the advantages): importance weights of the trainer's
+    old log-probs against the engine's, truncated or masking tokens out of the loss. A masked token leaves
+    ``response_mask`` (the loss's and the critic's mask); ``sampled_mask`` keeps what was sampled, for the
+    response metrics."""
+    a, b = run.cfg.algorithm, batch.batch
+    if a.rollout_correction == "off":
+        return
+    w, keep, m = algos.rollout_correction(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"],
+                                          a.rollout_correction, a.rollout_correction_threshold,
+                                          a.rollout_correction_mode)
+    b["sampled_mask"] = b["response_mask"]
+    b["rollout_is_weights"], b["response_mask"] = w, keep
+    metrics.update({k: float(v) for k, v in m.items()})

@@ -69,13 +69,18 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         from lib.engine.vllm import strip_expandable_segments
 
         strip_expandable_segments()  # before CUDA's allocator starts: it reads the setting once
-    topo = init_topology(sp_size=cfg.trainer.sp_size, fsdp_shard_size=cfg.actor.fsdp.shard_size,
-                         rollout_tp_size=cfg.rollout.tp_size, device=cfg.trainer.device,
-                         timeout_s=cfg.trainer.collective_timeout_s)
+    try:
+        topo = init_topology(sp_size=cfg.trainer.sp_size, fsdp_shard_size=cfg.actor.fsdp.shard_size,
+                             rollout_tp_size=cfg.rollout.tp_size, device=cfg.trainer.device,
+                             timeout_s=cfg.trainer.collective_timeout_s)
+    except ValueError as e:  # sizes the world cannot take (checked before the process group starts)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     excepthook_rank(topo.rank)
     torch.manual_seed(cfg.trainer.seed)
     resolve_toy(cfg, topo)
-    resolved = resolve(cfg)
+    resolved = resolve(cfg, need_critic)
     obj = [run_dir(cfg.trainer.output_root, cfg.trainer.run_name)]
     dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
     path = obj[0]

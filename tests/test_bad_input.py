@@ -39,6 +39,8 @@ def files(tmp_path_factory):
         # TRL's layout: a prompt and a solution column, no reward_model
         "trl": jsonl("trl.jsonl", [{"prompt": [{"role": "user", "content": "1,2,3,4,"}], "solution": "4,3,2,1"}]),
     }
+    (d / "list.yaml").write_text("- actor\n- rollout\n")
+    out["list_yaml"] = str(d / "list.yaml")
     (d / "broken_reward.py").write_text("import not_a_module_anywhere\n")
     (d / "reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
     out["broken_reward"], out["reward"] = str(d / "broken_reward.py"), str(d / "reward.py")
@@ -70,6 +72,8 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
     ("save-every", "train_grpo.py", "--trainer.save_every -1", "trainer.save_every=-1"),
     ("keep-last", "train_grpo.py", "--trainer.keep_last -1", "trainer.keep_last=-1"),
     ("max-bad-steps", "train_grpo.py", "--trainer.max_bad_steps 0", "trainer.max_bad_steps=0"),
+    ("ppo-estimator", "train_ppo.py", "--algorithm.adv_estimator grpo", "train_ppo.py computes advantages with GAE"),
+    ("ppo-filter-groups", "train_ppo.py", "--algorithm.filter-groups", "is train_grpo.py's; turn it off"),
     ("gamma", "train_ppo.py", "--algorithm.gamma 1.5", "algorithm.gamma=1.5"),
     ("lam", "train_ppo.py", "--algorithm.lam -0.1", "algorithm.lam=-0.1"),
     ("overlong", "train_grpo.py", "--algorithm.overlong_buffer -1", "algorithm.overlong_buffer=-1"),
@@ -84,6 +88,10 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
     ("batch-vs-ranks", "train_grpo.py", "--trainer.train_batch_size 7", "7"),
     ("mini-batch", "train_grpo.py", "--actor.mini_batch_size 5", "must divide by the 2 ranks"),
     ("sp-size", "train_grpo.py", "--trainer.sp_size 3", "sp_size"),
+    ("shard-size", "train_grpo.py", "--actor.fsdp.shard_size 3", "actor.fsdp.shard_size=3 must divide the 2 ranks"),
+    ("n-zero", "train_grpo.py", "--rollout.n 0", "rollout.n=0 must be >= 1"),
+    ("n-zero-ppo", "train_ppo.py", "--rollout.n 0", "rollout.n=0 must be >= 1"),
+    ("preset-list", "train_grpo.py", "--config {list_yaml}", "must hold a mapping of config sections"),
     ("model-path", "train_grpo.py", "--actor.model.path /nope/model", "/nope/model"),
     ("critic-path", "train_ppo.py", "--critic.model.path /nope/critic", "/nope/critic"),
     ("reward-model-path", "train_grpo.py", "--reward.reward_model /nope/rm", "/nope/rm"),

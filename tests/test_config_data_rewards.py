@@ -187,6 +187,20 @@ def test_out_of_range_values_are_refused_with_the_fix(overrides, message):
     assert message in str(e.value), str(e.value)
 
 
+def test_the_default_estimator_is_the_scripts_own():
+    """PPO with one sample per prompt and no adv_estimator given runs GAE; it was refused with a message about
+    groups (the default was grpo)."""
+    for need_critic, n, expected in ((True, 1, "gae"), (False, 8, "grpo")):
+        cfg = config.Config()
+        cfg.data.max_prompt_length, cfg.rollout.max_response_length, cfg.rollout.n = 64, 64, n
+        assert config.resolve(cfg, need_critic) and cfg.algorithm.adv_estimator == expected
+        config.validate(cfg, 2, tiny_config("qwen2"), need_critic)
+    cfg = config.Config()
+    cfg.rollout.n = 1
+    with pytest.raises(ValueError, match="adv_estimator=grpo compares the samples of a prompt"):
+        config.validate(cfg, 2, tiny_config("qwen2"))
+
+
 def test_bad_rows_are_refused_or_skipped_and_counted(tmp_path):
     tok = _tok()
     good = {"prompt": [{"role": "user", "content": "1,2,"}], "data_source": "toy", "reward_model": {"ground_truth": "2,1"}}
