@@ -481,6 +481,9 @@ def _value_problems(cfg: Config) -> list[str]:
         (r.n < 1, f"rollout.n={r.n} must be >= 1"),
         (r.val_n < 1, f"rollout.val_n={r.val_n} must be >= 1"),
         (r.val_temperature < 0, f"rollout.val_temperature={r.val_temperature} must be >= 0 (0: greedy)"),
+        (r.val_n > 1 and r.val_temperature == 0,
+         f"rollout.val_n={r.val_n} with rollout.val_temperature 0: greedy decoding gives {r.val_n} identical samples, "
+         f"so best@N and maj@N would equal mean@1; set rollout.val_temperature > 0 (e.g. 1.0) or rollout.val_n 1"),
         (r.kv_cache_gb < 0, f"rollout.kv_cache_gb={r.kv_cache_gb} must be >= 0 (0: derived)"),
         (r.max_num_seqs < 1, f"rollout.max_num_seqs={r.max_num_seqs} must be >= 1"),
         (t.total_steps < 0, f"trainer.total_steps={t.total_steps} must be >= 0 (0: epochs x steps per epoch)"),

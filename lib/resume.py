@@ -54,7 +54,7 @@ def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
     install_stop_handlers()
     last = checkpoint.latest_step(run.path) if run.cfg.trainer.resume else None
     if last is None:
-        if run.cfg.trainer.val_every:
+        if run.val is not None:
             run.logger.log(0, validate_policy(run, 0))
         return 0
     state = checkpoint.load(run.path, last, _parts(trainees))
@@ -89,7 +89,7 @@ def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metr
                          f"rewards, then resume from it.")
         run.stopped = "bad_steps"
         return False
-    if t.val_every and ((step + 1) % t.val_every == 0 or done) and not signum:
+    if run.val is not None and ((step + 1) % t.val_every == 0 or done) and not signum:
         run.logger.log(step + 1, validate_policy(run, step + 1))
     periodic = t.save_every and (step + 1) % t.save_every == 0 and not run.bad_steps  # a skipped update: no change
     if periodic or done or signum:

@@ -96,7 +96,8 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     total = cfg.trainer.total_steps or cfg.trainer.epochs * sampler.steps_per_epoch
     logger = RunLogger(path, to_dict(cfg), total, cfg.trainer.logger, cfg.trainer.project, topo.is_main,
                        start_step=start_step or 0)
-    logger.print(f"{topo}\nprompts: train {train.stats}, val {val.stats if val else None}; {total} steps; "
+    no_val = " (no validation: data.val_files is empty)" if cfg.trainer.val_every and not cfg.data.val_files else ""
+    logger.print(f"{topo}\nprompts: train {train.stats}, val {val.stats if val else None}{no_val}; {total} steps; "
                  f"run folder {path}" + "".join(f"\nresolved: {line}" for line in resolved))
     rm = RewardModel(cfg.reward.reward_model, topo.device) if cfg.reward.reward_model else None
     scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers)

@@ -1,4 +1,4 @@
-"""Validation on the held-out prompts: mean@N, best@N, maj@N over all ranks."""
+"""Validation on the held-out prompts: mean@N, best@N, maj@N over all ranks, overall and per data_source."""
 
 from __future__ import annotations
 
@@ -15,27 +15,45 @@ from lib.startup import Run
 
 
 def validate_policy(run: Run, step: int) -> dict[str, float]:
-    """Greedy (or val-sampled) responses to the held-out prompts: mean@N, best@N, maj@N over all ranks."""
+    """Greedy (or val-sampled) responses to the held-out prompts: ``val/mean@N``, ``val/best@N``, ``val/maj@N``
+    over all prompts, and ``val/<data_source>/...`` per source. Every rank generates (the weight sync and the
+    engines are collective): a rank left without a row (fewer rows than ranks) generates one row again and
+    drops it."""
     topo, val = run.topo, run.val
     rows = np.arange(len(val))[topo.rank::topo.world_size]
+    real = len(rows)
+    if not real:
+        rows = np.array([topo.rank % len(val)])
     prompts = collate(val, rows, run.cfg.data.max_prompt_length, run.tokenizer.pad_token_id)
     prompts.non_tensor_batch["uid"] = rows.astype(object)
     prompts.meta_info["seed_key"] = step
     out, _ = generate(run, prompts, validate=True)
     scored = run_scorer(run, out)
     votes = [a if a is not None else t.strip() for a, t in zip(scored.answers, scored.texts)]
-    local = list(zip(out.non_tensor_batch["uid"].tolist(), scored.scores, votes))
+    local = list(zip(out.non_tensor_batch["uid"].tolist(), out.non_tensor_batch["data_source"].tolist(),
+                     scored.scores, votes))[:real * run.cfg.rollout.val_n]
     gathered: list[Any] = [None] * topo.world_size
     dist.all_gather_object(gathered, local)  # every rank: the val metrics are logged by rank 0
     by_prompt: dict[Any, list[tuple[float, str]]] = defaultdict(list)
+    source_of: dict[Any, str] = {}
     for part in gathered:
-        for uid, s, vote in part:
+        for uid, source, s, vote in part:
             by_prompt[uid].append((s, vote))
+            source_of[uid] = str(source)
+    metrics = prompt_metrics(by_prompt, "val")
+    metrics["val/score_mean"] = metrics[next(k for k in metrics if k.startswith("val/mean@"))]
+    for source in sorted(set(source_of.values())):
+        metrics.update(prompt_metrics({u: v for u, v in by_prompt.items() if source_of[u] == source},
+                                      f"val/{source}"))
+    return metrics
+
+
+def prompt_metrics(by_prompt: dict[Any, list[tuple[float, Any]]], prefix: str) -> dict[str, float]:
+    """mean@N (every sample), best@N and maj@N (per prompt, then averaged) of prompts' (score, vote) samples."""
     n = max(len(v) for v in by_prompt.values())
-    mean = float(np.mean([s for v in by_prompt.values() for s, _ in v]))
-    best = float(np.mean([max(s for s, _ in v) for v in by_prompt.values()]))
-    maj = float(np.mean([majority_score(v) for v in by_prompt.values()]))
-    return {f"val/mean@{n}": mean, "val/best@N": best, "val/maj@N": maj, "val/score_mean": mean}
+    return {f"{prefix}/mean@{n}": float(np.mean([s for v in by_prompt.values() for s, _ in v])),
+            f"{prefix}/best@N": float(np.mean([max(s for s, _ in v) for v in by_prompt.values()])),
+            f"{prefix}/maj@N": float(np.mean([majority_score(v) for v in by_prompt.values()]))}
 
 
 def majority_score(samples: list[tuple[float, Any]]) -> float:

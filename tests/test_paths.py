@@ -1,0 +1,54 @@
+"""Paths a real run takes beyond the GRPO toy default, end to end through torchrun on 2 gloo ranks: validation
+sets of every shape, PPO's options."""
+
+import json
+
+import pytest
+
+from tests.test_e2e import torchrun
+
+ONE_STEP = ("--trainer.total_steps", "1", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "128",
+            "--trainer.save_every", "0")
+
+
+def toy_row(digits, source="toy"):
+    return {"prompt": [{"role": "user", "content": ",".join(digits) + ","}], "data_source": source,
+            "reward_model": {"ground_truth": ",".join(reversed(digits))}}
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def metrics(tmp_path):
+    return [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+def test_no_validation_files_with_the_default_val_every(tmp_path):
+    """It crashed every rank (TypeError: object of type 'NoneType' has no len())."""
+    out = torchrun("train_grpo.py", tmp_path, *ONE_STEP, "--data.val_files")
+    assert "no validation: data.val_files is empty" in out
+    assert not any(k.startswith("val/") for r in metrics(tmp_path) for k in r)
+
+
+@pytest.mark.slow
+def test_fewer_validation_rows_than_ranks(tmp_path):
+    """One held-out row on two ranks: the HF engine crashed on the empty rank's batch."""
+    val = write_rows(tmp_path / "val.jsonl", [toy_row("1234")])
+    torchrun("train_grpo.py", tmp_path, *ONE_STEP, "--data.val_files", val)
+    got = [r for r in metrics(tmp_path) if "val/mean@1" in r]
+    assert [r["step"] for r in got] == [0, 1]
+    assert all(r["val/toy/mean@1"] == r["val/mean@1"] for r in got), got
+
+
+@pytest.mark.slow
+def test_validation_is_reported_per_data_source(tmp_path):
+    rows = [toy_row("1234"), toy_row("5678"), toy_row("4321", source="gsm8k")]
+    val = write_rows(tmp_path / "val.jsonl", rows)
+    torchrun("train_grpo.py", tmp_path, *ONE_STEP, "--data.val_files", val)
+    for r in (r for r in metrics(tmp_path) if "val/mean@1" in r):
+        toy, gsm = r["val/toy/mean@1"], r["val/gsm8k/mean@1"]
+        assert abs(r["val/mean@1"] - (2 * toy + gsm) / 3) < 1e-9, r
+        assert r["val/gsm8k/maj@N"] == gsm and r["val/toy/best@N"] == toy  # greedy: one sample per prompt
