@@ -34,13 +34,14 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     warmup_steps: int = 0
-    """Optimizer steps of linear warm-up from 0 to lr. 0: none."""
+    """Training steps (updates: one per RL step, whatever the mini-batches and epochs in it, as verl counts) of
+    linear warm-up: update k (0-based) uses lr * (k + 1) / warmup_steps. 0: none."""
     schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: keep lr, or cosine-decay it to min_lr_ratio * lr at total_steps."""
     min_lr_ratio: float = 0.0
     """Floor of the cosine schedule as a fraction of lr."""
     total_steps: int = 0
-    """Optimizer steps the cosine schedule spans (set from the run length). 0: constant after warm-up."""
+    """Training steps (updates) the cosine schedule spans. 0: the run's trainer steps."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this. A non-finite norm skips the step (counted in metrics)."""
 

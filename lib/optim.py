@@ -12,7 +12,8 @@ from lib.fsdp import average_gradients
 
 
 def lr_multiplier(step: int, cfg: OptimConfig) -> float:
-    """Fraction of the peak lr at optimizer step ``step`` (0-based)."""
+    """Fraction of the peak lr at training step (update) ``step``, 0-based: the schedule steps once per update,
+    whatever the optimizer steps (mini-batches x epochs) in it."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant" or cfg.total_steps <= cfg.warmup_steps:

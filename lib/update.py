@@ -110,11 +110,12 @@ def step_and_record(trainee: Trainee, max_grad_norm: float, step_metrics: dict, 
 
 def finish_update(trainee: Trainee, sums: dict, prefix: str) -> dict[str, float]:
     """One lr-schedule step; metrics averaged over the update's optimizer steps and reduced over the dp ranks.
-    The loss terms and ratios are per-rank shares of the mini-batch value, so they are summed over ranks."""
-    trainee.scheduler.step()
+    The loss terms and ratios are per-rank shares of the mini-batch value, so they are summed over ranks.
+    ``<prefix>/lr`` is the rate this update's optimizer steps used (the schedule moves on after it)."""
     local = {k: float(np.nanmean(v)) if not all(np.isnan(v)) else 0.0 for k, v in sums.items()}
     local[f"{prefix}/skipped_steps"] = float(np.sum(sums[f"{prefix}/skipped_steps"]))
     local[f"{prefix}/lr"] = trainee.optimizer.param_groups[0]["lr"]
+    trainee.scheduler.step()
     ops = {k: "sum" for k in local}
     ops.update({f"{prefix}/grad_norm": "mean", f"{prefix}/skipped_steps": "max", f"{prefix}/lr": "max"})
     return reduce_metrics(local, trainee.topo.dp_group, ops)

@@ -52,3 +52,13 @@ def test_validation_is_reported_per_data_source(tmp_path):
         toy, gsm = r["val/toy/mean@1"], r["val/gsm8k/mean@1"]
         assert abs(r["val/mean@1"] - (2 * toy + gsm) / 3) < 1e-9, r
         assert r["val/gsm8k/maj@N"] == gsm and r["val/toy/best@N"] == toy  # greedy: one sample per prompt
+
+
+@pytest.mark.slow
+def test_warmup_counts_training_steps_and_logs_the_rate_used(tmp_path):
+    """Two optimizer steps per update: warm-up counts updates (verl's unit), and actor/lr is the rate the update
+    used (it was the next update's: 5e-4 and 7.5e-4 here)."""
+    torchrun("train_grpo.py", tmp_path, "--trainer.total_steps", "3", "--trainer.train_batch_size", "16",
+             "--actor.mini_batch_size", "64", "--trainer.val_every", "0", "--trainer.save_every", "0",
+             "--actor.optim.lr", "1e-3", "--actor.optim.warmup_steps", "4")
+    assert [r["actor/lr"] for r in metrics(tmp_path)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4], rel=1e-9)
