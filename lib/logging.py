@@ -22,14 +22,22 @@ STAGES: list[str] = []
 FAILED_IN: list[str] = []
 
 
+_OPEN: list[dict[str, float]] = []
+"""The GPU peak seen so far by each open stage, outermost first (a nested stage resets the allocator's peak)."""
+
+
 @contextlib.contextmanager
 def stage(name: str, metrics: dict[str, float]) -> Iterator[None]:
     """Add the block's wall time to ``timing/<name>_s`` and raise ``memory/<name>_peak_gb`` to its peak (GPU
     allocator peak, or process RSS peak): a stage entered several times in a step (dynamic sampling's rounds)
-    reports its total time."""
+    reports its total time. Stages nest: an inner stage resets the allocator's peak counter, and the peak reached
+    before it is kept for every stage around it, so an outer stage's peak covers its inner stages."""
     cuda = torch.cuda.is_available()
     if cuda:
+        _fold_peak()
         torch.cuda.reset_peak_memory_stats()
+    mine = {"peak": 0.0}
+    _OPEN.append(mine)
     t0 = time.perf_counter()
     STAGES.append(name)
     try:
@@ -39,15 +47,25 @@ def stage(name: str, metrics: dict[str, float]) -> Iterator[None]:
         raise
     finally:
         STAGES.pop()
+        if cuda:
+            torch.cuda.synchronize()
+            _fold_peak()
+        _OPEN.remove(mine)
     if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        peak = mine["peak"] / 2**30
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     key = f"memory/{name}_peak_gb"
     metrics[key] = max(metrics.get(key, 0.0), peak)
     key = f"timing/{name}_s"
     metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0
+
+
+def _fold_peak() -> None:
+    """Every open stage keeps the allocator's peak since the last reset."""
+    peak = float(torch.cuda.max_memory_allocated())
+    for s in _OPEN:
+        s["peak"] = max(s["peak"], peak)
 
 
 def run_dir(output_root: str, run_name: str) -> str:

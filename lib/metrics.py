@@ -13,12 +13,25 @@ from lib.startup import Run
 
 
 def response_metrics(batch: DataProto, max_len: int) -> dict[str, float]:
+    """Rewards, response and prompt lengths, and the advantages and returns over the loss's tokens (verl's names
+    for those). Lengths count the sampled tokens, also those rollout correction masked out of the loss."""
     b = batch.batch
-    lengths = b.get("sampled_mask", b["response_mask"]).sum(-1).float()  # tokens sampled, masked out of the loss or not
-    seq = batch.batch["token_level_scores"].sum(-1)
-    return {"reward/mean": float(seq.mean()), "reward/max": float(seq.max()), "reward/min": float(seq.min()),
-            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-            "response/clip_ratio": float((lengths >= max_len).float().mean())}
+    lengths = b.get("sampled_mask", b["response_mask"]).sum(-1).float()
+    prompt_lengths = b["attention_mask"][:, :b["prompts"].shape[1]].sum(-1).float()
+    seq = b["token_level_scores"].sum(-1)
+    out = {"reward/mean": float(seq.mean()), "reward/max": float(seq.max()), "reward/min": float(seq.min()),
+           "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+           "response/length_min": float(lengths.min()),
+           "response/clip_ratio": float((lengths >= max_len).float().mean()),
+           "prompt/length_mean": float(prompt_lengths.mean()), "prompt/length_max": float(prompt_lengths.max()),
+           "prompt/length_min": float(prompt_lengths.min())}
+    mask = b["response_mask"].bool()
+    for key, name in (("advantages", "critic/advantages"), ("returns", "critic/returns")):
+        if key in b and mask.any():
+            values = b[key][mask].float()
+            out.update({f"{name}/mean": float(values.mean()), f"{name}/max": float(values.max()),
+                        f"{name}/min": float(values.min())})
+    return out
 
 
 def samples_to_log(run: Run, batch: DataProto, k: int) -> list[tuple[str, str, float]]:
@@ -46,5 +59,7 @@ def global_metrics(run: Run, metrics: dict[str, float]) -> dict[str, float]:
 
 def log_step(run: Run, step: int, batch: DataProto, metrics: dict) -> None:
     metrics.update(response_metrics(batch, run.cfg.rollout.max_response_length))
+    if run.save_s is not None:  # the checkpoint written after the previous step
+        metrics["timing/save_checkpoint_s"], run.save_s = run.save_s, None
     metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / max(metrics["timing/step_s"], 1e-9)
     run.logger.log(step + 1, global_metrics(run, metrics), samples_to_log(run, batch, run.cfg.trainer.log_samples))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,7 +56,7 @@ def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
     last = checkpoint.latest_step(run.path) if run.cfg.trainer.resume else None
     if last is None:
         if run.val is not None:
-            run.logger.log(0, validate_policy(run, 0))
+            run.logger.log(0, timed_validation(run, 0))
         return 0
     state = checkpoint.load(run.path, last, _parts(trainees))
     for name, t in trainees.items():
@@ -64,6 +65,13 @@ def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
     run.data_position = state["data_position"]
     run.logger.print(f"resumed from step {state['step']}")
     return state["step"]
+
+
+def timed_validation(run: Run, step: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    metrics = validate_policy(run, step)
+    metrics["timing/validation_s"] = time.perf_counter() - t0
+    return metrics
 
 
 def save(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl) -> str:
@@ -90,10 +98,12 @@ def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metr
         run.stopped = "bad_steps"
         return False
     if run.val is not None and ((step + 1) % t.val_every == 0 or done) and not signum:
-        run.logger.log(step + 1, validate_policy(run, step + 1))
+        run.logger.log(step + 1, timed_validation(run, step + 1))
     periodic = t.save_every and (step + 1) % t.save_every == 0 and not run.bad_steps  # a skipped update: no change
     if periodic or done or signum:
+        t0 = time.perf_counter()
         path = save(run, step + 1, trainees, kl_ctrl)
+        run.save_s = time.perf_counter() - t0  # logged with the next step's metrics
         if signum and not done:
             run.logger.print(f"stopped by {signal.Signals(signum).name} after step {step + 1}: checkpoint {path}; "
                              f"the same command resumes the run")

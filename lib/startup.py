@@ -60,6 +60,8 @@ class Run:
     """Why the loop ended early: a signal's name, or "bad_steps"."""
     reported_failures: set[str] = field(default_factory=set)
     """Reward failure kinds whose first message was printed."""
+    save_s: float | None = None
+    """Wall time of the last checkpoint save, logged with the next step's metrics (timing/save_checkpoint_s)."""
 
 
 def start(cfg: Config, need_critic: bool = False) -> Run:

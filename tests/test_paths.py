@@ -45,13 +45,25 @@ def test_fewer_validation_rows_than_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_validation_is_reported_per_data_source(tmp_path):
+    """Also the metrics verl users watch: validation and checkpoint time, prompt lengths, the shortest response,
+    advantage and return statistics."""
     rows = [toy_row("1234"), toy_row("5678"), toy_row("4321", source="gsm8k")]
     val = write_rows(tmp_path / "val.jsonl", rows)
-    torchrun("train_grpo.py", tmp_path, *ONE_STEP, "--data.val_files", val)
-    for r in (r for r in metrics(tmp_path) if "val/mean@1" in r):
+    torchrun("train_grpo.py", tmp_path, *ONE_STEP, "--data.val_files", val, "--trainer.total_steps", "2",
+             "--trainer.save_every", "1")
+    got = metrics(tmp_path)
+    for r in (r for r in got if "val/mean@1" in r):
         toy, gsm = r["val/toy/mean@1"], r["val/gsm8k/mean@1"]
         assert abs(r["val/mean@1"] - (2 * toy + gsm) / 3) < 1e-9, r
         assert r["val/gsm8k/maj@N"] == gsm and r["val/toy/best@N"] == toy  # greedy: one sample per prompt
+        assert r["timing/validation_s"] > 0
+    train = [r for r in got if "actor/lr" in r]
+    assert [r["step"] for r in train] == [1, 2] and "timing/save_checkpoint_s" in train[1]
+    for r in train:
+        assert 0 < r["prompt/length_min"] <= r["prompt/length_mean"] <= r["prompt/length_max"] <= 10, r
+        assert r["response/length_min"] <= r["response/length_mean"], r
+        assert r["critic/advantages/min"] < 0 < r["critic/advantages/max"], r
+        assert r["critic/returns/mean"] == r["critic/advantages/mean"], r  # GRPO: returns are the advantages
 
 
 @pytest.mark.slow
