@@ -131,6 +131,36 @@ def test_gsm8k_and_math_scorers():
     assert builtin.toy("5,1,7,3,3,3", "5,1,7,3")["score"] == pytest.approx(7 / 11)
 
 
+MATH_EQUIVALENT = [  # (response, ground truth): the same answer written differently
+    (r"\boxed{1/2}", r"\frac{1}{2}"), (r"\boxed{0.5}", r"\frac{1}{2}"), (r"\boxed{5\text{ cm}}", "5"),
+    (r"\boxed{1,000}", "1000"), (r"\boxed{x^2+2x}", "x^{2}+2x"), (r"\boxed{\left(1,2\right)}", "(1,2)"),
+    (r"\boxed{90^{\circ}}", "90"), (r"\boxed{2.50}", "2.5"), (r"\boxed{\dfrac{3}{4}}", "0.75"),
+    (r"\boxed{x=5}", "5"), (r"\boxed{10\%}", "10"),
+]
+MATH_DIFFERENT = [(r"\boxed{0.3}", r"\frac{1}{3}"), (r"\boxed{(1,2)}", "(1,3)"), (r"\boxed{2}", "3"),
+                  (r"\boxed{x^2+2x}", "x^{3}+2x"), ("no box: 5", "5")]
+
+
+@pytest.mark.parametrize("with_math_verify", [True, False], ids=["math-verify", "fallback"])
+def test_math_scorer_grades_equivalent_forms(monkeypatch, with_math_verify):
+    """All of MATH_EQUIVALENT scored 0 without math-verify, which nothing installed; it is a dependency now, and
+    the fallback normalises as verl's MATH scorer does."""
+    import math_verify  # noqa: F401  (installed with the project)
+
+    if not with_math_verify:
+        monkeypatch.setitem(__import__("sys").modules, "math_verify", None)  # import fails: the fallback grades
+    for response, truth in MATH_EQUIVALENT:
+        assert builtin.math_answer(response, truth)["score"] == 1.0, (response, truth)
+    for response, truth in MATH_DIFFERENT:
+        assert builtin.math_answer(response, truth)["score"] == 0.0, (response, truth)
+
+
+def test_gsm8k_strict_differs_from_verls_where_documented():
+    """verl's strict scorer gives 0 to both (it needs '#### ' and keeps the full stop); ours 1 (lib/rewards/builtin)."""
+    assert builtin.gsm8k("####1500", "1500")["score"] == 1.0
+    assert builtin.gsm8k("#### 1500.", "1500")["score"] == 1.0
+
+
 def test_packing_on_a_gpu_without_a_varlen_kernel_is_refused(monkeypatch):
     import lib.attention
 
