@@ -221,7 +221,12 @@ class RewardConfig:
     custom_fn: str = ""
     """path/to/file.py:function(data_source, solution_str, ground_truth, extra_info) -> float | dict."""
     reward_model: str = ""
-    """Path of a sequence-classification reward model added to the rule score ("" : none)."""
+    """Path of a sequence-classification reward model ("" : none). Its score is added to the rule / custom score;
+    with no custom function, rows need no data_source or ground truth (those without get the RM's score alone)."""
+    rm_micro_batch_size: int = 8
+    """Rows per reward-model forward."""
+    rm_offload: bool = True
+    """GPU: keep the reward model on the CPU outside the score stage."""
     timeout_s: float = 10.0
     """Per-sample scorer time limit (its worker process is killed, so C code stops too); the sample scores 0 and
     is counted in reward/timeouts."""
@@ -505,6 +510,7 @@ def _value_problems(cfg: Config) -> list[str]:
          f"algorithm.kl_ctrl.target_kl={al.kl_ctrl.target_kl} must be > 0"),
         (al.kl_ctrl.kl_coef < 0, f"algorithm.kl_ctrl.kl_coef={al.kl_ctrl.kl_coef} must be >= 0"),
         (rw.timeout_s <= 0, f"reward.timeout_s={rw.timeout_s} must be > 0 (seconds per sample)"),
+        (rw.rm_micro_batch_size < 1, f"reward.rm_micro_batch_size={rw.rm_micro_batch_size} must be >= 1"),
         (rw.num_workers < 1, f"reward.num_workers={rw.num_workers} must be >= 1 (worker processes per rank)"),
         (bool(set(t.logger) - set(LOGGERS)), f"trainer.logger has unknown name(s) {sorted(set(t.logger) - set(LOGGERS))}; "
                                              f"use any of {list(LOGGERS)}"),

@@ -93,6 +93,9 @@ class PromptSet:
     stats: dict[str, int]
     columns: np.ndarray | None = None
     """Per row, a dict of the columns besides prompt, data_source, reward_model and extra_info (TRL's layout)."""
+    messages: np.ndarray | None = None
+    """Per row, the prompt as chat messages (a string prompt is one user message): a reward model with its own
+    tokenizer renders prompt and response with its own chat template."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -105,7 +108,7 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
     the first bad row naming its file and row number; ``"skip"`` drops bad rows and counts them in ``stats``."""
     if truncation not in TRUNCATION:
         raise ValueError(f"data.truncation must be one of {TRUNCATION}, got {truncation!r}")
-    ids, texts, sources, truths, extras, others = [], [], [], [], [], []
+    ids, texts, sources, truths, extras, others, messages = [], [], [], [], [], [], []
     stats = {"prompts": 0, "filtered": 0, "truncated": 0, "bad_rows": 0}
     first_bad = ""
     for path in files:
@@ -147,13 +150,15 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
             truths.append(rm.get("ground_truth") if isinstance(rm, dict) else None)
             extras.append(row.get("extra_info"))
             others.append({k: v for k, v in row.items() if k not in STANDARD_COLUMNS})
+            prompt = row["prompt"]
+            messages.append([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
     if first_bad:
         stats["first_bad_row"] = first_bad
     if not ids:
         raise ValueError(f"no usable prompt in {files} (max_prompt_length={max_prompt_length}, "
                          f"{stats['bad_rows']} bad rows{': ' + first_bad if first_bad else ''})")
     obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731 - keeps dicts/lists as objects
-    return PromptSet(ids, texts, obj(sources), obj(truths), obj(extras), stats, obj(others))
+    return PromptSet(ids, texts, obj(sources), obj(truths), obj(extras), stats, obj(others), obj(messages))
 
 
 def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> DataProto:
@@ -170,6 +175,7 @@ def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> Da
                                {"data_source": prompts.data_source[rows], "ground_truth": prompts.ground_truth[rows],
                                 "extra_info": prompts.extra_info[rows], "columns": prompts.columns[rows],
                                 "raw_prompt": np.array([prompts.texts[r] for r in rows] + [None], dtype=object)[:-1],
+                                "messages": prompts.messages[rows],
                                 "row": rows.astype(object)})
 
 

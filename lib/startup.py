@@ -4,7 +4,7 @@ engine are built. ``Run`` holds what the stages of the loop share.
 
 Batch keys, by the stage that writes them:
   next_batch     input_ids, attention_mask, position_ids (prompts); data_source, ground_truth, extra_info,
-                 columns, raw_prompt, row, uid                                                       (lib/rollout.py)
+                 columns, raw_prompt, messages, row, uid                                                      (lib/rollout.py)
   rollout        prompts, responses, response_mask, input_ids, attention_mask, position_ids, rollout_log_probs
   score          token_level_scores (B, R); scores (object, per row)                        (lib/scoring.py)
   log-probs      old_log_probs (actor; the engine's with bypass_mode; left to the update when Sizes.old_in_update),
@@ -101,7 +101,11 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     no_val = " (no validation: data.val_files is empty)" if cfg.trainer.val_every and not cfg.data.val_files else ""
     logger.print(f"{topo}\nprompts: train {train.stats}, val {val.stats if val else None}{no_val}; {total} steps; "
                  f"run folder {path}" + "".join(f"\nresolved: {line}" for line in resolved))
-    rm = RewardModel(cfg.reward.reward_model, topo.device) if cfg.reward.reward_model else None
+    rm = None
+    if cfg.reward.reward_model:
+        rm = RewardModel(cfg.reward.reward_model, topo.device, tokenizer, cfg.reward.rm_micro_batch_size,
+                         cfg.reward.rm_offload)
+        logger.print(rm.describe())
     scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers)
     return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer)
 
@@ -126,6 +130,7 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
         load_config(cfg.critic.model.path, cfg.critic.model.trust_remote_code)
     if cfg.reward.reward_model:
         load_config(cfg.reward.reward_model)
+        load_tokenizer(cfg.reward.reward_model)
     check_files(cfg.data.train_files, "train")
     check_files(cfg.data.val_files, "val")
     if cfg.reward.custom_fn:
@@ -133,7 +138,7 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     start_step = checkpoint.check_run_folder(path, to_dict(cfg), cfg.trainer.resume)
     tokenizer = load_tokenizer(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
     d = cfg.data
-    known = None if cfg.reward.custom_fn else set(RULES)
+    known = None if cfg.reward.custom_fn or cfg.reward.reward_model else set(RULES)  # an RM scores any row
     load = lambda files: load_prompts(files, tokenizer, d.max_prompt_length, d.truncation,  # noqa: E731
                                       d.apply_chat_template, d.limit, known, d.bad_rows)
     train = load(d.train_files)

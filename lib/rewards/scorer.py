@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from lib.protocol import DataProto
-from lib.rewards import FAILURE_KINDS, load_custom
+from lib.rewards import FAILURE_KINDS, RULES, load_custom
 from lib.rewards.pool import RewardPool
 
 
@@ -30,7 +30,7 @@ class Scored:
 class Scorer:
     def __init__(self, tokenizer: Any, custom: str = "", timeout_s: float = 10.0, reward_model: Any = None,
                  num_workers: int = 2):
-        self.tokenizer = tokenizer
+        self.tokenizer, self.custom = tokenizer, custom
         if custom:
             load_custom(custom)  # a bad file or name is a config error, raised here, before any worker starts
         self.pool = RewardPool(custom, timeout_s, num_workers)
@@ -45,8 +45,14 @@ class Scorer:
         truths = data.non_tensor_batch.get("ground_truth", np.array([None] * n, dtype=object))
         extras = data.non_tensor_batch.get("extra_info", np.array([None] * n, dtype=object))
         columns = data.non_tensor_batch.get("columns", np.array([None] * n, dtype=object))
-        results = self.pool.score(list(zip(sources.tolist(), texts, truths.tolist(), extras.tolist(),
-                                           columns.tolist())))
+        samples = list(zip(sources.tolist(), texts, truths.tolist(), extras.tolist(), columns.tolist()))
+        # with a reward model and no custom function, a row without a rule scorer or a ground truth gets the RM's
+        # score alone
+        ruled = [i for i, (src, _, truth, _, _) in enumerate(samples) if self.reward_model is None or self.custom
+                 or (src in RULES and truth is not None)]
+        results = [(0.0, {}, None, "", "")] * n
+        for i, r in zip(ruled, self.pool.score([samples[i] for i in ruled])):
+            results[i] = r
         counts = dict.fromkeys(FAILURE_KINDS, 0)
         sums: dict[str, list[float]] = defaultdict(list)
         messages: dict[str, str] = {}
@@ -74,20 +80,80 @@ class Scorer:
 
 
 class RewardModel:
-    """A sequence-classification reward model (AutoModelForSequenceClassification, one label) scoring
-    prompt + response; unsharded, inference only."""
+    """A sequence-classification reward model (AutoModelForSequenceClassification, one label) scoring prompt +
+    response, inference only, unsharded.
 
-    def __init__(self, path: str, device: torch.device):
+    - Each row is scored at its last attended position (the attention mask's), whatever the RM's pad id, or none.
+    - Its tokenizer: where its vocabulary is the policy's, the policy's token ids go in as they are; otherwise each
+      row is decoded and rendered again with the RM's own chat template (prompt messages + the response as the
+      assistant turn; verl does the same), or as prompt text + response where it has no template.
+    - On GPU it waits on the CPU outside the score stage (``offload``) and scores ``micro_batch_size`` rows at a
+      time, so it holds no device memory through rollout and update."""
+
+    def __init__(self, path: str, device: torch.device, policy_tokenizer: Any, micro_batch_size: int = 8,
+                 offload: bool = True):
         from transformers import AutoModelForSequenceClassification
 
-        self.device = device
+        from lib.models import load_tokenizer
+
+        self.device, self.micro_batch_size = device, micro_batch_size
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype).to(device)
-        self.model.eval()
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+        self.backbone = getattr(model, model.base_model_prefix, None)
+        self.head = next((getattr(model, n) for n in ("score", "classifier") if isinstance(getattr(model, n, None),
+                                                                                            torch.nn.Linear)), None)
+        if self.backbone is None or self.head is None:
+            raise ValueError(f"reward model {path}: {type(model).__name__} has no backbone + linear score head "
+                             f"(score or classifier) to read; use a *ForSequenceClassification model with one")
+        self.model = model.eval()
+        self.home = torch.device("cpu") if offload and device.type == "cuda" else device
+        self.model.to(self.home)
+        self.policy_tokenizer = policy_tokenizer
+        self.tokenizer = load_tokenizer(path)
+        self.same_tokens = self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        self.tokenizer.padding_side = "right"
+
+    def describe(self) -> str:
+        how = ("the policy's token ids (same vocabulary)" if self.same_tokens else
+               "decoded and rendered with its own chat template" if self.tokenizer.chat_template else
+               "decoded, prompt text + response, tokenised by its own tokenizer")
+        where = "offloaded to CPU outside the score stage" if self.home != self.device else f"on {self.device}"
+        return f"reward model: {how}; {where}; {self.micro_batch_size} rows per forward"
+
+    def encode(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input_ids, attention_mask, position_ids or None) of prompt + response in the RM's tokens."""
+        b = data.batch
+        if self.same_tokens:
+            return b["input_ids"], b["attention_mask"], b["position_ids"]
+        pt = self.policy_tokenizer
+        responses = pt.batch_decode(b["responses"].masked_fill(b["response_mask"] == 0, pt.pad_token_id).tolist(),
+                                    skip_special_tokens=True)
+        texts = []
+        for messages, prompt, response in zip(data.non_tensor_batch["messages"], data.non_tensor_batch["raw_prompt"],
+                                              responses):
+            if self.tokenizer.chat_template:
+                texts.append(self.tokenizer.apply_chat_template(
+                    list(messages) + [{"role": "assistant", "content": response}], tokenize=False))
+            else:
+                texts.append(str(prompt) + response)
+        enc = self.tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+        return enc["input_ids"], enc["attention_mask"], None
 
     @torch.no_grad()
     def __call__(self, data: DataProto) -> torch.Tensor:
-        b = data.batch
-        out = self.model(input_ids=b["input_ids"].to(self.device), attention_mask=b["attention_mask"].to(self.device),
-                         position_ids=b["position_ids"].to(self.device))
-        return out.logits[:, 0].float().cpu()
+        ids, mask, pos = self.encode(data)
+        last = (torch.arange(mask.shape[1]) * mask.cpu()).argmax(-1)  # each row's last attended position
+        self.model.to(self.device)
+        scores = []
+        try:
+            for start in range(0, len(ids), self.micro_batch_size):
+                rows = slice(start, start + self.micro_batch_size)
+                width = int(last[rows].max()) + 1  # the columns after every row's end carry nothing
+                kwargs = {"position_ids": pos[rows, :width].to(self.device)} if pos is not None else {}
+                hidden = self.backbone(input_ids=ids[rows, :width].to(self.device),
+                                       attention_mask=mask[rows, :width].to(self.device), **kwargs).last_hidden_state
+                pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last[rows].to(self.device)]
+                scores.append(self.head(pooled)[:, 0].float().cpu())
+        finally:
+            self.model.to(self.home)
+        return torch.cat(scores) if scores else torch.zeros(0)
