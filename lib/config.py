@@ -632,6 +632,14 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                         f"rollout.max_response_length={r.max_response_length}")
     if r.engine == "vllm":
         problems += _vllm_problems(model_config)
+    if "wandb" in t.logger:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            problems.append("trainer.logger wandb needs the wandb package: pip install wandb (the project installs "
+                            "it), or drop wandb from --trainer.logger")
+        elif os.environ.get("WANDB_MODE", "") not in ("", "online", "offline", "disabled", "dryrun", "run"):
+            problems.append(f"WANDB_MODE={os.environ['WANDB_MODE']!r}: use online, offline or disabled")
     problems += _packing_problems(cfg, need_critic)
     if model_config is not None:
         limit = getattr(model_config, "max_position_embeddings", None)

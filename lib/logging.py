@@ -72,6 +72,84 @@ def run_dir(output_root: str, run_name: str) -> str:
     return os.path.join(output_root, run_name or time.strftime("%Y%m%d-%H%M%S"))
 
 
+def start_wandb(path: str, project: str, config: dict) -> tuple[Any, int]:
+    """A wandb run for the run folder: offline unless WANDB_API_KEY or WANDB_MODE is set; its id is kept in the run
+    folder, so a resumed run continues the same wandb run. Returns (run, the last step wandb already holds: in the
+    folder's offline files, or the server's for an online run). A killed run's steps past its checkpoint come again,
+    equal to the bit: those wandb holds are not sent twice, and rows it lost are sent again from metrics.jsonl."""
+    import secrets
+
+    import wandb
+
+    if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+        os.environ["WANDB_MODE"] = "offline"  # no key: keep the run on disk (wandb sync later)
+    id_path = os.path.join(path, "wandb_id")
+    if not os.path.isfile(id_path):
+        with open(id_path, "w") as f:
+            f.write("".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(8)))
+    with open(id_path) as f:
+        run_id = f.read().strip()
+    done = max(offline_wandb_steps(path, run_id), default=-1)
+    run = wandb.init(project=project, name=os.path.basename(path), dir=path, config=config, id=run_id,
+                     resume="allow")
+    return run, max(done, int(getattr(run, "starting_step", 0) or 0) - 1)
+
+
+def offline_wandb_steps(path: str, run_id: str) -> list[int]:
+    """The steps of every history record in the run folder's offline wandb files of ``run_id``."""
+    import glob
+
+    from wandb.proto import wandb_internal_pb2
+
+    steps = []
+    for name in glob.glob(os.path.join(path, "wandb", f"offline-run-*-{run_id}", f"run-{run_id}.wandb")):
+        for payload in wandb_log_records(name):
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(payload)
+            except Exception:  # noqa: BLE001 - a record torn by a kill
+                continue
+            if record.WhichOneof("record_type") == "history":
+                steps += [int(json.loads(i.value_json)) for i in record.history.item
+                          if (i.key or "/".join(i.nested_key)) == "_step"]
+    # (a run's wandb files hold its steps in order, so the largest is where it stopped)
+    return steps
+
+
+def wandb_log_records(path: str) -> Iterator[bytes]:
+    """The records of a wandb transaction log (``run-<id>.wandb``): LevelDB's log format after a 7-byte file
+    header (":W&B", version), 32 KiB blocks of records, each a 7-byte header (crc32, length, type: 1 whole,
+    2 first, 3 middle, 4 last piece) and its payload. A file cut short by a kill ends at its last whole record."""
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b":W&B":
+        return
+    block, pos, parts = 32768, 7, b""
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:  # a block's tail too short for a header is padding
+            pos += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zero padding (preallocated space)
+            pos += room
+            continue
+        payload = data[pos + 7:pos + 7 + length]
+        if len(payload) < length:
+            return
+        pos += 7 + length
+        if kind == 1:
+            yield payload
+        elif kind == 2:
+            parts = payload
+        elif kind == 3:
+            parts += payload
+        elif kind == 4:
+            yield parts + payload
+
+
 class RunLogger:
     """``start_step``: the step the run starts from (a resumed checkpoint's, or 0). Rows of metrics.jsonl after it
     (a killed run's steps past its last checkpoint, or everything on a fresh start) are dropped first, so no
@@ -82,28 +160,24 @@ class RunLogger:
         self.path, self.total, self.is_main = path, total_steps, is_main
         self.loggers = set(loggers)
         self.start_time, self.start_step = time.time(), start_step
-        self.wandb = None
+        self.wandb, self.wandb_done = None, -1
         if not is_main:
             return
         os.makedirs(path, exist_ok=True)
+        if "wandb" in self.loggers:  # first: a wandb that cannot start leaves the run folder as it was
+            self.wandb, self.wandb_done = start_wandb(path, project, config)
         with open(os.path.join(path, "config.yaml"), "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)
         metrics_path = os.path.join(path, "metrics.jsonl")
         keep_rows_through(metrics_path, start_step if start_step else -1)
+        if self.wandb is not None and os.path.isfile(metrics_path):
+            # rows up to the checkpoint that wandb does not hold (a killed run's wandb process had not written
+            # them yet) go to it now, from metrics.jsonl; then wandb holds every step once
+            with open(metrics_path) as f:
+                for row in map(json.loads, f):
+                    if row["step"] > self.wandb_done:
+                        self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
         self.jsonl = open(metrics_path, "a") if "jsonl" in self.loggers else None
-        if "wandb" in self.loggers:
-            import wandb
-
-            if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
-                os.environ["WANDB_MODE"] = "offline"  # no key: keep the run on disk (wandb sync later)
-            id_path = os.path.join(path, "wandb_id")
-            if not os.path.isfile(id_path):
-                with open(id_path, "w") as f:
-                    f.write(wandb.util.generate_id())
-            with open(id_path) as f:
-                run_id = f.read().strip()
-            self.wandb = wandb.init(project=project, name=os.path.basename(path), dir=path, config=config,
-                                    id=run_id, resume="allow")
 
     def print(self, *args: Any) -> None:
         if self.is_main and "console" in self.loggers:
@@ -115,7 +189,7 @@ class RunLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
-        if self.wandb is not None:
+        if self.wandb is not None and step > self.wandb_done:  # a step a killed run's wandb holds is not sent again
             self.wandb.log(metrics, step=step)
         if "console" in self.loggers:
             done = step - self.start_step

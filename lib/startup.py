@@ -96,8 +96,20 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     sizes, tokenizer, train, val, sampler = inputs.sizes, inputs.tokenizer, inputs.train, inputs.val, inputs.sampler
     start_step = inputs.start_step
     total = cfg.trainer.total_steps or cfg.trainer.epochs * sampler.steps_per_epoch
-    logger = RunLogger(path, to_dict(cfg), total, cfg.trainer.logger, cfg.trainer.project, topo.is_main,
-                       start_step=start_step or 0)
+    failed = [""]
+    try:
+        logger = RunLogger(path, to_dict(cfg), total, cfg.trainer.logger, cfg.trainer.project, topo.is_main,
+                           start_step=start_step or 0)
+    except Exception as e:  # noqa: BLE001 - wandb's own errors: the run cannot report, so it does not start
+        failed = [f"trainer.logger: wandb could not start ({type(e).__name__}: {str(e)[:300]}); set WANDB_MODE="
+                  f"offline (the run stays on disk; wandb sync later), check WANDB_API_KEY, or drop wandb from "
+                  f"--trainer.logger"]
+    dist.broadcast_object_list(failed, src=0)  # only rank 0 starts wandb; every rank stops together
+    if failed[0]:
+        if topo.is_main:
+            print(f"error: {failed[0]}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        raise SystemExit(2)
     no_val = " (no validation: data.val_files is empty)" if cfg.trainer.val_every and not cfg.data.val_files else ""
     logger.print(f"{topo}\nprompts: train {train.stats}, val {val.stats if val else None}{no_val}; {total} steps; "
                  f"run folder {path}" + "".join(f"\nresolved: {line}" for line in resolved))
