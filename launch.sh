@@ -26,10 +26,16 @@ fi
 has_gpu || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 # Every check of the input (config, paths, data rows, custom reward) in one process: one message, before any rank.
 python -m lib.check "$script" "$(( NPROC * ${SLURM_NNODES:-1} ))" "$@" || exit $?
-# Stop signals (Ctrl-C, scancel's SIGTERM, a pre-emption's SIGUSR1) go to the ranks as SIGUSR1, not to torchrun:
-# each rank finishes its step, every rank saves a checkpoint, and the run exits 0. torchrun runs in its own
-# session so that a terminal's Ctrl-C reaches only this script.
-setsid torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "$script" "$@" &
+# Stopping: each rank finishes its step, every rank saves a checkpoint, and the run exits 0. Whichever processes the
+# signal reaches:
+# - this script (Ctrl-C, a batch-shell signal): it sends SIGUSR1 to the ranks;
+# - every process of the job (scancel's SIGTERM, SLURM's pre-emption SIGUSR1): the ranks stop themselves, the reward
+#   workers ignore it, and torchrun ignores SIGUSR1 (inherited here; left to itself it would die of it at once);
+# - torchrun alone (kill, docker stop): it passes a SIGTERM on to the ranks and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+#   seconds (set here, default 600; torch >= 2.12 reads it, older ones wait 30) for them to save before killing them.
+# torchrun runs in its own session so that a terminal's Ctrl-C reaches only this script.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
+(trap '' USR1; exec setsid torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "$script" "$@") &
 runner=$!
 stop() { pkill -USR1 -P "$runner" 2>/dev/null || true; }
 trap stop INT TERM USR1

@@ -31,7 +31,8 @@ def main(argv: list[str]) -> int:
     try:
         resolve_toy(cfg)
         config.resolve(cfg, need_critic)
-        check_inputs(cfg, world_size, need_critic, run_dir(cfg.trainer.output_root, cfg.trainer.run_name))
+        path = run_dir(cfg.trainer.output_root, cfg.trainer.run_name, config.to_dict(cfg), script)
+        check_inputs(cfg, world_size, need_critic, path)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

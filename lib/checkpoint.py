@@ -42,6 +42,18 @@ RUN_CONTROL = ("trainer.total_steps", "trainer.epochs", "trainer.val_every", "tr
 """Settings a resumed run may change: how long it runs and how it reports, not what it computes."""
 
 
+def default_run_name(config: dict, script: str) -> str:
+    """The run folder's name when trainer.run_name is not given: the script and a hash of the config, run-control
+    settings aside. The same command and config always name the same folder, so a re-submitted or requeued job
+    resumes its run; any change to what the run computes starts a new one."""
+    import hashlib
+
+    kept = {k: v for k, v in _flat(config).items()
+            if k not in RUN_CONTROL and k not in ("trainer.run_name", "trainer.output_root")}
+    digest = hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{os.path.splitext(os.path.basename(script))[0]}-{digest}"
+
+
 def check_run_folder(run_path: str, config: dict, resume: bool) -> int | None:
     """Before anything is written: the step to resume from (None: a fresh start). Refuses (ValueError) a folder that
     holds a run when resume is off, and a resume whose config differs from the saved one in anything but

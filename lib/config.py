@@ -253,7 +253,8 @@ class TrainerConfig:
     """How long a collective waits for the other ranks before the run fails (naming each rank's stage)."""
     output_root: str = "runs"
     run_name: str = ""
-    """Run folder under output_root ("" : a timestamp). metrics.jsonl, config.yaml, checkpoints go there."""
+    """Run folder under output_root. "": the script's name and a hash of the config (run-control settings aside),
+    the same for the same command, so running it again resumes. metrics.jsonl, config.yaml, checkpoints go there."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Any of console, jsonl, wandb (offline unless WANDB_API_KEY or WANDB_MODE is set)."""
     project: str = "spmd-rl"

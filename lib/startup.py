@@ -83,7 +83,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     torch.manual_seed(cfg.trainer.seed)
     resolve_toy(cfg, topo)
     resolved = resolve(cfg, need_critic)
-    obj = [run_dir(cfg.trainer.output_root, cfg.trainer.run_name)]
+    obj = [run_dir(cfg.trainer.output_root, cfg.trainer.run_name, to_dict(cfg), sys.argv[0])]
     dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
     path = obj[0]
     try:

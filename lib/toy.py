@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import socket
 
 import torch
 
@@ -107,6 +109,11 @@ def build_policy(tokenizer, train_pairs, seed: int = 0, warm_steps: int = 60, he
     return model
 
 
+def _complete(path: str) -> bool:
+    return (os.path.exists(os.path.join(path, "model", "model.safetensors"))
+            and os.path.exists(os.path.join(path, "data", "val.jsonl")))
+
+
 def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60,
             digits: tuple[int, int] = (DIGITS, DIGITS)) -> dict[str, str]:
     """Build (once) the tokenizer, the warm-started model and the data files; returns their paths.
@@ -115,8 +122,26 @@ def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60,
     model_dir, data_dir = os.path.join(path, "model"), os.path.join(path, "data")
     out = {"model": model_dir, "train": os.path.join(data_dir, "train.jsonl"),
            "val": os.path.join(data_dir, "val.jsonl")}
-    if os.path.exists(os.path.join(model_dir, "model.safetensors")) and os.path.exists(out["val"]):
+    if _complete(path):
         return out
+    # built in a folder of this process's own and renamed into place: nodes that share the output folder may build
+    # at once, and the first rename wins (a folder is renamed onto an empty one or not at all)
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "data"))
+    tokenizer = build_tokenizer(os.path.join(tmp, "model"))
+    train_pairs, val_pairs = split_pairs(seed, digits=digits)
+    write_jsonl(os.path.join(tmp, "data", "train.jsonl"), train_pairs, repeats=1)
+    write_jsonl(os.path.join(tmp, "data", "val.jsonl"), val_pairs, repeats=1)
+    model = build_policy(tokenizer, train_pairs, seed, warm_steps, max_positions=max(64, 4 * digits[1] + 16))
+    model.save_pretrained(os.path.join(tmp, "model"))
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _complete(path):
+            raise ValueError(f"{path} holds an incomplete toy build; remove the folder and run again") from None
+    return out
     os.makedirs(data_dir, exist_ok=True)
     tokenizer = build_tokenizer(model_dir)
     train_pairs, val_pairs = split_pairs(seed, digits=digits)

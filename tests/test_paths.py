@@ -2,10 +2,11 @@
 sets of every shape, PPO's options."""
 
 import json
+import os
 
 import pytest
 
-from tests.test_e2e import torchrun
+from tests.test_e2e import ROOT, torchrun
 
 ONE_STEP = ("--trainer.total_steps", "1", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "128",
             "--trainer.save_every", "0")
@@ -21,8 +22,8 @@ def write_rows(path, rows):
     return str(path)
 
 
-def metrics(tmp_path):
-    return [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+def metrics(tmp_path, name="run"):
+    return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
 
 
 @pytest.mark.slow
@@ -74,3 +75,42 @@ def test_warmup_counts_training_steps_and_logs_the_rate_used(tmp_path):
              "--actor.mini_batch_size", "64", "--trainer.val_every", "0", "--trainer.save_every", "0",
              "--actor.optim.lr", "1e-3", "--actor.optim.warmup_steps", "4")
     assert [r["actor/lr"] for r in metrics(tmp_path)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_the_same_command_without_a_run_name_resumes(tmp_path):
+    """The default run folder was a new timestamp each time: a re-submitted or requeued job started at step 0."""
+    import subprocess
+
+    from tests.test_stops import env
+
+    def run(steps):
+        return subprocess.run(["bash", "launch.sh", "--trainer.output_root", str(tmp_path), "--trainer.total_steps",
+                               str(steps), "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "128",
+                               "--trainer.val_every", "0"], cwd=ROOT, env=env(), capture_output=True, text=True,
+                              timeout=900)
+
+    first = run(1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run(2)  # the run is longer now (a run-control setting): the same folder, resumed
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 1" in second.stdout
+    folders = sorted(set(os.listdir(tmp_path)) - {"toy_assets"})
+    assert len(folders) == 1 and folders[0].startswith("train_grpo-") and f"run folder {tmp_path}/{folders[0]}" \
+        in first.stdout, (folders, first.stdout[-2000:])
+    assert [r["step"] for r in metrics(tmp_path / folders[0], "")] == [1, 2]
+
+
+def test_toy_assets_built_by_several_nodes_at_once(tmp_path):
+    """Nodes sharing the output folder each build the toy assets at start-up; one died on toy_assets/model.tmp
+    (5 of 10 two-node SLURM jobs). Each build now happens in a folder of its own, renamed into place."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "toy_assets")
+    code = f"from lib import toy; print(toy.prepare({path!r})['model'])"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-2000:] for o in outs]
+    assert os.listdir(tmp_path) == ["toy_assets"] and sorted(os.listdir(path)) == ["data", "model"]

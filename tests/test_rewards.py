@@ -132,3 +132,28 @@ def test_gsm8k_and_math_scorers_return_the_answer():
     assert builtin.gsm8k("so it is 3+15 = 18 #### 18", "18")["answer"] == "18"
     assert builtin.gsm8k("the total is #### 1,800.0", "1800")["answer"] == "1800"
     assert builtin.math_answer("thus \\boxed{\\frac12}", "\\frac{1}{2}")["answer"] == "\\frac12"
+
+
+def test_workers_outlive_stop_signals_and_lost_workers_are_replaced(faulty):
+    """A scheduler signals every process of the job: the workers died of SIGTERM / SIGUSR1 and the rank crashed in
+    the next score stage (BrokenPipeError) before it could save. Workers now ignore the stop signals; one lost
+    while idle is replaced and its chunk sent again."""
+    import signal
+    import time
+
+    pool = RewardPool(faulty, timeout_s=10.0, num_workers=2)
+    try:
+        time.sleep(2)  # the workers have installed their dispositions
+        for w in pool.workers:
+            for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
+                os.kill(w.proc.pid, sig)
+        time.sleep(0.5)
+        assert all(w.proc.poll() is None for w in pool.workers)
+        lost = pool.workers[0]
+        lost.proc.kill()  # lost while idle: the next send meets a broken pipe
+        lost.proc.wait()
+        out = pool.score([("toy", f"ok{i}", None, None) for i in range(8)])
+        assert [r[3] for r in out] == [""] * 8 and [r[0] for r in out] == [0.5] * 8
+        assert lost not in pool.workers
+    finally:
+        pool.close()

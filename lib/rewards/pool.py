@@ -3,7 +3,9 @@
 Samples go out in chunks; each worker reports every sample as it finishes it, so the pool knows which sample a
 worker is on. A worker that runs past ``timeout_s`` on one sample (Python or C code alike) is killed, the sample
 counts as a timeout, the rest of its chunk goes back to the queue and a fresh worker takes its place. A worker that
-dies (``os._exit``, a segfault) costs its current sample the same way ("crashes").
+dies (``os._exit``, a segfault) costs its current sample the same way ("crashes"); one found dead when a chunk
+is sent to it is replaced and the chunk goes to the queue again. Workers ignore the stop signals (SIGTERM, SIGUSR1,
+SIGINT, SIGHUP): a scheduler signals every process of a job, and stopping is the trainer's to do.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class _Worker:
         self.outbox.send(items)
 
     def kill(self) -> None:
-        self.proc.kill()
+        if self.proc.poll() is None:
+            self.proc.kill()
         self.proc.wait()
         self.inbox.close()
         self.outbox.close()
@@ -63,7 +66,13 @@ class RewardPool:
         while queue or busy:
             while queue and idle:
                 worker = idle.pop()
-                worker.send([queue.popleft() for _ in range(min(size, len(queue)))])
+                chunk = [queue.popleft() for _ in range(min(size, len(queue)))]
+                try:
+                    worker.send(chunk)
+                except OSError:  # the worker died while idle (BrokenPipeError): its chunk never started
+                    queue.extendleft(reversed(chunk))
+                    idle.append(self._fresh(worker))
+                    continue
                 busy[worker.inbox] = worker
             now = time.monotonic()
             deadline = min(w.since for w in busy.values()) + self.timeout_s
@@ -95,13 +104,17 @@ class RewardPool:
                  kind: str, message: str) -> None:
         """Kill a worker, fail its current sample, requeue the rest of its chunk, start a fresh worker."""
         del busy[worker.inbox]
-        worker.kill()
         current, *rest = worker.chunk
         results[current] = (0.0, {}, None, kind, message)
         queue.extendleft(reversed([(i, *items[i]) for i in rest]))
+        idle.append(self._fresh(worker))
+
+    def _fresh(self, worker: _Worker) -> _Worker:
+        """A new worker in a lost one's place."""
+        worker.kill()
         fresh = _Worker(self.custom)
         self.workers[self.workers.index(worker)] = fresh
-        idle.append(fresh)
+        return fresh
 
     def close(self) -> None:
         for worker in self.workers:

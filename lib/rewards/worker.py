@@ -34,7 +34,9 @@ def score_one(custom, data_source, text, ground_truth, extra_info, columns=None)
 
 
 def main(argv: list[str]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
+    # a stop signal is the trainer's to handle (it closes the pool): schedulers send it to every process of a job
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     inbox, outbox = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
     custom = load_custom(argv[2]) if len(argv) > 2 and argv[2] else None
     while True:

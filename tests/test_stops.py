@@ -1,0 +1,81 @@
+"""Stops that reach other processes than the ranks, through the real entry point (launch.sh): SIGTERM to torchrun
+alone (kill, docker stop), and SIGUSR1 or SIGTERM to every process of the run at once (SLURM's pre-emption warning,
+scancel). Each ends with a checkpoint (the warning with exit 0), and the same command resumes to the numbers of a
+run never interrupted."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from tests.test_resume import ROOT, TIMING, children, wait_for_step
+
+ARGS = ("--trainer.total_steps", "6", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "64",
+        "--trainer.save_every", "0", "--trainer.val_every", "0")
+
+
+def launch(tmp_path, name):
+    return ["bash", "launch.sh", "train_grpo.py", "--trainer.output_root", str(tmp_path), "--trainer.run_name", name,
+            *ARGS]
+
+
+def env():
+    return {**os.environ, "NPROC": "2", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def rows(path):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)} for line in open(path)]
+
+
+def descendants(pid):
+    found = []
+    for child in children(pid):
+        found += [child] + descendants(child)
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("whole")
+    out = subprocess.run(launch(root, "whole"), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return rows(root / "whole" / "metrics.jsonl")
+
+
+def cmdline(pid):
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target,sig", [("torchrun", signal.SIGTERM), ("all", signal.SIGUSR1), ("all", signal.SIGTERM)],
+                         ids=["TERM-to-torchrun", "USR1-to-all", "TERM-to-all"])
+def test_a_stop_reaching_any_process_ends_in_a_checkpoint(tmp_path, reference, target, sig):
+    proc = subprocess.Popen(launch(tmp_path, "run"), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_step(tmp_path / "run" / "metrics.jsonl", 2, proc)
+    everyone = [proc.pid] + descendants(proc.pid)
+    torchrun = [p for p in everyone if "torchrun" in cmdline(p) and "train_grpo.py" in cmdline(p)
+                and not any(p in children(q) for q in everyone if "torchrun" in cmdline(q) and q != p)]
+    workers = [p for p in everyone if "lib.rewards.worker" in cmdline(p)]
+    assert len(torchrun) == 1 and workers, [cmdline(p) for p in everyone]
+    for pid in (torchrun if target == "torchrun" else everyone):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    out, err = proc.communicate(timeout=600)
+    text = out + err
+    assert f"stopped by {sig.name} after step" in text, text[-4000:]
+    if sig == signal.SIGUSR1:  # a pre-emption warning: the job must not end FAILED
+        assert proc.returncode == 0, text[-4000:]
+    step = int(open(tmp_path / "run" / "checkpoints" / "latest").read())
+    assert 2 <= step < 6 and "BrokenPipeError" not in text
+    again = subprocess.run(launch(tmp_path, "run"), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"resumed from step {step}" in again.stdout
+    assert rows(tmp_path / "run" / "metrics.jsonl") == reference
