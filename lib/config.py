@@ -154,8 +154,9 @@ class RolloutConfig:
     """vLLM on GPU: the share of the GPU that must be free when the engine starts (vLLM's start-up check). The
     KV cache itself is sized in bytes (kv_cache_gb), never as a share of the machine."""
     kv_cache_gb: float = 0.0
-    """vLLM KV-cache size per rank in GiB. 0: derived from what the run needs (sequences per generate call,
-    at most max_num_seqs, x (max prompt + response length) x layers x KV heads x head size x dtype)."""
+    """vLLM KV-cache size per rank in GiB. 0: derived from what a wave needs (the training samples of one generate
+    call, at most max_num_seqs, x (max prompt + response length) x layers x KV heads x head size x dtype; never the
+    validation set's size), capped on GPU by the device memory left beside the trainer's state; printed at start."""
     max_num_seqs: int = 256
     """vLLM: sequences decoded at once; a call with more runs in waves. Caps the derived KV cache."""
     enforce_eager: bool = False

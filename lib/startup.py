@@ -26,7 +26,7 @@ from lib import checkpoint, toy
 from lib.config import Config, Sizes, resolve, to_dict, validate
 from lib.data import PromptSet, Sampler, check_files, load_prompts
 from lib.dist import Topology, init_topology
-from lib.engine import SamplingConfig
+from lib.engine import SamplingConfig, plan_kv_cache
 from lib.fsdp import build_sharded_model
 from lib.logging import RunLogger, excepthook_rank, run_dir
 from lib.models import load_config, load_tokenizer, stop_token_ids
@@ -207,12 +207,22 @@ def build_engine(run: Run) -> Any:
     if uses_vllm(cfg):
         from lib.engine.vllm import VLLMEngine
 
-        # sequences one generate call holds at once on a rank (a TP group generates its ranks' rows together)
-        val_rows = -(-len(run.val) // topo.world_size) * r.val_n if run.val is not None else 0
-        num_seqs = max(run.sizes.samples_per_rank, val_rows) * topo.rollout_tp_size
+        # a wave: the training samples of one generate call (a TP group generates its ranks' rows together), at
+        # most max_num_seqs; validation runs in waves of the same size
+        wave = min(run.sizes.samples_per_rank * topo.rollout_tp_size, r.max_num_seqs)
+        max_model_len = cfg.data.max_prompt_length + r.max_response_length
+        kv_bytes = int(r.kv_cache_gb * 2**30)
+        if kv_bytes:
+            run.logger.print(f"vLLM KV cache {r.kv_cache_gb:g} GiB per rank (rollout.kv_cache_gb)")
+        else:
+            dtype = engine_dtype(run)
+            model_config = load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
+            kv_bytes, line = plan_kv_cache(model_config, wave, max_model_len,
+                                           torch.empty((), dtype=dtype).element_size(), topo.rollout_tp_size,
+                                           device_budget(run, dtype))
+            run.logger.print(line)
         return VLLMEngine(cfg.actor.model.path, topo, tok.pad_token_id, eos, sampling, val,
-                          max_model_len=cfg.data.max_prompt_length + r.max_response_length,
-                          max_num_seqs=min(num_seqs, r.max_num_seqs), kv_cache_bytes=int(r.kv_cache_gb * 2**30),
+                          max_model_len=max_model_len, max_num_seqs=wave, kv_cache_bytes=kv_bytes,
                           gpu_memory_utilization=r.gpu_memory_utilization,
                           dtype=str(engine_dtype(run)).removeprefix("torch."), enforce_eager=r.enforce_eager,
                           trust_remote_code=cfg.actor.model.trust_remote_code)
@@ -221,6 +231,28 @@ def build_engine(run: Run) -> Any:
     return HFEngine(load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code), topo.device,
                     tok.pad_token_id, eos, sampling, val, dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank,
                     attn_implementation=cfg.actor.model.attn_implementation, batch_tokens=r.hf_batch_tokens)
+
+
+# device memory kept back beside the trainer's state and the engine's weights: CUDA context, NCCL buffers,
+# allocator fragmentation, the sampler's logits
+DEVICE_MARGIN_BYTES = 4 * 2**30
+
+
+def device_budget(run: Run, engine_dtype_: torch.dtype) -> int | None:
+    """GPU: the bytes left for the KV cache while the engine is awake, from the device's total memory (not its free
+    memory, which depends on what else runs): minus what the trainer holds now (policy and reference), the AdamW
+    moments its first step will add (unless offloaded), the engine's weights and ``DEVICE_MARGIN_BYTES``. None on
+    CPU (the size is what the run needs)."""
+    topo = run.topo
+    if topo.device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(topo.device).total_memory
+    params = list(run.actor.model.parameters())
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params if p.requires_grad)
+    moments = 0 if run.cfg.actor.fsdp.optimizer_offload else 2 * 4 * local
+    engine_weights = sum(p.numel() for p in params) * torch.empty((), dtype=engine_dtype_).element_size() \
+        // topo.rollout_tp_size
+    return total - torch.cuda.memory_allocated(topo.device) - moments - engine_weights - DEVICE_MARGIN_BYTES
 
 
 def uses_vllm(cfg: Config) -> bool:

@@ -155,6 +155,30 @@ def test_kv_cache_is_sized_in_bytes_from_the_run():
     assert kv_cache_bytes(cfg, 3, 300, 4, tp_size=4) == 3 * 512 * 2 * 2 * 1 * 8 * 4  # one (replicated) head
 
 
+def test_kv_cache_plan_for_the_long_context_preset():
+    """qwen2.5_1.5b_math_long_sp4 on 8 GPUs asked 59.5 GiB per rank, and 119 GiB with a 5000-row validation file
+    (sized for the validation call); the size now comes from a training wave, is capped by the device memory left,
+    and says so."""
+    from transformers import Qwen2Config
+
+    from lib import config
+    from lib.engine import plan_kv_cache
+
+    qwen15 = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768)
+    cfg = config.parse(["--config", "qwen2.5_1.5b_math_long_sp4"])
+    sizes = config.validate(cfg, 8, qwen15)
+    wave = min(sizes.samples_per_rank, cfg.rollout.max_num_seqs)  # validation rows never enter
+    length = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    size, line = plan_kv_cache(qwen15, wave, length, dtype_bytes=2)
+    assert wave == 128 and size / 2**30 == pytest.approx(59.5, abs=0.1) and "128 sequences of 17408 tokens" in line
+    one = 17408 * 28 * 2 * 2 * 128 * 2  # a sequence: tokens x layers x (K, V) x KV heads x head size x bf16
+    size, line = plan_kv_cache(qwen15, wave, length, 2, budget_bytes=20 * 2**30)
+    assert size == (20 * 2**30 // one) * one and "43 of the wave's 128 sequences" in line and "capped" in line
+    with pytest.raises(ValueError, match="cannot hold one sequence of 17408 tokens"):
+        plan_kv_cache(qwen15, wave, length, 2, budget_bytes=one - 1)
+
+
 def test_stale_vllm_shared_memory_is_removed(tmp_path):
     import subprocess
     import sys

@@ -107,5 +107,32 @@ def kv_cache_bytes(model_config: Any, num_seqs: int, max_model_len: int, dtype_b
     return num_seqs * tokens * model_config.num_hidden_layers * 2 * kv_heads_per_rank * head_dim * dtype_bytes
 
 
+def plan_kv_cache(model_config: Any, wave_seqs: int, max_model_len: int, dtype_bytes: int, tp_size: int = 1,
+                  budget_bytes: int | None = None) -> tuple[int, str]:
+    """The vLLM KV cache of one engine rank, in bytes, and a line that says how it was sized.
+
+    What a wave needs: ``wave_seqs`` sequences decoded at once (the training samples of one generate call, at most
+    rollout.max_num_seqs), each at the full ``max_model_len``. Never the validation set's size: a larger call runs in
+    waves, and vLLM preempts when a wave outgrows the cache. ``budget_bytes`` (GPU: the device memory left once the
+    trainer's state and the engine's weights are counted) caps it; under one full-length sequence it is an error
+    naming the fixes."""
+    need = kv_cache_bytes(model_config, wave_seqs, max_model_len, dtype_bytes, tp_size)
+    one = kv_cache_bytes(model_config, 1, max_model_len, dtype_bytes, tp_size)
+    gib = 2**30
+    line = f"vLLM KV cache {need / gib:.2f} GiB per rank: {wave_seqs} sequences of {max_model_len} tokens at once"
+    if budget_bytes is None or need <= budget_bytes:
+        return need, line
+    if budget_bytes < one:
+        raise ValueError(f"the vLLM KV cache cannot hold one sequence of {max_model_len} tokens ({one / gib:.2f} GiB) "
+                         f"in the {max(budget_bytes, 0) / gib:.2f} GiB the device has left beside the trainer's "
+                         f"state: lower rollout.max_response_length or data.max_prompt_length, offload "
+                         f"(actor.fsdp.param_offload / optimizer_offload), raise rollout.tp_size, or set "
+                         f"rollout.kv_cache_gb")
+    size = budget_bytes // one * one
+    return size, (f"vLLM KV cache {size / gib:.2f} GiB per rank: {size // one} of the wave's {wave_seqs} sequences of "
+                  f"{max_model_len} tokens at once (capped by the {budget_bytes / gib:.2f} GiB left beside the "
+                  f"trainer's state; vLLM schedules the rest in turn)")
+
+
 def expand_samples(data: DataProto, n: int) -> DataProto:
     return data.repeat(n, interleave=True) if n > 1 else data

@@ -59,7 +59,7 @@ class VLLMEngine:
                  max_num_seqs: int = 256, kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", enforce_eager: bool = False, trust_remote_code: bool = False):
         """``kv_cache_bytes``: the KV cache of this rank in bytes (0: ``kv_cache_bytes()`` for ``max_num_seqs``
-        sequences of ``max_model_len`` tokens). ``gpu_memory_utilization`` is only vLLM's start-up check on GPU
+        sequences of ``max_model_len`` tokens; the trainer passes lib.engine.plan_kv_cache's size). ``gpu_memory_utilization`` is only vLLM's start-up check on GPU
         (that share of the device must be free); the CPU build ignores it once the KV size is given in bytes."""
         strip_expandable_segments()
         from vllm import LLM
