@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lib.dist import all_gather, reshard
+from lib.dist import reshard
 from lib.protocol import DataProto
 
 DEFAULT_LINEAR_WEIGHT = 24576  # a in a*L + L^2: per-token (projection/MLP) cost against attention's per pair
@@ -168,18 +168,22 @@ def balance_groups(data: DataProto, group: dist.ProcessGroup | None = None, keep
     together, so group statistics stay local). ``keep_groups`` > 0 keeps only the first that many groups
     (in rank order), as dynamic sampling needs. Equal group counts per rank when they divide evenly."""
     world = dist.get_world_size(group)
-    gathered = all_gather(data, group)
-    uids = gathered.non_tensor_batch[group_key]
+    # world / group: every rank's uids and lengths (a few numbers per row), so every rank computes the same
+    # assignment; then only the rows that change rank move (lib.dist.reshard)
+    local = (data.non_tensor_batch[group_key].tolist(), data.batch["attention_mask"].sum(-1).cpu().tolist())
+    meta: list = [None] * world
+    dist.all_gather_object(meta, local, group=group)
+    uids = [u for part in meta for u in part[0]]
+    lengths = np.asarray([n for part in meta for n in part[1]], dtype=np.int64)
     order: dict = {}
     for i, u in enumerate(uids):
         order.setdefault(u, []).append(i)
     groups = list(order.values())
     if keep_groups:
         groups = groups[:keep_groups]
-    lengths = gathered.batch["attention_mask"].sum(-1).cpu().numpy()
     loads = [float(workload(lengths[g], linear_weight).sum()) for g in groups]
     parts = karmarkar_karp(loads, world, equal_size=len(groups) % world == 0)
     per_rank = [float(sum(loads[j] for j in p)) for p in parts]
-    mine = sorted(i for j in parts[dist.get_rank(group)] for i in groups[j])
+    assignment = [sorted(i for j in p for i in groups[j]) for p in parts]
     metrics = {"balance/imbalance": max(per_rank) / max(np.mean(per_rank), 1e-9), "balance/groups": len(groups)}
-    return gathered.select_idxs(np.asarray(mine, dtype=np.int64)), metrics
+    return reshard(data, assignment, group), metrics

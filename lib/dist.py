@@ -222,17 +222,65 @@ def all_gather(data: DataProto, group: dist.ProcessGroup | None = None,
 
 def reshard(data: DataProto, assignment: Sequence[Sequence[int]], group: dist.ProcessGroup | None = None,
             pad_values: Mapping[str, float | int] | None = None) -> DataProto:
-    """Give each rank the rows assigned to it.
+    """Give each rank the rows assigned to it, in the order assigned.
 
-    ``assignment[r]`` lists, for group rank r, indices into the concatenation of all ranks' rows
-    (rank 0's rows first). Every rank must pass the same assignment, usually computed from
-    all-gathered lengths. Built on ``all_gather``: each rank briefly holds the whole batch.
-    """
-    world = dist.get_world_size(group)
+    ``assignment[r]`` lists, for group rank r, indices into the concatenation of all ranks' rows (rank 0's rows
+    first); a row no rank is assigned is dropped. Every rank must pass the same assignment, usually computed from
+    all-gathered lengths. Only the rows that change rank move, with one ``all_to_all_single`` per tensor (uneven
+    splits) and one for the pickled object arrays: a rank receives its own share, not the whole batch, so the
+    memory it needs does not grow with the world. Tensors come out padded like ``all_gather``'s: every dim after
+    the first to the largest size over all ranks, with ``pad_values[key]`` (default 0)."""
+    pad_values = pad_values or {}
+    world, me = dist.get_world_size(group), dist.get_rank(group)
     if len(assignment) != world:
         raise ValueError(f"reshard: assignment has {len(assignment)} entries for a group of {world} ranks")
-    gathered = all_gather(data, group, pad_values)
-    return gathered.select_idxs(np.asarray(assignment[dist.get_rank(group)], dtype=np.int64))
+    schema = {"len": len(data), "shapes": {k: tuple(v.shape[1:]) for k, v in data.batch.items()}}
+    schemas: list[Any] = [None] * world
+    dist.all_gather_object(schemas, schema, group=group)  # row counts and trailing sizes: a few numbers per rank
+    starts = np.cumsum([0] + [s["len"] for s in schemas])
+    owner = lambda g: int(np.searchsorted(starts, g, side="right") - 1)  # noqa: E731 - the rank holding row g
+    # the local rows each rank sends to each rank, in the receiver's assigned order
+    sends = [[g - starts[me] for g in assignment[dest] if owner(g) == me] for dest in range(world)]
+    recv_counts = [sum(1 for g in assignment[me] if owner(g) == src) for src in range(world)]
+    send_index = torch.as_tensor(np.concatenate([np.asarray(x, dtype=np.int64) for x in sends]), dtype=torch.long)
+    # received rows come grouped by sender; ``order`` puts them in the assigned order
+    received = {g: i for i, g in enumerate(g for src in range(world) for g in assignment[me] if owner(g) == src)}
+    order = torch.tensor([received[g] for g in assignment[me]], dtype=torch.long)
+    comm_device = _comm_device(group)
+    send_counts = [len(x) for x in sends]
+    batch = {}
+    for key, local in data.batch.items():
+        trailing = tuple(max(s["shapes"][key][d] for s in schemas) for d in range(local.dim() - 1))
+        out_rows = sum(recv_counts)
+        src = torch.full((len(send_index), *trailing), pad_values.get(key, 0), dtype=local.dtype, device=comm_device)
+        src[tuple(slice(0, n) for n in (len(send_index), *local.shape[1:]))] = \
+            local.index_select(0, send_index.to(local.device)).to(comm_device)
+        out = torch.empty((out_rows, *trailing), dtype=local.dtype, device=comm_device)
+        dist.all_to_all_single(out, src, recv_counts, send_counts, group=group)
+        batch[key] = out.index_select(0, order.to(comm_device)).to(local.device)
+    non_tensor = _all_to_all_objects(data.non_tensor_batch, sends, group)
+    non_tensor = {k: v[order.numpy()] for k, v in non_tensor.items()}
+    return DataProto(batch, non_tensor, dict(data.meta_info))
+
+
+def _all_to_all_objects(columns: Mapping[str, np.ndarray], sends: list[list[int]],
+                        group: dist.ProcessGroup | None) -> dict[str, np.ndarray]:
+    """Object-array rows to their ranks (pickled, through the CPU group); the received rows grouped by sender."""
+    import pickle
+
+    world = dist.get_world_size(group)
+    blobs = [pickle.dumps({k: v[np.asarray(rows, dtype=np.int64)] for k, v in columns.items()}) for rows in sends]
+    send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+    recv_sizes = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    src = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)  # a pickle is never empty
+    out = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(out, src, recv_sizes.tolist(), send_sizes.tolist(), group=group)
+    parts, pos = [], 0
+    for size in recv_sizes.tolist():
+        parts.append(pickle.loads(out[pos:pos + size].numpy().tobytes()))
+        pos += size
+    return {k: np.concatenate([p[k] for p in parts], axis=0) for k in columns}
 
 
 _REDUCE_OPS = ("mean", "sum", "max", "min")

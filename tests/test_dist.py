@@ -31,6 +31,9 @@ def _collectives_body():
     mine = reshard(local, [[4, 0], [1, 2, 3]])
     out["reshard_uid"] = list(mine.non_tensor_batch["uid"])
     out["reshard_ids"] = mine.batch["ids"].tolist()
+    # rows no rank takes are dropped; a rank may take none
+    few = reshard(local, [[], [3, 1]], pad_values={"ids": -1})
+    out["few_uid"], out["few_ids"] = list(few.non_tensor_batch["uid"]), few.batch["ids"].tolist()
     # an empty rank still takes part
     empty = local[:0] if rank == 1 else local
     out["with_empty"] = len(all_gather(empty))
@@ -61,6 +64,8 @@ def test_collectives_on_two_ranks():
         assert r["all_sum"] == {"x": 2.0, "y": 4.0}
         assert r["mismatch"] is not None and "different metric keys" in r["mismatch"]
     assert r0["reshard_uid"] == ["r1-2", "r0-0"] and r1["reshard_uid"] == ["r0-1", "r1-0", "r1-1"]
+    assert r0["few_uid"] == [] and r0["few_ids"] == [] and r1["few_uid"] == ["r1-1", "r0-1"]
+    assert r1["few_ids"] == [[105, 106, 107, 108, 109], [3, 4, 5, -1, -1]]  # padded to the widest rank
     assert r0["reshard_ids"][0] == [110, 111, 112, 113, 114] and r0["reshard_ids"][1] == [0, 1, 2, 0, 0]
 
 
