@@ -17,6 +17,9 @@ fi
 
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_NODEID:-}" ]; then
   master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  # the address SLURM reaches the first node at (NodeAddr), where it differs from the node's name
+  addr=$(scontrol show node "$master" -o 2>/dev/null | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
+  master="${addr:-$master}"
   rdzv=(--nnodes "${SLURM_NNODES:-1}" --node-rank "$SLURM_NODEID" --rdzv-id "$SLURM_JOB_ID"
         --rdzv-backend c10d --rdzv-endpoint "$master:${MASTER_PORT:-29500}")
 else

@@ -114,3 +114,19 @@ def test_toy_assets_built_by_several_nodes_at_once(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-2000:] for o in outs]
     assert os.listdir(tmp_path) == ["toy_assets"] and sorted(os.listdir(path)) == ["data", "model"]
+
+
+def test_the_slurm_template_starts_on_a_fresh_clone_and_any_partition():
+    """Its log went to runs/, which a fresh clone lacks (the job died before it started, FAILED with no output), and
+    it hard-coded 8 GPUs, 64 CPUs and --exclusive (refused, or PENDING for ever, on a smaller partition)."""
+    import re
+    import subprocess
+
+    text = open(os.path.join(ROOT, "slurm", "train.sbatch")).read()
+    directives = re.findall(r"^#SBATCH\s+(\S+)", text, flags=re.M)
+    output = next(d.split("=", 1)[1] for d in directives if d.startswith("--output="))
+    folder = os.path.dirname(output)
+    tracked = subprocess.run(["git", "ls-files", folder or "."], cwd=ROOT, capture_output=True, text=True).stdout
+    assert not folder or tracked, f"--output={output}: {folder}/ is not in the repository"
+    assert not [d for d in directives if d.split("=")[0] in ("--gpus-per-node", "--cpus-per-task", "--exclusive",
+                                                            "--gres", "--mem")], directives

@@ -1,0 +1,168 @@
+"""The SLURM template under a real SLURM: a local single-host cluster (munge, slurmctld, two slurmd: nodes n1 and n2,
+tests/slurm/cluster.sh), and ``sbatch slurm/train.sbatch ...`` as the README gives it. One node and two nodes
+complete; scancel (SIGTERM to every process of the job) and the pre-emption warning (SIGUSR1 to every process, from
+the template's --signal=USR1@180 or scancel --signal=USR1) each end with a checkpoint, the warning with exit 0; the
+same command resumes to the numbers of a run never interrupted.
+
+Runs with SLURM_TESTS=1 (.ci/run sets it) as root where Debian's slurmd, slurmctld, slurm-client and munge are
+installed or can be (apt-get); elsewhere it skips, saying why."""
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from tests.test_resume import ROOT, TIMING
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+PACKAGES = ("slurmd", "slurmctld", "slurm-client", "munge")
+ARGS = ("--trainer.total_steps", "8", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "128",
+        "--trainer.val_every", "0", "--trainer.save_every", "0")
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+        "DEADLINE")
+
+
+def _why_not() -> str:
+    if os.environ.get("SLURM_TESTS") != "1":
+        return "SLURM_TESTS=1 runs the tests under a local SLURM (.ci/run sets it)"
+    if os.geteuid() != 0:
+        return "a local SLURM cluster (slurmd) needs root"
+    if all(shutil.which(b) for b in ("slurmd", "slurmctld", "sbatch", "munged", "mungekey")):
+        return ""
+    if not shutil.which("apt-get"):
+        return "no slurmd/munge and no apt-get to install them (Debian packages " + " ".join(PACKAGES) + ")"
+    out = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES], capture_output=True,
+                         text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
+    if out.returncode:
+        return f"apt-get install {' '.join(PACKAGES)} failed: {out.stderr.strip()[-300:]}"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    d = str(tmp_path_factory.mktemp("slurm"))
+    out = subprocess.run(["bash", os.path.join(ROOT, "tests", "slurm", "cluster.sh"), d], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "ready" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    env = {**os.environ, "SLURM_CONF": os.path.join(d, "slurm.conf"), "CUDA_VISIBLE_DEVICES": "",
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    yield env, d
+    subprocess.run(["bash", os.path.join(ROOT, "tests", "slurm", "cluster.sh"), d, "stop"], timeout=120)
+
+
+def submit(env, root, *sbatch_args, args=ARGS):
+    """sbatch [resources] slurm/train.sbatch train_grpo.py ..., from the repository (the submit folder); the log
+    goes next to the run (the template's default is slurm-<job id>.out in the submit folder)."""
+    os.makedirs(root, exist_ok=True)
+    out = subprocess.run(["sbatch", "--parsable", f"--output={root}/slurm-%j.out", *sbatch_args, "slurm/train.sbatch",
+                          "train_grpo.py", "--trainer.output_root", str(root), *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(";")[0]
+
+
+def job(env, job_id):
+    out = subprocess.run(["scontrol", "show", "job", job_id, "-o"], env=env, capture_output=True, text=True)
+    state = re.search(r"JobState=(\S+)", out.stdout)
+    code = re.search(r"ExitCode=(\S+)", out.stdout)
+    return (state.group(1) if state else "?"), (code.group(1) if code else "?")
+
+
+def wait(env, job_id, limit=900):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        state, code = job(env, job_id)
+        if state in DONE:
+            return state, code
+        time.sleep(1)
+    raise TimeoutError(job_id)
+
+
+def run_dir(root):
+    found = glob.glob(os.path.join(str(root), "train_grpo-*"))
+    return found[0] if len(found) == 1 else None
+
+
+def rows(root):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIMING)}
+            for line in open(os.path.join(run_dir(root), "metrics.jsonl"))]
+
+
+def log(root, job_id):
+    return open(os.path.join(str(root), f"slurm-{job_id}.out")).read()
+
+
+def wait_for_step(root, step, env, job_id, limit=600):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        d = run_dir(root)
+        if d and os.path.isfile(os.path.join(d, "metrics.jsonl")):
+            done = [json.loads(x)["step"] for x in open(os.path.join(d, "metrics.jsonl")) if x.strip().endswith("}")]
+            if any(s >= step for s in done):
+                return
+        assert job(env, job_id)[0] not in DONE, log(root, job_id)[-3000:]
+        time.sleep(0.5)
+    raise TimeoutError(root)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    """One node and two nodes, run to completion at once; the one-node run is the uninterrupted reference."""
+    env, _ = cluster
+    one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+    jobs = {submit(env, one): one, submit(env, two, "--nodes=2"): two}
+    worlds = {}
+    for job_id, root in jobs.items():
+        assert wait(env, job_id) == ("COMPLETED", "0:0"), log(root, job_id)[-4000:]
+        worlds[root] = int(re.search(r"Topology\(rank=0/(\d+)", log(root, job_id)).group(1))
+    return rows(one), rows(two), worlds[one], worlds[two]
+
+
+def test_one_and_two_nodes_complete(reference):
+    one, two, world_one, world_two = reference
+    assert [r["step"] for r in one] == [r["step"] for r in two] == list(range(1, 9))
+    assert world_two == 2 * world_one  # the second node's ranks joined the first's
+
+
+@pytest.mark.parametrize("how", ["usr1", "term"])
+def test_scancel_ends_in_a_checkpoint_and_the_same_command_resumes(cluster, reference, tmp_path, how):
+    """scancel --signal=USR1 (what the pre-emption warning sends) must end COMPLETED with exit 0; plain scancel
+    (SIGTERM, then SIGKILL after KillWait) CANCELLED, both with a checkpoint the same command resumes from."""
+    env, _ = cluster
+    job_id = submit(env, tmp_path)
+    wait_for_step(tmp_path, 2, env, job_id)
+    cmd = ["scancel", "--signal=USR1", job_id] if how == "usr1" else ["scancel", job_id]
+    subprocess.run(cmd, env=env, check=True, timeout=60)
+    state, code = wait(env, job_id)
+    text = log(tmp_path, job_id)
+    if how == "usr1":  # a pre-emption warning: --dependency=afterok chains and requeue logic go on
+        assert (state, code) == ("COMPLETED", "0:0"), text[-4000:]
+    else:
+        assert state == "CANCELLED", text[-4000:]
+    assert f"stopped by SIG{how.upper()} after step" in text and "BrokenPipeError" not in text, text[-4000:]
+    step = int(open(os.path.join(run_dir(tmp_path), "checkpoints", "latest")).read())
+    assert 2 <= step < 8
+    again = submit(env, tmp_path)
+    assert wait(env, again) == ("COMPLETED", "0:0"), log(tmp_path, again)[-4000:]
+    assert f"resumed from step {step}" in log(tmp_path, again)
+    assert rows(tmp_path) == reference[0]
+
+
+def test_the_templates_preemption_warning_ends_completed(cluster, tmp_path):
+    """--signal=USR1@180 with a 4-minute limit: the warning comes about a minute in. It ended FAILED, exit 138: torchrun
+    died of SIGUSR1."""
+    env, _ = cluster
+    job_id = submit(env, tmp_path, "--time=4", args=(*ARGS[:1], "100000", *ARGS[2:]))
+    state, code = wait(env, job_id, limit=600)
+    text = log(tmp_path, job_id)
+    assert (state, code) == ("COMPLETED", "0:0"), text[-4000:]
+    assert "stopped by SIGUSR1 after step" in text
+    assert os.path.isfile(os.path.join(run_dir(tmp_path), "checkpoints", "latest"))
