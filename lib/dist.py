@@ -238,38 +238,45 @@ def reshard(data: DataProto, assignment: Sequence[Sequence[int]], group: dist.Pr
     schemas: list[Any] = [None] * world
     dist.all_gather_object(schemas, schema, group=group)  # row counts and trailing sizes: a few numbers per rank
     starts = np.cumsum([0] + [s["len"] for s in schemas])
-    owner = lambda g: int(np.searchsorted(starts, g, side="right") - 1)  # noqa: E731 - the rank holding row g
-    # the local rows each rank sends to each rank, in the receiver's assigned order
-    sends = [[g - starts[me] for g in assignment[dest] if owner(g) == me] for dest in range(world)]
-    recv_counts = [sum(1 for g in assignment[me] if owner(g) == src) for src in range(world)]
-    send_index = torch.as_tensor(np.concatenate([np.asarray(x, dtype=np.int64) for x in sends]), dtype=torch.long)
-    # received rows come grouped by sender; ``order`` puts them in the assigned order
-    received = {g: i for i, g in enumerate(g for src in range(world) for g in assignment[me] if owner(g) == src)}
-    order = torch.tensor([received[g] for g in assignment[me]], dtype=torch.long)
-    comm_device = _comm_device(group)
+    rows = [np.asarray(a, dtype=np.int64) for a in assignment]
+    # the local rows this rank sends to each rank, in the receiver's assigned order
+    sends = [r[(r >= starts[me]) & (r < starts[me + 1])] - starts[me] for r in rows]
     send_counts = [len(x) for x in sends]
+    # received rows come grouped by sender (in assigned order within a sender); ``order`` puts them in the
+    # assigned order, None when they already are (an ascending assignment)
+    senders = np.searchsorted(starts, rows[me], side="right") - 1
+    recv_counts = np.bincount(senders, minlength=world).tolist()
+    by_sender = np.argsort(senders, kind="stable")
+    order = None
+    if (by_sender != np.arange(len(by_sender))).any():
+        order = np.empty_like(by_sender)
+        order[by_sender] = np.arange(len(by_sender))
+    send_index = torch.from_numpy(np.concatenate(sends))
+    comm_device = _comm_device(group)
     batch = {}
     for key, local in data.batch.items():
         trailing = tuple(max(s["shapes"][key][d] for s in schemas) for d in range(local.dim() - 1))
-        out_rows = sum(recv_counts)
         src = torch.full((len(send_index), *trailing), pad_values.get(key, 0), dtype=local.dtype, device=comm_device)
         src[tuple(slice(0, n) for n in (len(send_index), *local.shape[1:]))] = \
             local.index_select(0, send_index.to(local.device)).to(comm_device)
-        out = torch.empty((out_rows, *trailing), dtype=local.dtype, device=comm_device)
+        out = torch.empty((sum(recv_counts), *trailing), dtype=local.dtype, device=comm_device)
         dist.all_to_all_single(out, src, recv_counts, send_counts, group=group)
-        batch[key] = out.index_select(0, order.to(comm_device)).to(local.device)
+        if order is not None:
+            out = out.index_select(0, torch.from_numpy(order).to(comm_device))
+        batch[key] = out.to(local.device)
     non_tensor = _all_to_all_objects(data.non_tensor_batch, sends, group)
-    non_tensor = {k: v[order.numpy()] for k, v in non_tensor.items()}
+    if order is not None:
+        non_tensor = {k: v[order] for k, v in non_tensor.items()}
     return DataProto(batch, non_tensor, dict(data.meta_info))
 
 
-def _all_to_all_objects(columns: Mapping[str, np.ndarray], sends: list[list[int]],
+def _all_to_all_objects(columns: Mapping[str, np.ndarray], sends: list[np.ndarray],
                         group: dist.ProcessGroup | None) -> dict[str, np.ndarray]:
     """Object-array rows to their ranks (pickled, through the CPU group); the received rows grouped by sender."""
     import pickle
 
     world = dist.get_world_size(group)
-    blobs = [pickle.dumps({k: v[np.asarray(rows, dtype=np.int64)] for k, v in columns.items()}) for rows in sends]
+    blobs = [pickle.dumps({k: v[rows] for k, v in columns.items()}) for rows in sends]
     send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
     recv_sizes = torch.empty(world, dtype=torch.int64)
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)

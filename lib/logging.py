@@ -116,7 +116,6 @@ def offline_wandb_steps(path: str, run_id: str) -> list[int]:
             if record.WhichOneof("record_type") == "history":
                 steps += [int(json.loads(i.value_json)) for i in record.history.item
                           if (i.key or "/".join(i.nested_key)) == "_step"]
-    # (a run's wandb files hold its steps in order, so the largest is where it stopped)
     return steps
 
 

@@ -59,7 +59,7 @@ def global_metrics(run: Run, metrics: dict[str, float]) -> dict[str, float]:
 
 def log_step(run: Run, step: int, batch: DataProto, metrics: dict) -> None:
     metrics.update(response_metrics(batch, run.cfg.rollout.max_response_length))
-    if run.save_s is not None:  # the checkpoint written after the previous step
-        metrics["timing/save_checkpoint_s"], run.save_s = run.save_s, None
+    metrics.update(run.carried_metrics)  # the checkpoint written after the previous step
+    run.carried_metrics.clear()
     metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / max(metrics["timing/step_s"], 1e-9)
     run.logger.log(step + 1, global_metrics(run, metrics), samples_to_log(run, batch, run.cfg.trainer.log_samples))

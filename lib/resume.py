@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from lib import checkpoint
+from lib.logging import stage
 from lib.validation import validate_policy
 
 if TYPE_CHECKING:
@@ -68,9 +68,10 @@ def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
 
 
 def timed_validation(run: Run, step: int) -> dict[str, float]:
-    t0 = time.perf_counter()
-    metrics = validate_policy(run, step)
-    metrics["timing/validation_s"] = time.perf_counter() - t0
+    """The validation metrics, with the stage's time and peak memory (timing/validation_s)."""
+    metrics: dict[str, float] = {}
+    with stage("validation", metrics):
+        metrics.update(validate_policy(run, step))
     return metrics
 
 
@@ -101,9 +102,8 @@ def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metr
         run.logger.log(step + 1, timed_validation(run, step + 1))
     periodic = t.save_every and (step + 1) % t.save_every == 0 and not run.bad_steps  # a skipped update: no change
     if periodic or done or signum:
-        t0 = time.perf_counter()
-        path = save(run, step + 1, trainees, kl_ctrl)
-        run.save_s = time.perf_counter() - t0  # logged with the next step's metrics
+        with stage("save_checkpoint", run.carried_metrics):  # logged with the next step's metrics
+            path = save(run, step + 1, trainees, kl_ctrl)
         if signum and not done:
             run.logger.print(f"stopped by {signal.Signals(signum).name} after step {step + 1}: checkpoint {path}; "
                              f"the same command resumes the run")

@@ -60,8 +60,8 @@ class Run:
     """Why the loop ended early: a signal's name, or "bad_steps"."""
     reported_failures: set[str] = field(default_factory=set)
     """Reward failure kinds whose first message was printed."""
-    save_s: float | None = None
-    """Wall time of the last checkpoint save, logged with the next step's metrics (timing/save_checkpoint_s)."""
+    carried_metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics of work done after a step's row was logged (the checkpoint save's stage), logged with the next row."""
 
 
 def start(cfg: Config, need_critic: bool = False) -> Run:
@@ -217,8 +217,7 @@ def build_engine(run: Run) -> Any:
         else:
             dtype = engine_dtype(run)
             model_config = load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
-            kv_bytes, line = plan_kv_cache(model_config, wave, max_model_len,
-                                           torch.empty((), dtype=dtype).element_size(), topo.rollout_tp_size,
+            kv_bytes, line = plan_kv_cache(model_config, wave, max_model_len, dtype.itemsize, topo.rollout_tp_size,
                                            device_budget(run, dtype))
             run.logger.print(line)
         return VLLMEngine(cfg.actor.model.path, topo, tok.pad_token_id, eos, sampling, val,
@@ -250,8 +249,7 @@ def device_budget(run: Run, engine_dtype_: torch.dtype) -> int | None:
     params = list(run.actor.model.parameters())
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params if p.requires_grad)
     moments = 0 if run.cfg.actor.fsdp.optimizer_offload else 2 * 4 * local
-    engine_weights = sum(p.numel() for p in params) * torch.empty((), dtype=engine_dtype_).element_size() \
-        // topo.rollout_tp_size
+    engine_weights = sum(p.numel() for p in params) * engine_dtype_.itemsize // topo.rollout_tp_size
     return total - torch.cuda.memory_allocated(topo.device) - moments - engine_weights - DEVICE_MARGIN_BYTES
 
 
