@@ -16,8 +16,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 from lib.dist import Topology
 from lib.fsdp import full_state_dict_on_rank0
@@ -103,10 +104,17 @@ def prune(run_path: str, keep_last: int) -> None:
         shutil.rmtree(step_dir(run_path, step), ignore_errors=True)
 
 
+def _options(model: nn.Module) -> StateDictOptions | None:
+    """A LoRA model's checkpoint holds its adapter only (the frozen base is the model path's, checked by hash)."""
+    from lib.lora import has_lora
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if has_lora(model) else None
+
+
 def _state(parts: dict[str, tuple[nn.Module, Any]]) -> dict:
     state = {}
     for name, (model, optimizer) in parts.items():
-        state[f"{name}.model"] = get_model_state_dict(model)
+        state[f"{name}.model"] = get_model_state_dict(model, options=_options(model))
         if optimizer is not None:
             state[f"{name}.optim"] = get_optimizer_state_dict(model, optimizer)
     return state
@@ -136,16 +144,20 @@ def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trai
     return final
 
 
+def trainer_state(run_path: str, step: int) -> dict:
+    with open(os.path.join(step_dir(run_path, step), "trainer.json")) as f:
+        return json.load(f)
+
+
 def load(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]]) -> dict:
     path = step_dir(run_path, step)
     state = _state(parts)
     dcp.load(state, checkpoint_id=path)
     for name, (model, optimizer) in parts.items():
-        set_model_state_dict(model, state[f"{name}.model"])
+        set_model_state_dict(model, state[f"{name}.model"], options=_options(model))
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state[f"{name}.optim"])
-    with open(os.path.join(path, "trainer.json")) as f:
-        return json.load(f)
+    return trainer_state(run_path, step)
 
 
 def export_hf(model: nn.Module, model_path: str, out_dir: str, topo: Topology, trust_remote_code: bool = False,
@@ -156,4 +168,15 @@ def export_hf(model: nn.Module, model_path: str, out_dir: str, topo: Topology, t
     full = full_state_dict_on_rank0(model, topo)
     if topo.is_main:
         write_hf(full, model_path, out_dir, kind, trust_remote_code)
+    dist.barrier()
+
+
+def export_adapter(model: nn.Module, lora_cfg: Any, model_path: str, out_dir: str, topo: Topology) -> None:
+    """A LoRA policy's adapter as a PEFT folder (``PeftModel.from_pretrained(base, out_dir)``), gathered on every
+    rank and written by rank 0."""
+    from lib import lora
+
+    tensors = {name: t.cpu() for name, t in lora.iter_adapter(model)}
+    if topo.is_main:
+        lora.save_adapter(out_dir, tensors, lora.peft_config(lora_cfg), model_path)
     dist.barrier()

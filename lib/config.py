@@ -93,7 +93,37 @@ class TrainedModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (lib/lora.py): the base frozen, the adapter trained and synced alone."""
+    rank: int = 0
+    """Adapter rank r. 0: no LoRA (full fine-tuning), unless adapter_path is set. RL learns even at rank 1
+    ("LoRA Without Regret", 2025); use ~10x the full fine-tuning learning rate."""
+    alpha: float = 32.0
+    """The adapter's output is scaled by alpha / rank (alpha / sqrt(rank) with use_rslora)."""
+    target_modules: list[str] = field(default_factory=list)
+    """Module names to adapt (e.g. q_proj v_proj). Empty: every linear layer of the decoder (not lm_head)."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(rank)."""
+    dropout: float = 0.0
+    """Must be 0: with dropout the trainer's log-probs are not those of the policy that sampled."""
+    adapter_path: str = ""
+    """A PEFT adapter folder to start from (its adapter_config.json sets rank, alpha and targets). Empty: a fresh
+    adapter (B = 0: the policy starts as the base)."""
+    reference: str = "base"
+    """The KL reference: base (the model with its adapter switched off; no second model) or init (the starting
+    adapter of adapter_path, frozen, in a second model)."""
+    merge: bool = False
+    """Sync W + s*BA (merged in fp32 as a temporary) instead of the adapter: for an engine without LoRA. Every
+    step then sends the whole model."""
+    sleep_level: int = 1
+    """Engine sleep between rollouts in adapter mode: 1 keeps the base (only the adapter is sent each step), 2
+    frees it (the base is sent again every step)."""
+
+
+@dataclass
 class ActorConfig(TrainedModelConfig):
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (rank 0: off)."""
     shuffle: bool = False
     """Shuffle rows into mini-batches each epoch (seeded by step and epoch)."""
     policy_loss: str = "vanilla"
@@ -634,6 +664,9 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                         f"rollout.max_response_length={r.max_response_length}")
     if r.engine == "vllm":
         problems += _vllm_problems(model_config)
+    from lib import lora
+
+    problems += lora.problems(a.lora, model_config, r.engine)
     if "wandb" in t.logger:
         import importlib.util
 

@@ -1,10 +1,12 @@
 """Hugging Face folders from training state: safetensors in the model's own dtype (sharded when large), its
 config (custom code copied when it has any), generation_config.json, and the tokenizer as the model ships it.
 
-    python -m lib.export CKPT_DIR OUT_DIR [--part actor|critic] [--max-shard-size 5GB]
+    python -m lib.export CKPT_DIR OUT_DIR [--part actor|critic] [--merge] [--max-shard-size 5GB]
 
 CKPT_DIR is a checkpoint (``runs/<run>/checkpoints/step_<k>``) or a run folder (its latest checkpoint); the run's
 config.yaml says which model it trained. The end-of-run export (``hf_final/``) writes through the same function.
+A LoRA run (actor.lora) exports its adapter as a PEFT folder (``PeftModel.from_pretrained(base, OUT_DIR)``), or with
+``--merge`` the base with the adapter merged in fp32 (W + s*BA), as a Hugging Face folder in the base's dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 import torch
 
-from lib import models
+from lib import lora, models
+from lib.config import LoraConfig
 
 KIND = {"actor": "causal_lm", "critic": "critic"}
 
@@ -58,17 +61,35 @@ def write_hf(state: dict[str, torch.Tensor], model_path: str, out_dir: str, kind
     AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
 
 
-def load_checkpoint(ckpt_dir: str, part: str, model_path: str, trust_remote_code: bool = False) -> dict[str, Any]:
-    """One part's full weights from a DCP checkpoint, read in this process (no process group)."""
+def load_checkpoint(ckpt_dir: str, part: str, model_path: str, trust_remote_code: bool = False,
+                    lora_config: Any = None) -> dict[str, Any]:
+    """One part's full weights from a DCP checkpoint, read in this process (no process group). ``lora_config`` (a
+    PEFT LoraConfig): the checkpoint holds an adapter; its tensors are returned under PEFT's names."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     config = models.load_config(model_path, trust_remote_code)
     model = models.build_empty(config, KIND[part], models.padded_attention(config), trust_remote_code)
+    options = None
+    if lora_config is not None:
+        lora.inject(model, lora_config)
+        options = StateDictOptions(ignore_frozen_params=True)
     model.to_empty(device="cpu")
-    state = {f"{part}.model": get_model_state_dict(model)}  # the names the trainer saved under
+    state = {f"{part}.model": get_model_state_dict(model, options=options)}  # the names the trainer saved under
     dcp.load(state, checkpoint_id=ckpt_dir, no_dist=True)
+    if lora_config is not None:
+        return {lora.peft_name(n): t for n, t in state[f"{part}.model"].items()}
     return state[f"{part}.model"]
+
+
+def merged_state(model_path: str, lora_config: Any, adapter: dict[str, torch.Tensor],
+                 trust_remote_code: bool = False) -> dict[str, torch.Tensor]:
+    """The base at ``model_path`` with ``adapter`` (PEFT names) merged: W + s*BA in fp32 (lib.lora.iter_merged)."""
+    config = models.load_config(model_path, trust_remote_code)
+    full = models.load_full(model_path, "causal_lm", models.padded_attention(config), trust_remote_code)
+    lora.inject(full, lora_config)
+    lora.set_adapter(full, adapter)
+    return dict(lora.iter_merged(full))
 
 
 def checkpoint_dir(path: str) -> str:
@@ -91,6 +112,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("out_dir")
     p.add_argument("--part", choices=sorted(KIND), default="actor")
     p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--merge", action="store_true",
+                   help="LoRA runs: write the base with the adapter merged (in fp32), not the adapter")
     args = p.parse_args(argv)
     try:
         ckpt = checkpoint_dir(os.path.abspath(args.checkpoint))
@@ -101,8 +124,20 @@ def main(argv: list[str]) -> int:
         if args.part == "critic" and cfg["critic"]["model"]["path"]:
             model_cfg = cfg["critic"]["model"]
         trust = bool(model_cfg.get("trust_remote_code"))
-        state = load_checkpoint(ckpt, args.part, model_cfg["path"], trust)
-        write_hf(state, model_cfg["path"], args.out_dir, KIND[args.part], trust, args.max_shard_size)
+        lora_cfg = LoraConfig(**cfg["actor"].get("lora", {})) if args.part == "actor" else None
+        if lora_cfg is not None and lora.enabled(lora_cfg):
+            pc = lora.peft_config(lora_cfg)
+            adapter = load_checkpoint(ckpt, args.part, model_cfg["path"], trust, pc)
+            if args.merge:
+                write_hf(merged_state(model_cfg["path"], pc, adapter, trust), model_cfg["path"], args.out_dir,
+                         "causal_lm", trust, args.max_shard_size)
+            else:
+                lora.save_adapter(args.out_dir, adapter, pc, model_cfg["path"])
+        elif args.merge:
+            raise ValueError(f"--merge: the run at {run} trained no LoRA adapter (actor.lora is off); leave --merge out")
+        else:
+            state = load_checkpoint(ckpt, args.part, model_cfg["path"], trust)
+            write_hf(state, model_cfg["path"], args.out_dir, KIND[args.part], trust, args.max_shard_size)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {type(e).__name__ + ': ' if isinstance(e, KeyError) else ''}{e}", file=sys.stderr)
         return 2

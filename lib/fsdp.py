@@ -169,11 +169,14 @@ def full_state_dict_on_rank0(model: nn.Module, topo: Topology) -> dict[str, torc
 
 
 def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str = "causal_lm",
-                        trainable: bool = True, packed: bool = True) -> nn.Module:
+                        trainable: bool = True, packed: bool = True, lora_cfg: Any = None,
+                        seed: int = 0) -> nn.Module:
     """Meta-device model -> FSDP2 shards on the Topology's device, weights read on rank 0 only.
     ``packed``: the model will see packed rows (batching.use_remove_padding); with sp_size > 1 (Ulysses, head
-    counts checked first) or on GPU such a model attends through lib/attention.py's varlen path."""
-    from lib import models, ulysses
+    counts checked first) or on GPU such a model attends through lib/attention.py's varlen path.
+    ``lora_cfg`` (actor.lora, when enabled): LoRA layers are injected before sharding; only the adapter trains, the
+    frozen base is bf16 on GPU, a fresh adapter's init is seeded by ``seed``, and ``model.base_hash`` holds lib.lora.base_hash of the base (every rank)."""
+    from lib import lora, models, ulysses
 
     config = models.load_config(model_cfg.path, model_cfg.trust_remote_code)
     attn = models.attn_implementation(model_cfg.attn_implementation, packed, topo.sp_size, config)
@@ -181,10 +184,34 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
         ulysses.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
                             or config.num_attention_heads, topo.sp_size)
     model = models.build_empty(config, kind, attn, model_cfg.trust_remote_code)
+    pc = lora.peft_config(lora_cfg) if lora_cfg is not None and lora.enabled(lora_cfg) else None
+    if pc is not None:
+        lora.inject(model, pc)
+        if topo.device.type == "cuda" and fsdp_cfg.mixed_precision:
+            lora.cast_frozen(model, torch.bfloat16)
     apply_fsdp(model, topo, fsdp_cfg.mixed_precision, fsdp_cfg.reshard_after_forward,
                model_cfg.gradient_checkpointing and trainable)
     full = models.load_full(model_cfg.path, kind, attn, model_cfg.trust_remote_code) if topo.is_main else None
+    digest = [None]
+    if pc is not None and topo.is_main:
+        digest[0] = lora.base_hash(_base_of(full))
+        with torch.random.fork_rng():  # the adapter's init is seeded apart from every other generator
+            torch.manual_seed(seed)
+            lora.inject(full, pc)
+        if lora_cfg.adapter_path:
+            lora.load_adapter_weights(full, lora_cfg.adapter_path)
     load_from_rank0(model, full, topo)
     del full
     models.check_not_meta(model)
-    return set_trainable(model, trainable)
+    if pc is None:
+        return set_trainable(model, trainable)
+    dist.broadcast_object_list(digest, src=0)  # world: every rank checks a resume against the same base
+    model.base_hash = digest[0]
+    model.train(trainable)
+    for name, param in model.named_parameters():
+        param.requires_grad_(trainable and lora.is_adapter_param(name))
+    return model
+
+
+def _base_of(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    return ((hf_name(n), p) for n, p in model.named_parameters())

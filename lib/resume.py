@@ -58,6 +58,20 @@ def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
         if run.val is not None:
             run.logger.log(0, timed_validation(run, 0))
         return 0
+    saved_hash = checkpoint.trainer_state(run.path, last).get("base_hash")
+    now_hash = getattr(run.actor.model, "base_hash", None)
+    if saved_hash != now_hash:  # every rank holds both: all stop together
+        if run.topo.is_main:
+            print(f"error: the checkpoint {checkpoint.step_dir(run.path, last)} holds a LoRA adapter trained on "
+                  f"another base model (base hash {saved_hash}, this one {now_hash}); point actor.model.path at the "
+                  f"base it was trained on, or start a new run with another --trainer.run_name",
+                  file=sys.stderr, flush=True)
+        run.logger.close()
+        run.scorer.close()
+        run.engine.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(2)
     state = checkpoint.load(run.path, last, _parts(trainees))
     for name, t in trainees.items():
         t.scheduler.load_state_dict(state["schedulers"][name])
@@ -78,6 +92,8 @@ def timed_validation(run: Run, step: int) -> dict[str, float]:
 def save(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl) -> str:
     state = {"kl_coef": kl_ctrl.value, "data_position": run.data_position,
              "schedulers": {name: t.scheduler.state_dict() for name, t in trainees.items()}}
+    if getattr(run.actor.model, "base_hash", None):
+        state["base_hash"] = run.actor.model.base_hash  # a LoRA checkpoint fits this base only
     return checkpoint.save(run.path, step, _parts(trainees), state, run.topo, run.cfg.trainer.keep_last)
 
 

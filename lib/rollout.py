@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from lib import algos
 from lib.actor import compute_log_probs
 from lib.data import collate
 from lib.fsdp import move_optimizer
+from lib.lora import adapters_off
 from lib.protocol import DataProto
 from lib.startup import Run, engine_dtype
 from lib.sync import enter_rollout, exit_rollout
@@ -32,9 +35,10 @@ def generate(run: Run, prompts: DataProto, validate: bool = False) -> tuple[Data
     if cfg.actor.fsdp.optimizer_offload:
         move_optimizer(run.actor.optimizer, "cpu")
     metrics = enter_rollout(run.actor.model, run.engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20,
-                            cfg.actor.fsdp.param_offload)
+                            cfg.actor.fsdp.param_offload, run.lora)
     out = run.engine.generate(prompts, validate=validate)
-    exit_rollout(run.actor.model, run.engine, run.topo.device, 2, cfg.actor.fsdp.param_offload)
+    level = run.lora.sleep_level if run.lora is not None else 2
+    exit_rollout(run.actor.model, run.engine, run.topo.device, level, cfg.actor.fsdp.param_offload)
     if cfg.actor.fsdp.optimizer_offload:
         move_optimizer(run.actor.optimizer, run.topo.device)
     metrics["perf/rollout_tokens_per_s"] = out.meta_info.get("tokens_per_s", 0.0)
@@ -50,7 +54,9 @@ def policy_log_probs(run: Run, batch: DataProto) -> None:
     elif not run.sizes.old_in_update:
         batch.batch["old_log_probs"], _ = compute_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
     if run.ref is not None:
-        batch.batch["ref_log_prob"], _ = compute_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
+        # a LoRA policy's base reference is the policy's own model with its adapter switched off
+        with adapters_off(run.ref) if run.ref is run.actor.model else contextlib.nullcontext():
+            batch.batch["ref_log_prob"], _ = compute_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
 
 
 def correct_rollout(run: Run, batch: DataProto, metrics: dict[str, float]) -> None:

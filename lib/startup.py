@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import checkpoint, toy
+from lib import checkpoint, lora, toy
 from lib.config import Config, Sizes, resolve, to_dict, validate
 from lib.data import PromptSet, Sampler, check_files, load_prompts
 from lib.dist import Topology, init_topology
@@ -52,6 +52,9 @@ class Run:
     engine: Any = None
     actor: Trainee | None = None
     ref: torch.nn.Module | None = None
+    """The KL reference; the actor's own model (its LoRA adapter switched off) with actor.lora.reference base."""
+    lora: Any = None
+    """lib.lora.Sync of a LoRA policy (None: full fine-tuning)."""
     data_position: int = 0
     """Prompt batches drawn from the data stream so far (one per step; more with dynamic sampling). Checkpointed."""
     bad_steps: int = 0
@@ -182,12 +185,24 @@ def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:
 def build_models(run: Run, with_ref: bool) -> None:
     cfg, topo = run.cfg, run.topo
     packed = cfg.actor.batching.use_remove_padding
-    model = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, packed=packed)
+    lora_cfg = cfg.actor.lora if lora.enabled(cfg.actor.lora) else None
+    model = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, packed=packed, lora_cfg=lora_cfg,
+                                seed=cfg.trainer.seed)
     cfg.actor.optim.total_steps = cfg.actor.optim.total_steps or run.total_steps
     optimizer, scheduler = build_optimizer(model, cfg.actor.optim)
     run.actor = Trainee(model, optimizer, scheduler, topo)
-    if with_ref:  # the frozen start policy; never a second rollout engine
-        run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, trainable=False, packed=packed)
+    if lora_cfg is not None:
+        run.lora = lora.Sync(lora_cfg.merge, 2 if lora_cfg.merge else lora_cfg.sleep_level, lora.num_modules(model))
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        run.logger.print(f"LoRA: rank {lora.peft_config(lora_cfg).r} on {run.lora.num_modules} modules, "
+                         f"{trained} trained parameters on this rank; "
+                         f"{'merged weights' if lora_cfg.merge else 'the adapter'} synced every step; reference: "
+                         f"{lora_cfg.reference if with_ref else 'none'}")
+    if with_ref and lora_cfg is not None and lora_cfg.reference == "base":
+        run.ref = model  # the same model with its adapter off (lib.rollout.policy_log_probs): no second copy
+    elif with_ref:  # the frozen start policy; never a second rollout engine
+        run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, trainable=False, packed=packed,
+                                      lora_cfg=lora_cfg)
     run.engine = build_engine(run)
 
 
@@ -229,7 +244,15 @@ def build_engine(run: Run) -> Any:
 
     return HFEngine(load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code), topo.device,
                     tok.pad_token_id, eos, sampling, val, dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank,
-                    attn_implementation=cfg.actor.model.attn_implementation, batch_tokens=r.hf_batch_tokens)
+                    attn_implementation=cfg.actor.model.attn_implementation, batch_tokens=r.hf_batch_tokens,
+                    lora=engine_lora(run))
+
+
+def engine_lora(run: Run) -> Any:
+    """The PEFT config the engine serves adapters of (None: full weights, LoRA off or merged)."""
+    if run.lora is None or run.lora.merge:
+        return None
+    return lora.peft_config(run.cfg.actor.lora)
 
 
 # device memory kept back beside the trainer's state and the engine's weights: CUDA context, NCCL buffers,
@@ -268,8 +291,12 @@ def finish(run: Run) -> None:
     """Export the final policy (a run that completed), close the logger, the scorer's workers and the engine. A run
     stopped by too many bad steps exits 3; one stopped by a signal exits 0 after its checkpoint."""
     if not run.stopped:
-        checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo,
-                             run.cfg.actor.model.trust_remote_code)
+        if run.lora is not None:  # the adapter (PEFT); a merged folder on request (python -m lib.export --merge)
+            checkpoint.export_adapter(run.actor.model, run.cfg.actor.lora, run.cfg.actor.model.path,
+                                      f"{run.path}/adapter_final", run.topo)
+        else:
+            checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo,
+                                 run.cfg.actor.model.trust_remote_code)
         run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
     run.logger.close()
     run.scorer.close()

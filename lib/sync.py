@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from lib import lora
 from lib.fsdp import iter_full_params, load_model, offload_model
 
 
@@ -41,8 +42,10 @@ def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
         yield bucket
 
 
-def sync_weights(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20) -> dict[str, float]:
-    """Stream the FSDP ``model``'s full parameters into an awake ``engine``. Returns time, GB sent, peak extra GB."""
+def sync_weights(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
+                 weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
+    """Stream the FSDP ``model``'s full parameters (or ``weights``, full tensors in HF names: a LoRA model's base or
+    merged weights) into an awake ``engine``. Returns time, GB sent, peak extra GB."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     if cuda:
@@ -52,7 +55,7 @@ def sync_weights(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes
     t0 = time.perf_counter()
     sent = 0
     largest_bucket = 0
-    for bucket in buckets(iter_full_params(model, dtype), bucket_bytes):
+    for bucket in buckets(weights if weights is not None else iter_full_params(model, dtype), bucket_bytes):
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
         sent += nbytes
         largest_bucket = max(largest_bucket, nbytes)
@@ -69,28 +72,58 @@ def sync_weights(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes
             "sync/s_per_gb": elapsed / max(sent / 2**30, 1e-9)}
 
 
+def sync_adapter(model: nn.Module, engine: Any, adapter: lora.Sync) -> dict[str, float]:
+    """Send the LoRA adapter's full tensors to the engine as a new version, then check that the engine holds exactly
+    that version over every LoRA module of the trainer (verl #7495 synced zero adapter tensors for months)."""
+    t0 = time.perf_counter()
+    tensors = dict(lora.iter_adapter(model))
+    if not tensors:
+        raise RuntimeError("the adapter sync gathered no LoRA tensors from the trainer's model")
+    adapter.version += 1
+    engine.load_adapter(adapter.version, tensors)
+    held, modules = engine.adapter_state()
+    if held != adapter.version or modules != adapter.num_modules:
+        raise RuntimeError(f"after the adapter sync the engine holds version {held} over {modules} LoRA modules; "
+                           f"expected version {adapter.version} over {adapter.num_modules}")
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"sync/adapter_seconds": time.perf_counter() - t0, "sync/adapter_mb": nbytes / 2**20,
+            "sync/adapter_tensors": float(len(tensors)), "sync/adapter_version": float(adapter.version)}
+
+
 def enter_rollout(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
-                  offload_params: bool = False) -> dict[str, float]:
+                  offload_params: bool = False, adapter: lora.Sync | None = None) -> dict[str, float]:
     """Training -> rollout: wake the engine's weights, stream ours in, optionally park the training shards on
-    CPU, then wake the KV cache and drop any cached prefixes (computed with the old weights)."""
+    CPU, then wake the KV cache and drop any cached prefixes (computed with the old weights).
+    ``adapter`` (a LoRA policy): in merge mode the weights streamed are W + s*BA; else the base is streamed only
+    when the engine lacks it (its first wake, or after a level-2 sleep) and the adapter goes after the wake."""
     cuda = torch.cuda.is_available()
     if cuda:
         gc.collect()  # tensors only Python's cycle collector still holds keep their blocks in the cache
         torch.cuda.empty_cache()
     engine.wake_up(["weights"])
-    metrics = sync_weights(model, engine, dtype, bucket_bytes)
+    if adapter is None:
+        metrics = sync_weights(model, engine, dtype, bucket_bytes)
+    elif adapter.merge:
+        metrics = sync_weights(model, engine, dtype, bucket_bytes, lora.iter_merged(model, dtype))
+    elif not engine.base_loaded:
+        metrics = sync_weights(model, engine, dtype, bucket_bytes, lora.iter_base(model, dtype))
+    else:
+        metrics = {"sync/seconds": 0.0, "sync/gb": 0.0}
     if offload_params:
         offload_model(model)
     if cuda:
         torch.cuda.empty_cache()  # the sync's buckets and gathered tensors
     engine.wake_up(["kv_cache"])
+    if adapter is not None and not adapter.merge:  # into the engine's finished base (vLLM: after its reload)
+        metrics.update(sync_adapter(model, engine, adapter))
     engine.reset_prefix_cache()
     return {**metrics, **getattr(engine, "metrics", {})}
 
 
 def exit_rollout(model: nn.Module, engine: Any, device: torch.device, level: int = 2,
                  offload_params: bool = False) -> None:
-    """Rollout -> training: the engine sleeps (level 2 drops its weights: the next sync sends all of them)."""
+    """Rollout -> training: the engine sleeps (level 2 drops its weights: the next sync sends all of them; level 1,
+    a LoRA policy's, keeps the base)."""
     engine.sleep(level)
     if offload_params:
         load_model(model, device)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lib.engine import SamplingConfig, build_output, call_seed, expand_samples
+from lib.lora import base_name, is_adapter_param, peft_name
 from lib.models import padded_attention, retie, tied_aliases
 from lib.protocol import DataProto
 
@@ -46,10 +47,12 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 class HFEngine:
     def __init__(self, config: Any, device: torch.device, pad_token_id: int, eos_token_ids: list[int],
                  sampling: SamplingConfig, val_sampling: SamplingConfig | None = None, dtype: torch.dtype | None = None,
-                 rank_seed: int = 0, attn_implementation: str = "auto", batch_tokens: int = 65536):
+                 rank_seed: int = 0, attn_implementation: str = "auto", batch_tokens: int = 65536, lora: Any = None):
         """``eos_token_ids``: every id that ends a response (lib.models.stop_token_ids). ``attn_implementation``:
         auto picks sdpa, or eager for models transformers runs only that way (lib.models.padded_attention).
-        ``batch_tokens``: prompt + response tokens generated together (see ``generate``)."""
+        ``batch_tokens``: prompt + response tokens generated together (see ``generate``). ``lora``: a PEFT
+        LoraConfig: the replica carries the same LoRA layers as the trainer, the adapter in fp32, filled by
+        ``load_adapter`` and never merged into the base."""
         from transformers import AutoModelForCausalLM
 
         self.device, self.pad_id, self.eos_ids = device, pad_token_id, list(eos_token_ids)
@@ -62,14 +65,26 @@ class HFEngine:
             self.model = AutoModelForCausalLM.from_config(config, attn_implementation=padded_attention(
                 config, attn_implementation), dtype=self.dtype)
         self.model.tie_weights()  # transformers skips the tie when building without weight init
+        self.lora = lora
+        if lora is not None:
+            from lib.lora import inject
+
+            inject(self.model, lora)
+            for name, param in self.model.named_parameters():
+                if is_adapter_param(name):  # the adapter in fp32 whatever the base's dtype (PEFT casts x to it)
+                    param.data = param.data.float()
         self.model.eval().requires_grad_(False)
         # tied embeddings: lm_head.weight is embed_tokens.weight. Moving to and from meta unties them; they are
         # tied again at every wake, and a sync writes the one tensor under its listed name
         self.aliases = tied_aliases(self.model)
         # buffers (rotary inv_freq) are computed in __init__, not loaded: keep them to restore after a wake
         self._buffers = {n: b.clone() for n, b in self.model.named_buffers()}
-        self._params = dict(self.model.named_parameters())
+        self._moved()
         self._written: set[str] = set()
+        self.base_loaded = False
+        """Every base parameter written since the weights last woke from level 2 (a level-1 sleep keeps them)."""
+        self.adapter_version: int | None = None
+        self._adapter_written: set[str] = set()
         self.level = 0
         self.metrics: dict[str, float] = {}
         self.sleep(2)
@@ -89,6 +104,8 @@ class HFEngine:
         self.level = level
         if level == 2:
             self._written = set()
+            self.base_loaded = False
+            self.adapter_version, self._adapter_written = None, set()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.metrics["engine/mem_after_sleep_gb"] = self._mem()
@@ -112,7 +129,11 @@ class HFEngine:
         """After the replica moved: tie its aliases again (moves to and from meta untie them) and list its
         parameters anew (the moved tensors)."""
         retie(self.model, self.aliases)
-        self._params = dict(self.model.named_parameters())
+        # base parameters under their HF names (a LoRA layer's base_layer.weight is the plain weight), the
+        # adapter's under the names of PEFT's files
+        named = list(self.model.named_parameters())
+        self._params = {base_name(n): p for n, p in named if not is_adapter_param(n)}
+        self._adapter = {peft_name(n): p for n, p in named if is_adapter_param(n)}
 
     def reset_prefix_cache(self) -> None:
         pass  # no cross-request cache to invalidate
@@ -139,6 +160,29 @@ class HFEngine:
         missing = sorted(set(self._params) - self._written)
         if self.level == 0 and missing:
             raise RuntimeError(f"the weight sync left {len(missing)} engine parameters unwritten: {missing[:5]}")
+        self.base_loaded = self.level == 0
+
+    @torch.no_grad()
+    def load_adapter(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write adapter ``version`` (PEFT names -> tensors) into the replica's LoRA layers, in fp32. Every adapter
+        tensor must come, and nothing else: a sync that delivers none, or misses one, raises."""
+        if self.level:
+            raise RuntimeError("load_adapter on a sleeping engine: call wake_up(['weights']) first")
+        if self.lora is None:
+            raise RuntimeError("load_adapter on an engine built without LoRA (pass lora=...)")
+        if not tensors:
+            raise RuntimeError(f"the adapter sync of version {version} delivered no tensors")
+        missing, extra = sorted(set(self._adapter) - set(tensors)), sorted(set(tensors) - set(self._adapter))
+        if missing or extra:
+            raise RuntimeError(f"adapter version {version} does not fit the engine's LoRA layers: missing {missing[:3]} "
+                               f"({len(missing)}), unknown {extra[:3]} ({len(extra)})")
+        for name, tensor in tensors.items():
+            self._adapter[name].copy_(tensor)
+        self.adapter_version, self._adapter_written = version, set(tensors)
+
+    def adapter_state(self) -> tuple[int | None, int]:
+        """(the adapter version the engine holds, the number of LoRA modules it fills)."""
+        return self.adapter_version, len({n.split(".lora_")[0] for n in self._adapter_written})
 
     # ---- generation
 
