@@ -239,7 +239,7 @@ def build_engine(run: Run) -> Any:
                           max_model_len=max_model_len, max_num_seqs=wave, kv_cache_bytes=kv_bytes,
                           gpu_memory_utilization=r.gpu_memory_utilization,
                           dtype=str(engine_dtype(run)).removeprefix("torch."), enforce_eager=r.enforce_eager,
-                          trust_remote_code=cfg.actor.model.trust_remote_code)
+                          trust_remote_code=cfg.actor.model.trust_remote_code, lora=engine_lora(run))
     from lib.engine.hf import HFEngine
 
     return HFEngine(load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code), topo.device,

@@ -57,10 +57,13 @@ class VLLMEngine:
     def __init__(self, model_path: str, topo: Topology, pad_token_id: int, eos_token_ids: list[int],
                  sampling: SamplingConfig, val_sampling: SamplingConfig | None = None, max_model_len: int = 4096,
                  max_num_seqs: int = 256, kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.5,
-                 dtype: str = "bfloat16", enforce_eager: bool = False, trust_remote_code: bool = False):
+                 dtype: str = "bfloat16", enforce_eager: bool = False, trust_remote_code: bool = False,
+                 lora: Any = None):
         """``kv_cache_bytes``: the KV cache of this rank in bytes (0: ``kv_cache_bytes()`` for ``max_num_seqs``
         sequences of ``max_model_len`` tokens; the trainer passes lib.engine.plan_kv_cache's size). ``gpu_memory_utilization`` is only vLLM's start-up check on GPU
-        (that share of the device must be free); the CPU build ignores it once the KV size is given in bytes."""
+        (that share of the device must be free); the CPU build ignores it once the KV size is given in bytes.
+        ``lora``: a PEFT LoraConfig: the engine serves one adapter at a time (``enable_lora``, ``max_lora_rank``
+        the smallest vLLM takes above its rank), loaded from a PEFT folder through a stock ``LoRARequest``."""
         strip_expandable_segments()
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -95,12 +98,13 @@ class VLLMEngine:
                            max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_bytes,
                            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                            skip_tokenizer_init=True, trust_remote_code=trust_remote_code, enable_prefix_caching=True,
-                           **_logprobs_mode_kwargs())
+                           **_logprobs_mode_kwargs(), **_lora_kwargs(lora))
         # the parameters a sync must write, read before any reload: a tied lm_head is the embedding's own tensor
         # here (during a layerwise reload it sits on meta apart from it, and finalising puts the shared one back)
         names: list[str] = []
         _run_on_model(self.llm, lambda model: names.extend(n for n, _ in model.named_parameters()))
-        self.param_names = frozenset(names)
+        # with LoRA a layer's weight sits in its base_layer, and the loader reports it under the plain name
+        self.param_names = frozenset(n.replace(".base_layer.", ".") for n in names)
         hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
         self.tied_head = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
         self._embedding: torch.Tensor | None = None
@@ -108,6 +112,17 @@ class VLLMEngine:
         self.metrics: dict[str, float] = {}
         self._loading = False  # inside a layerwise reload (between the first bucket and wake_up(kv_cache))
         self.asleep: set[str] = set()
+        self.base_loaded = False
+        """Every parameter written since the weights last woke from a level-2 sleep (a level-1 sleep keeps them)."""
+        self.lora = lora
+        self._lora_request: Any = None
+        self._adapter_root = ""
+        if lora is not None:
+            import tempfile
+
+            # adapter folders in memory where the machine has /dev/shm: a few MB per version, removed when replaced
+            root = SHM_DIR if os.path.isdir(SHM_DIR) else None
+            self._adapter_root = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}-lora-{os.getpid()}-", dir=root)
         self.sleep(2)  # dummy weights: nothing worth keeping until the first sync
 
     def _mem(self) -> float:
@@ -122,6 +137,8 @@ class VLLMEngine:
         if self.sleep_mode:
             self.llm.sleep(level=level)
         self.asleep = {"weights", "kv_cache"}
+        if level == 2:
+            self.base_loaded = False
         self.metrics["engine/mem_after_sleep_gb"] = self._mem()
 
     def wake_up(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
@@ -170,12 +187,47 @@ class VLLMEngine:
             return
         if self.tied_head:
             self._load_tied_head()
-        if self._written is None:
-            return
-        missing = sorted(self.param_names - self._written)
-        if missing:
-            raise RuntimeError(f"the weight sync left {len(missing)} vLLM parameters unwritten: {missing[:5]}")
+        if self._written is not None:
+            missing = sorted(self.param_names - self._written)
+            if missing:
+                raise RuntimeError(f"the weight sync left {len(missing)} vLLM parameters unwritten: {missing[:5]}")
+        self.base_loaded = True
 
+    def load_adapter(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Serve adapter ``version`` (PEFT names -> tensors): written as a PEFT folder and added under its own id
+        through a stock ``LoRARequest``; the previous version is removed. Generation uses it from then on."""
+        import shutil
+
+        from vllm.lora.request import LoRARequest
+
+        from lib.lora import save_adapter
+
+        if self.asleep:
+            raise RuntimeError("load_adapter on a sleeping engine: call wake_up() first")
+        if self.lora is None:
+            raise RuntimeError("load_adapter on an engine built without LoRA (pass lora=...)")
+        if not tensors:
+            raise RuntimeError(f"the adapter sync of version {version} delivered no tensors")
+        folder = os.path.join(self._adapter_root, f"v{version}")
+        save_adapter(folder, tensors, self.lora)
+        request = LoRARequest(f"policy-v{version}", version, folder)
+        engine = self.llm.llm_engine
+        if not engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not add adapter version {version} (an id it already holds?)")
+        old, self._lora_request = self._lora_request, request
+        if old is not None:
+            engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def adapter_state(self) -> tuple[int | None, int]:
+        """(the one adapter id vLLM holds, None if it holds none or several; the LoRA modules that adapter fills,
+        counted in the worker's adapter manager: q, k and v packed into one qkv layer count as three)."""
+        ids = set(self.llm.llm_engine.list_loras())
+        if len(ids) != 1:
+            return None, 0
+        (held,) = ids
+        counts = self.llm.collective_rpc(_count_lora_modules, args=(held,))
+        return held, int(counts[0])
     def _load_tied_head(self) -> None:
         """Write the synced embedding into the tied head's own layer. Without it, finalising the reload puts the
         head's previous kernel tensors back (on CPU a packed copy of the start weights), so vLLM would sample from
@@ -200,6 +252,10 @@ class VLLMEngine:
         group too (after its own), so call this last, once no collective is left to run."""
         self._finish_load()
         _shutdown(self.llm)
+        if self._adapter_root:
+            import shutil
+
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
 
     def generate(self, data: DataProto, validate: bool = False) -> DataProto:
         """Same contract as HFEngine.generate. Each request is seeded (``request_seeds``); the default generator is
@@ -225,7 +281,8 @@ class VLLMEngine:
         params = _sampling_params(sp, self.eos_ids, request_seeds(seed, len(prompts)))
         with rng_kept_apart(self.device):
             torch.manual_seed(seed)
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                        lora_request=self._lora_request)
         self.calls[validate] += 1
         responses = [list(o.outputs[0].token_ids) for o in outputs]
         logps = [_sampled_logprobs(o.outputs[0]) for o in outputs]
@@ -269,6 +326,32 @@ def resident_gb() -> float:
 def _logprobs_mode_kwargs() -> dict:
     # processed log-probs (after temperature) appeared as an engine argument in 0.10.2; all supported releases have it
     return {"logprobs_mode": "processed_logprobs"}
+
+
+def _lora_kwargs(lora: Any) -> dict:
+    """One adapter slot, of the smallest rank vLLM takes that holds the adapter's."""
+    if lora is None:
+        return {}
+    from lib.lora import VLLM_LORA_RANKS
+
+    rank = next(r for r in VLLM_LORA_RANKS if r >= lora.r)
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+
+
+def _count_lora_modules(worker: Any, adapter_id: int) -> int:
+    """In the worker (``collective_rpc``): the LoRA modules adapter ``adapter_id`` fills, each packed sub-layer
+    counted (its A tensors that are not None)."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    adapter = manager.get_adapter(adapter_id) if hasattr(manager, "get_adapter") else None
+    if adapter is None:
+        adapter = manager._registered_adapters.get(adapter_id)
+    if adapter is None:
+        return 0
+    total = 0
+    for weights in adapter.loras.values():
+        a = weights.lora_a
+        total += sum(x is not None for x in a) if isinstance(a, (list, tuple)) else int(a is not None)
+    return total
 
 
 def _sampling_params(sp: SamplingConfig, eos_ids: list[int], seeds: list[int]) -> list[Any]:
