@@ -1,0 +1,322 @@
+"""LoRA (lib/lora.py): adapter-only training on a frozen base, a checked adapter sync into the engines, the base
+reference, merge mode, checkpoints, export, and learning on the toy task.
+
+Models are shaped like real ones (tests/helpers.py: tied embeddings, GQA, 2048 ids, two eos ids)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lib.testing import run_distributed
+from tests.helpers import EOS_IDS, rl_batch, save_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("qwen2_tied")), "qwen2")
+
+
+def _prompts(n=6, seed=0):
+    from lib.protocol import DataProto
+
+    d = rl_batch(n, prompt_len=6, response_len=1, seed=seed)
+    return DataProto.from_dict({"input_ids": d.batch["prompts"], "attention_mask": d.batch["attention_mask"][:, :6],
+                                "position_ids": d.batch["position_ids"][:, :6]}, {"uid": list(d.non_tensor_batch["uid"])})
+
+
+def _train_batch(seed):
+    data = rl_batch(8, prompt_len=6, response_len=6, seed=seed, min_response=2)
+    g = torch.Generator().manual_seed(seed + 100)
+    mask = data.batch["response_mask"]
+    data.batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
+    return data
+
+
+def _engine_body(path):
+    """One process: the adapter engine and the merge-mode engine against the trainer over several updates."""
+    from lib import lora
+    from lib.actor import Trainee, compute_log_probs, update_policy
+    from lib.config import ActorConfig, LoraConfig, ModelConfig, OptimConfig
+    from lib.dist import init_topology
+    from lib.engine import SamplingConfig
+    from lib.engine.hf import HFEngine
+    from lib.fsdp import build_sharded_model
+    from lib.models import load_config
+    from lib.optim import build_optimizer
+    from lib.sync import enter_rollout, exit_rollout
+
+    topo = init_topology(device="cpu")
+    cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=2e-2, weight_decay=0.0),
+                      lora=LoraConfig(rank=4, alpha=8))
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo, lora_cfg=cfg.lora, seed=3)
+    plain = build_sharded_model(cfg.model, cfg.fsdp, topo, trainable=False)  # the base, without LoRA layers
+    trainee = Trainee(model, *build_optimizer(model, cfg.optim), topo)
+    base0 = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    config = load_config(path)
+    adapter_engine = HFEngine(config, topo.device, 0, EOS_IDS, greedy, greedy, dtype=torch.float32,
+                              lora=lora.peft_config(cfg.lora))
+    merged_engine = HFEngine(config, topo.device, 0, EOS_IDS, greedy, greedy, dtype=torch.float32)
+    sync = lora.Sync(merge=False, sleep_level=1, num_modules=lora.num_modules(model))
+    merge = lora.Sync(merge=True, sleep_level=2, num_modules=lora.num_modules(model))
+    prompts = _prompts()
+    out = {"num_modules": sync.num_modules, "trained": sum(p.numel() for p in model.parameters() if p.requires_grad),
+           "optimizer_params": sum(p.numel() for g in trainee.optimizer.param_groups for p in g["params"])}
+
+    def rollout(step):
+        m = enter_rollout(model, adapter_engine, torch.float32, adapter=sync)
+        a = adapter_engine.generate(prompts, validate=True)
+        exit_rollout(model, adapter_engine, topo.device, level=1)
+        enter_rollout(model, merged_engine, torch.float32, adapter=merge)
+        b = merged_engine.generate(prompts, validate=True)
+        exit_rollout(model, merged_engine, topo.device, level=2)
+        trainer, _ = compute_log_probs(model, a, cfg.batching, topo)
+        mask = a.batch["response_mask"]
+        return {"tokens": a.batch["responses"], "logp": a.batch["rollout_log_probs"],
+                "trainer_diff": float(((trainer - a.batch["rollout_log_probs"]).abs() * mask).max()),
+                "modes_same_tokens": torch.equal(a.batch["responses"], b.batch["responses"]),
+                "modes_logp_diff": float((a.batch["rollout_log_probs"] - b.batch["rollout_log_probs"]).abs().max()),
+                "base_gb": m["sync/gb"], "adapter_tensors": m.get("sync/adapter_tensors", 0.0), "batch": a}
+
+    first = rollout(0)
+    # the reference (the adapter off) against the plain base model, and at step 0 against the policy
+    with lora.adapters_off(model):
+        ref0, _ = compute_log_probs(model, first["batch"], cfg.batching, topo)
+    base_logp, _ = compute_log_probs(plain, first["batch"], cfg.batching, topo)
+    policy0, _ = compute_log_probs(model, first["batch"], cfg.batching, topo)
+    out["ref_vs_base_step0"] = float((ref0 - base_logp).abs().max())
+    out["ref_vs_policy_step0"] = float((ref0 - policy0).abs().max())
+    steps = [first]
+    for step in range(1, 51):
+        update_policy(trainee, _train_batch(step), cfg)
+        if step in (1, 2, 50):
+            steps.append(rollout(step))
+        else:  # a sync every step, as the loop does: the adapter engine's base is never sent again
+            enter_rollout(model, adapter_engine, torch.float32, adapter=sync)
+            exit_rollout(model, adapter_engine, topo.device, level=1)
+            enter_rollout(model, merged_engine, torch.float32, adapter=merge)
+            exit_rollout(model, merged_engine, topo.device, level=2)
+    with lora.adapters_off(model):
+        ref50, _ = compute_log_probs(model, first["batch"], cfg.batching, topo)
+    out["ref_vs_base_step50"] = float((ref50 - base_logp).abs().max())
+    out["b_norm"] = float(sum(p.detach().norm() for n, p in model.named_parameters() if ".lora_B." in n))
+    out["base_identical"] = all(torch.equal(p, base0[n]) for n, p in model.named_parameters() if n in base0)
+    adapter_engine.wake_up(["weights"])  # level 1: the base it was given once, never merged into
+    engine_base = adapter_engine._params
+    trainer_base = dict(lora.iter_base(model))
+    out["engine_base_identical"] = all(torch.equal(engine_base[n], t) for n, t in trainer_base.items())
+    out["engine_base_names"] = sorted(engine_base) == sorted(trainer_base)
+    out["steps"] = [{k: v for k, v in s.items() if k != "batch"} for s in steps]
+
+    # a sync whose engine ends up without the adapter is an error, not a silent base-model rollout
+    class Lossy(HFEngine):
+        def load_adapter(self, version, tensors):
+            self.adapter_version = version  # claims the version, writes nothing
+
+    lossy = Lossy(config, topo.device, 0, EOS_IDS, greedy, greedy, dtype=torch.float32,
+                  lora=lora.peft_config(cfg.lora))
+    errors = []
+    for attempt in (lambda: enter_rollout(model, lossy, torch.float32, adapter=lora.Sync(False, 1, sync.num_modules)),
+                    lambda: adapter_engine.load_adapter(99, {}),
+                    lambda: adapter_engine.load_adapter(99, dict(list(lora.iter_adapter(model))[1:]))):
+        try:
+            attempt()
+            errors.append("")
+        except RuntimeError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_run(model_dir):
+    (out,) = run_distributed(_engine_body, model_dir, world_size=1, timeout=600)
+    return out
+
+
+def test_only_the_adapter_trains(engine_run):
+    # 2 layers x 7 linear layers; rank 4 adapters: A (4 x in) + B (out x 4) per module
+    assert engine_run["num_modules"] == 14
+    assert engine_run["trained"] == engine_run["optimizer_params"] > 0
+    assert engine_run["trained"] < 0.1 * 2048 * 32  # far below the embedding alone
+
+
+def test_liveness_the_engine_follows_each_update(engine_run):
+    first, *later = engine_run["steps"]
+    assert engine_run["b_norm"] > 0
+    for s in later:  # after updates with B != 0: greedy tokens and log-probs moved, and equal the trainer's
+        assert not torch.equal(s["logp"], first["logp"])
+        assert s["trainer_diff"] < 1e-5, s["trainer_diff"]
+    assert any(not torch.equal(s["tokens"], first["tokens"]) for s in later)
+    assert first["trainer_diff"] < 1e-5
+
+
+def test_freshness_each_sync_replaces_the_adapter(engine_run):
+    # consecutive syncs (steps 1 and 2) of different adapters: the engine matches the second, not the first
+    _, one, two, _ = engine_run["steps"]
+    assert not torch.equal(one["logp"], two["logp"])
+    assert two["trainer_diff"] < 1e-5
+
+
+def test_the_base_goes_once_then_only_the_adapter(engine_run):
+    first, *later = engine_run["steps"]
+    assert first["base_gb"] > 0 and first["adapter_tensors"] == 28
+    assert all(s["base_gb"] == 0 and s["adapter_tensors"] == 28 for s in later)
+
+
+def test_base_weights_are_bit_identical_after_50_steps(engine_run):
+    # trainer (adapter and merge mode syncs every step) and the engine's copy: never merged into, no drift
+    assert engine_run["base_identical"]
+    assert engine_run["engine_base_names"] and engine_run["engine_base_identical"]
+
+
+def test_reference_is_the_base_and_the_step0_policy(engine_run):
+    assert engine_run["ref_vs_base_step0"] < 1e-6
+    assert engine_run["ref_vs_policy_step0"] == 0.0  # B = 0 at init: the adapter adds exactly nothing
+    assert engine_run["ref_vs_base_step50"] < 1e-6  # after training too: the adapter is switched off
+
+
+def test_adapter_and_merge_modes_agree(engine_run):
+    for s in engine_run["steps"]:
+        assert s["modes_same_tokens"]
+        assert s["modes_logp_diff"] < 1e-5, s["modes_logp_diff"]
+
+
+def test_a_sync_that_loses_the_adapter_raises(engine_run):
+    lossy, empty, partial = engine_run["errors"]
+    assert "expected version 1 over 14" in lossy and "0 LoRA modules" in lossy
+    assert "delivered no tensors" in empty
+    assert "missing" in partial
+
+
+# ---- configuration
+
+
+def _problems(tmp_path, model_dir, **lora_fields):
+    from lib import lora
+    from lib.config import LoraConfig
+    from lib.models import load_config
+
+    return lora.problems(LoraConfig(**lora_fields), load_config(model_dir), "auto")
+
+
+def _adapter_dir(tmp_path, **config):
+    path = tmp_path / "adapter"
+    path.mkdir(exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
+                                                          "peft_type": "LORA", **config}))
+    return str(path)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(rank=8, dropout=0.1), "actor.lora.dropout 0"),
+    (dict(rank=8, reference="init"), "set actor.lora.adapter_path"),
+    (dict(rank=8, target_modules=["lm_head"]), "embedding and lm_head adapters"),
+    (dict(rank=8, target_modules=["embed_tokens", "q_proj"]), "embedding and lm_head adapters"),
+    (dict(rank=1024), "above vLLM's maximum 512"),
+    (dict(rank=8, target_modules=["no_such_layer"]), "actor.lora.target_modules"),
+    (dict(rank=8, sleep_level=3), "actor.lora.sleep_level"),
+    (dict(rank=-1), "actor.lora.rank=-1"),
+])
+def test_what_lora_cannot_do_is_refused_with_the_fix(tmp_path, model_dir, fields, message):
+    found = _problems(tmp_path, model_dir, **fields)
+    assert any(message in p for p in found), found
+
+
+@pytest.mark.parametrize("saved,message", [
+    (dict(use_dora=True), "DoRA"),
+    (dict(bias="all"), "bias none"),
+    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+    (dict(lora_dropout=0.05), "lora_dropout 0"),
+    (dict(rank_pattern={"q_proj": 4}), "rank_pattern"),
+])
+def test_a_starting_adapter_vllm_cannot_serve_is_refused(tmp_path, model_dir, saved, message):
+    found = _problems(tmp_path, model_dir, adapter_path=_adapter_dir(tmp_path, **saved))
+    assert any(message in p for p in found), found
+
+
+def test_a_plain_config_has_no_problem(tmp_path, model_dir):
+    assert _problems(tmp_path, model_dir, rank=8) == []
+    assert _problems(tmp_path, model_dir, rank=0) == []
+    assert _problems(tmp_path, model_dir, adapter_path=_adapter_dir(tmp_path), reference="init") == []
+
+
+# ---- end to end (torchrun, 2 gloo ranks)
+
+
+def _torchrun(tmp_path, name, *args, nproc=2, check=True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(nproc), os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path),
+           "--trainer.run_name", name, *args]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if check:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+def _rows(path):
+    return [json.loads(line) for line in open(path / "metrics.jsonl")]
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.slow
+def test_export_round_trips_through_peft_and_merges_in_fp32(tmp_path):
+    """A LoRA run on a Qwen2.5-shaped tied model (tests/zoo.py: real chat template, two eos ids): the end-of-run
+    adapter and ``python -m lib.export`` load in PeftModel with the trained logits; ``--merge`` gives the same logits
+    from a plain Hugging Face folder; a resume onto another base (same path, other weights) is refused."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests import zoo
+
+    base_dir = str(tmp_path / "base")
+    shutil.copytree(zoo.build("qwen2_tied", str(tmp_path / "zoo")), base_dir)
+    train, _ = zoo.write_data(str(tmp_path))
+    args = ("--actor.model.path", base_dir, "--data.train_files", train, "--trainer.val_every", "0",
+            "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward", "--trainer.total_steps", "2",
+            "--trainer.train_batch_size", "4", "--rollout.n", "4", "--rollout.max_response_length", "8",
+            "--data.max_prompt_length", "160", "--actor.lora.rank", "4", "--actor.optim.lr", "0.05",
+            "--actor.mini_batch_size", "16", "--trainer.save_every", "2")
+    _torchrun(tmp_path, "run", *args)
+    run = tmp_path / "run"
+    ids = torch.randint(4, 2048, (2, 12), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    want = _logits(PeftModel.from_pretrained(base, str(run / "adapter_final")), ids)
+    assert not torch.allclose(want, _logits(AutoModelForCausalLM.from_pretrained(base_dir), ids), atol=1e-4)
+    cli = [sys.executable, "-m", "lib.export", str(run), str(tmp_path / "exported")]
+    exported = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True)
+    assert exported.returncode == 0, exported.stderr
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    got = _logits(PeftModel.from_pretrained(base, str(tmp_path / "exported")), ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    merged = subprocess.run(cli[:-1] + [str(tmp_path / "merged"), "--merge"], cwd=ROOT, capture_output=True, text=True)
+    assert merged.returncode == 0, merged.stderr
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    assert plain.config.tie_word_embeddings  # the tie survives the merge (embeddings are never adapted)
+    torch.testing.assert_close(_logits(plain, ids), want, rtol=1e-5, atol=1e-5)
+    # the checkpoint holds the adapter with the base's hash
+    state = json.load(open(run / "checkpoints" / "step_2" / "trainer.json"))
+    assert len(state["base_hash"]) == 32
+    # other weights under the same path: the resume is refused, once, and the checkpoint is kept
+    other = tmp_path / "other"
+    AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(base_dir).config).save_pretrained(other)
+    shutil.copy(other / "model.safetensors", os.path.join(base_dir, "model.safetensors"))
+    out = _torchrun(tmp_path, "run", *args, "--trainer.total_steps", "3", check=False)
+    assert out.returncode != 0
+    assert out.stderr.count("another base model") == 1, out.stderr[-3000:]
+    assert os.path.isdir(run / "checkpoints" / "step_2")
