@@ -197,6 +197,24 @@ def test_a_sync_that_loses_the_adapter_raises(engine_run):
     assert "missing" in partial
 
 
+@pytest.mark.parametrize("shard_size", [0, 1])  # FSDP2 over both ranks; a plain replica per rank
+def test_two_ranks_match_one_process(model_dir, shard_size):
+    """LoRA training (two epochs, two mini-batches, clipping) gives the same log-probs, metrics and adapter on 1 and
+    2 ranks; the base stays what it was."""
+    from tests.test_train_engine import _train_body
+
+    (one,) = run_distributed(_train_body, model_dir, 3, False, 0, "token-mean", 4, world_size=1)
+    r0, _ = run_distributed(_train_body, model_dir, 2, False, shard_size, "token-mean", 4, world_size=2)
+    torch.testing.assert_close(r0["logp"], one["logp"], rtol=1e-5, atol=1e-5)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
+        assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), key
+    assert one["metrics"]["actor/grad_norm"] > 0
+    moved = [n for n, w in one["weights"].items() if ".lora_" in n and w.abs().sum() > 0]
+    assert any(".lora_B." in n for n in moved)
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(r0["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
+
+
 # ---- configuration
 
 

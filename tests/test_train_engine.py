@@ -21,8 +21,8 @@ def _global_batch(seed=0):
     return data
 
 
-def _actor_cfg(path, micro, dynamic=False, shard_size=0, kind_loss="vanilla", agg="token-mean"):
-    from lib.config import ActorConfig, BatchingConfig, FSDPConfig, ModelConfig, OptimConfig
+def _actor_cfg(path, micro, dynamic=False, shard_size=0, kind_loss="vanilla", agg="token-mean", lora_rank=0):
+    from lib.config import ActorConfig, BatchingConfig, FSDPConfig, LoraConfig, ModelConfig, OptimConfig
 
     return ActorConfig(model=ModelConfig(path=path), fsdp=FSDPConfig(shard_size=shard_size),
                        # eps = 1 keeps Adam's first step linear in the gradient, so a tolerance on the
@@ -31,10 +31,10 @@ def _actor_cfg(path, micro, dynamic=False, shard_size=0, kind_loss="vanilla", ag
                        batching=BatchingConfig(micro_batch_size_per_rank=micro, use_dynamic_batching=dynamic,
                                                max_tokens_per_rank=30),
                        policy_loss=kind_loss, loss_agg_mode=agg, entropy_coef=0.01, clip_ratio_high=0.28,
-                       ppo_epochs=2)
+                       ppo_epochs=2, lora=LoraConfig(rank=lora_rank))
 
 
-def _train_body(path, micro, dynamic, shard_size, agg):
+def _train_body(path, micro, dynamic, shard_size, agg, lora_rank=0):
     import torch.distributed as dist
 
     from lib.actor import Trainee, compute_log_probs, update_policy
@@ -43,8 +43,8 @@ def _train_body(path, micro, dynamic, shard_size, agg):
     from lib.optim import build_optimizer
 
     topo = init_topology(device="cpu", fsdp_shard_size=shard_size)
-    cfg = _actor_cfg(path, micro, dynamic, shard_size, agg=agg)
-    model = build_sharded_model(cfg.model, cfg.fsdp, topo)
+    cfg = _actor_cfg(path, micro, dynamic, shard_size, agg=agg, lora_rank=lora_rank)
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo, lora_cfg=cfg.lora if lora_rank else None)
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     data = _global_batch()
     per_rank = GLOBAL_ROWS // topo.world_size
