@@ -200,6 +200,8 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
             lora.inject(full, pc)
         if lora_cfg.adapter_path:
             lora.load_adapter_weights(full, lora_cfg.adapter_path)
+        if topo.device.type == "cuda" and fsdp_cfg.mixed_precision:
+            lora.cast_frozen(full, torch.bfloat16)  # the broadcast fills bf16 shards from bf16 tensors
     load_from_rank0(model, full, topo)
     del full
     models.check_not_meta(model)

@@ -373,3 +373,32 @@ def test_lora_with_the_vllm_engine(tmp_path):
             assert all(r["sync/gb"] == 0 and r["sync/adapter_tensors"] == 28 for r in train)
             versions = [r["sync/adapter_version"] for r in train]
             assert versions == sorted(set(versions)), versions
+
+
+@pytest.mark.slow
+def test_starting_from_an_adapter_with_it_as_the_reference(tmp_path):
+    """actor.lora.adapter_path: a PEFT adapter (B != 0, its own rank and targets) is trained further; with reference
+    init the KL starts at exactly 0; the engine samples from the loaded adapter from the first step; sleep level 2
+    sends the base again at every step."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lib import toy
+
+    base = toy.prepare(str(tmp_path / "toy_assets"))["model"]
+    torch.manual_seed(0)
+    start = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                          init_lora_weights=False))  # random A and B: not the base
+    start.save_pretrained(tmp_path / "start")
+    _torchrun(tmp_path, "run", "--actor.lora.adapter_path", str(tmp_path / "start"), "--actor.lora.reference", "init",
+              "--actor.use-kl-loss", "--actor.lora.sleep_level", "2", "--trainer.total_steps", "3",
+              "--trainer.val_every", "0", "--actor.mini_batch_size", "512", "--actor.optim.lr", "0.01")
+    train = [r for r in _rows(tmp_path / "run") if "actor/pg_loss" in r]
+    assert train[0]["actor/kl_loss"] < 1e-7 < train[-1]["actor/kl_loss"], [r["actor/kl_loss"] for r in train]
+    # 2 layers x 3 target modules, A and B each; the base sent at every step (level 2 frees it)
+    assert all(r["sync/adapter_tensors"] == 12 and r["sync/gb"] > 0 for r in train)
+    assert all(r["rollout/logp_abs_diff"] < 1e-5 for r in train)
+    saved = json.load(open(tmp_path / "run" / "adapter_final" / "adapter_config.json"))
+    assert saved["r"] == 4 and sorted(saved["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
