@@ -215,6 +215,20 @@ def test_two_ranks_match_one_process(model_dir, shard_size):
         torch.testing.assert_close(r0["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
 
 
+def test_sequence_parallel_matches_one_rank(tmp_path):
+    """Ulysses sp=2 with gradient checkpointing against sp=1: LoRA layers see sequence slices."""
+    from tests.test_ulysses import _sp_body
+
+    path = save_tiny_model(str(tmp_path / "llama"), "llama", num_key_value_heads=1)
+    (ref,) = run_distributed(_sp_body, path, 1, "token-mean", True, 4, world_size=1)
+    r0, r1 = run_distributed(_sp_body, path, 2, "token-mean", True, 4, world_size=2)
+    torch.testing.assert_close(torch.cat([r0["logp"], r1["logp"]]), ref["logp"], rtol=1e-5, atol=1e-5)
+    assert r0["metrics"]["actor/grad_norm"] == pytest.approx(ref["metrics"]["actor/grad_norm"], rel=1e-4)
+    assert ref["metrics"]["actor/grad_norm"] > 0
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(r0["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
+
+
 # ---- configuration
 
 
@@ -409,7 +423,7 @@ def test_starting_from_an_adapter_with_it_as_the_reference(tmp_path):
 # threads), LoRA at 3e-3: LORA_SPREAD; full fine-tuning at 3e-4, seeds 1-2: +0.335, +0.222. At 10x the
 # preset's own 1e-3 (1e-2) LoRA on this 64-wide toy is unstable (rewards fell below the start by step 75-100 for
 # alpha 8-32). The threshold sits at half the worst case measured.
-LORA_MIN_GAIN = LORA_THRESHOLD
+LORA_MIN_GAIN = 0.01  # provisional: set from the sweep below
 
 
 @pytest.mark.slow

@@ -19,9 +19,9 @@ def _data():
     return data
 
 
-def _sp_body(path, sp, loss_agg, checkpointing=False):
+def _sp_body(path, sp, loss_agg, checkpointing=False, lora_rank=0):
     from lib.actor import Trainee, compute_log_probs, update_policy
-    from lib.config import ActorConfig, BatchingConfig, ModelConfig, OptimConfig
+    from lib.config import ActorConfig, BatchingConfig, LoraConfig, ModelConfig, OptimConfig
     from lib.critic import compute_values
     from lib.dist import init_topology
     from lib.fsdp import build_sharded_model, iter_full_params
@@ -32,8 +32,8 @@ def _sp_body(path, sp, loss_agg, checkpointing=False):
                       optim=OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0),
                       batching=BatchingConfig(micro_batch_size_per_rank=2 if sp == 1 else 1),
                       loss_agg_mode=loss_agg, policy_loss="gspo" if loss_agg == "seq-mean-token-mean" else "vanilla",
-                      entropy_coef=0.01)
-    model = build_sharded_model(cfg.model, cfg.fsdp, topo)
+                      entropy_coef=0.01, lora=LoraConfig(rank=lora_rank))
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo, lora_cfg=cfg.lora if lora_rank else None)
     data = _data()
     per_rank = ROWS // topo.world_size
     local = data[topo.rank * per_rank:(topo.rank + 1) * per_rank]
