@@ -419,17 +419,21 @@ def test_starting_from_an_adapter_with_it_as_the_reference(tmp_path):
 
 
 # Held-out greedy reward of the toy task with LoRA (rank 8 on every linear layer, alpha 32) at 10x the learning rate of
-# a full fine-tuning run, step 0 -> 100 on 2 ranks. Measured on the 2-core AMD EPYC (seeds 3-6 x 1 thread, seed 1 x 2
-# threads), LoRA at 3e-3: LORA_SPREAD; full fine-tuning at 3e-4, seeds 1-2: +0.335, +0.222. At 10x the
-# preset's own 1e-3 (1e-2) LoRA on this 64-wide toy is unstable (rewards fell below the start by step 75-100 for
-# alpha 8-32). The threshold sits at half the worst case measured.
-LORA_MIN_GAIN = 0.01  # provisional: set from the sweep below
+# a full fine-tuning run, step 0 -> 100 on 2 ranks, measured on the 2-core AMD EPYC, 2026-11-23:
+#   LoRA at 3e-3, seeds 1, 3, 4, 5, 6 (1 thread per rank): +0.112, +0.050, +0.035, +0.220, +0.031; seed 1 with 2
+#   threads: +0.112 (the same curve);
+#   full fine-tuning at 3e-4, seeds 1, 2: +0.335, +0.222.
+# LoRA learns, more slowly than full fine-tuning on this toy: its head is frozen (entropy stays ~0.85 where full
+# fine-tuning reaches 0.35-0.40; the same LoRA with lm_head also adapted, which the trainer refuses for vLLM's sake,
+# reached entropy 0.13 and +0.142, seed 3). At 10x the preset's own 1e-3 (1e-2), or at 6e-3, LoRA on this 64-wide
+# toy is unstable (seed 4 at 6e-3 fell to 0.03 with entropy 2.0). The threshold sits at half the worst case measured.
+LORA_MIN_GAIN = 0.015
 
 
 @pytest.mark.slow
 def test_the_toy_task_learns_with_lora(tmp_path):
     _torchrun(tmp_path, "run", "--actor.lora.rank", "8", "--actor.lora.alpha", "32", "--actor.optim.lr", "3e-3",
-              "--trainer.total_steps", "100", "--trainer.val_every", "50")
+              "--trainer.total_steps", "100", "--trainer.val_every", "50", "--trainer.log_samples", "0")
     rows = _rows(tmp_path / "run")
     curve = [(r["step"], r["val/score_mean"]) for r in rows if "val/score_mean" in r]
     assert [s for s, _ in curve] == [0, 50, 100]
