@@ -2,10 +2,11 @@
 
     python bench/bench_lora.py [--model toy|qwen] [--rank 8] [--rows 64] [--device auto]
 
-Each mode runs in a fresh process, so its peak memory is its own: on GPU the allocator's peak over the update
-(``torch.cuda.max_memory_allocated``), on CPU the process's peak resident memory (``ru_maxrss``) minus the peak it had
-before the model was built. Also exact bytes of the training state (parameters, gradients, AdamW moments) and of a
-sync (full model, or the adapter after the first one). ``--model toy``: the embedded toy policy (lib/toy.py);
+Each mode runs in a fresh process. Peak memory: on GPU the allocator's peak over the timed updates
+(``torch.cuda.max_memory_allocated``: weights, state and activations); on CPU the largest rise of the resident memory
+during the timed updates over what the process held before them (sampled every millisecond: activations, gradients
+and the optimizer's transients; the weights and moments held throughout are the next line). Also exact bytes of the
+training state (parameters, gradients, AdamW moments) and of a sync (full model, or the adapter after the first one). ``--model toy``: the embedded toy policy (lib/toy.py);
 ``qwen``: a Qwen2.5-shaped random model (hidden 512, 8 layers, vocabulary 16384, tied). Ratios are LoRA / full.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -54,6 +54,30 @@ def batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0):
     return data
 
 
+class RssPeak:
+    """The largest rise of this process's resident memory inside the block, sampled every millisecond."""
+
+    def __enter__(self) -> "RssPeak":
+        import threading
+
+        from lib.engine.vllm import resident_gb
+
+        self._read, self._stop = resident_gb, threading.Event()
+        self.start = self.peak = resident_gb()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self._read())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.rise = int((max(self.peak, self._read()) - self.start) * 2**30)
+
+
 def run_mode(path: str, rank: int, rows: int, prompt: int, response: int, device: str, repeats: int) -> dict:
     """One mode in this process: build, warm up, time ``repeats`` updates, measure memory and sync bytes."""
     from lib import lora
@@ -66,7 +90,6 @@ def run_mode(path: str, rank: int, rows: int, prompt: int, response: int, device
 
     topo = init_topology(device=device)
     cuda = topo.device.type == "cuda"
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-4), lora=LoraConfig(rank=rank))
     cfg.batching.micro_batch_size_per_rank = 8
     model = build_sharded_model(cfg.model, cfg.fsdp, topo, lora_cfg=cfg.lora if rank else None)
@@ -77,12 +100,13 @@ def run_mode(path: str, rank: int, rows: int, prompt: int, response: int, device
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        update_policy(trainee, data, cfg)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    with RssPeak() as rss:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            update_policy(trainee, data, cfg)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
     trained = [p for p in model.parameters() if p.requires_grad]
     state = sum(p.numel() * p.element_size() for p in model.parameters())
     state += sum(2 * p.numel() * 4 for p in trained)  # gradients are freed after the step; moments stay
@@ -92,8 +116,7 @@ def run_mode(path: str, rank: int, rows: int, prompt: int, response: int, device
         sync = sum(t.numel() * t.element_size() for _, t in lora.iter_adapter(model))
     else:
         sync = sum(t.numel() * t.element_size() for _, t in iter_full_params(model, dtype))
-    peak = (torch.cuda.max_memory_allocated() if cuda
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before)
+    peak = torch.cuda.max_memory_allocated() if cuda else rss.rise
     return {"step_s": min(times), "peak_bytes": peak, "state_bytes": state + peak_grads, "sync_bytes": sync,
             "trained": sum(p.numel() for p in trained), "params": sum(p.numel() for p in model.parameters()),
             "device": str(topo.device)}
@@ -135,7 +158,7 @@ def main() -> None:
           f"{full['device']}, one process")
     print(f"  {'':<34}{'full':>12}{'lora':>12}{'lora/full':>11}")
     for label, key, scale, fmt in (("update step (s, best of repeats)", "step_s", 1, ".3f"),
-                                   ("peak memory (MiB)", "peak_bytes", mib, ".1f"),
+                                   ("peak memory of the update (MiB)", "peak_bytes", mib, ".1f"),
                                    ("params+grads+AdamW state (MiB)", "state_bytes", mib, ".1f"),
                                    ("sync per step (MiB)", "sync_bytes", mib, ".3f"),
                                    ("trained parameters (M)", "trained", 1e6, ".3f")):

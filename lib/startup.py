@@ -89,13 +89,21 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     obj = [run_dir(cfg.trainer.output_root, cfg.trainer.run_name, to_dict(cfg), sys.argv[0])]
     dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
     path = obj[0]
+    problem = ""
     try:
         inputs = check_inputs(cfg, topo.world_size, need_critic, path)
     except (ValueError, OSError) as e:  # user input: one message, no traceback, nothing loaded or written
+        problem = str(e)
+    problems: list = [None] * topo.world_size
+    # world: every rank has checked before rank 0 writes the run folder (a rank that checked after it saw a run
+    # there and refused --trainer.no-resume), and all stop together if any rank found a problem
+    dist.all_gather_object(problems, problem)
+    problem = next((p for p in problems if p), "")
+    if problem:
         if topo.is_main:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"error: {problem}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
-        raise SystemExit(2) from None
+        raise SystemExit(2)
     sizes, tokenizer, train, val, sampler = inputs.sizes, inputs.tokenizer, inputs.train, inputs.val, inputs.sampler
     start_step = inputs.start_step
     total = cfg.trainer.total_steps or cfg.trainer.epochs * sampler.steps_per_epoch

@@ -35,6 +35,15 @@ def test_no_validation_files_with_the_default_val_every(tmp_path):
 
 
 @pytest.mark.slow
+def test_no_resume_on_a_fresh_run_folder(tmp_path):
+    """--trainer.no-resume on a new run: rank 1 used to check the run folder after rank 0 had started writing it, saw
+    a run there and exited 2 (rank 0 then died in its next collective); timing-dependent, 1 failure in 1 try here."""
+    for i in range(3):
+        torchrun("train_grpo.py", tmp_path / str(i), *ONE_STEP, "--trainer.val_every", "0", "--trainer.no-resume")
+        assert len(metrics(tmp_path / str(i))) == 1
+
+
+@pytest.mark.slow
 def test_fewer_validation_rows_than_ranks(tmp_path):
     """One held-out row on two ranks: the HF engine crashed on the empty rank's batch."""
     val = write_rows(tmp_path / "val.jsonl", [toy_row("1234")])
