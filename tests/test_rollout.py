@@ -191,8 +191,14 @@ def test_stale_vllm_shared_memory_is_removed(tmp_path):
              "other-123-cpushm"]
     for n in names:
         (tmp_path / n).write_bytes(b"x")
-    assert remove_stale_shm(str(tmp_path)) == names[:1]
-    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])  # a live launch's and others' segments stay
+    # LoRA adapter folders of a crashed run (lib.engine.vllm.VLLMEngine.load_adapter), and of a live one
+    folders = [f"{SHM_PREFIX}-{dead}-lora-abc", f"{SHM_PREFIX}-{os.getpid()}-lora-def"]
+    for n in folders:
+        (tmp_path / n / "v1").mkdir(parents=True)
+        (tmp_path / n / "v1" / "adapter_model.safetensors").write_bytes(b"x")
+    assert sorted(remove_stale_shm(str(tmp_path))) == sorted([names[0], folders[0]])
+    # a live launch's and others' segments stay
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:] + folders[1:])
 
 
 def test_buckets_bound_the_size():

@@ -120,9 +120,12 @@ class VLLMEngine:
         if lora is not None:
             import tempfile
 
-            # adapter folders in memory where the machine has /dev/shm: a few MB per version, removed when replaced
+            # adapter folders in memory where the machine has /dev/shm: a few MB per version, removed when replaced;
+            # named after this process, so that the next engine removes what a crashed run left (remove_stale_shm)
             root = SHM_DIR if os.path.isdir(SHM_DIR) else None
-            self._adapter_root = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}-lora-{os.getpid()}-", dir=root)
+            if root:
+                remove_stale_shm(root)
+            self._adapter_root = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}-{os.getpid()}-lora-", dir=root)
         self.sleep(2)  # dummy weights: nothing worth keeping until the first sync
 
     def _mem(self) -> float:
@@ -410,7 +413,8 @@ def _unique_cpu_shm_names(topo: Topology) -> None:
 
 
 def remove_stale_shm(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink our vLLM shared-memory segments whose launching process (the pid in the name) no longer runs."""
+    """Remove our vLLM shared-memory segments and LoRA adapter folders whose process (the pid in the name) no longer
+    runs."""
     removed = []
     try:
         names = os.listdir(shm_dir)
@@ -421,8 +425,14 @@ def remove_stale_shm(shm_dir: str = SHM_DIR) -> list[str]:
             continue
         pid = name[len(SHM_PREFIX) + 1:].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
+            path = os.path.join(shm_dir, name)
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(shm_dir, name))
+                if os.path.isdir(path) and not os.path.islink(path):  # a crashed run's LoRA adapter folders
+                    import shutil
+
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
                 removed.append(name)
     return removed
 
