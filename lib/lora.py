@@ -310,6 +310,17 @@ def iter_merged(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[
             yield base_name(f"{name}.bias"), _full(t.to(dtype) if dtype is not None else t)
 
 
+def check_engine_load(asleep: bool, served: Any, version: int, tensors: dict) -> None:
+    """What every engine's ``load_adapter`` refuses: a sleeping engine, one built without LoRA (``served`` None), and
+    a sync that delivers no tensor."""
+    if asleep:
+        raise RuntimeError("load_adapter on a sleeping engine: call wake_up() first")
+    if served is None:
+        raise RuntimeError("load_adapter on an engine built without LoRA (pass lora=...)")
+    if not tensors:
+        raise RuntimeError(f"the adapter sync of version {version} delivered no tensors")
+
+
 def num_modules(model: nn.Module) -> int:
     return len(lora_layers(model))
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lib.engine import SamplingConfig, build_output, call_seed, expand_samples
-from lib.lora import base_name, is_adapter_param, peft_name
+from lib.lora import base_name, check_engine_load, is_adapter_param, peft_name
 from lib.models import padded_attention, retie, tied_aliases
 from lib.protocol import DataProto
 
@@ -166,12 +166,7 @@ class HFEngine:
     def load_adapter(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Write adapter ``version`` (PEFT names -> tensors) into the replica's LoRA layers, in fp32. Every adapter
         tensor must come, and nothing else: a sync that delivers none, or misses one, raises."""
-        if self.level:
-            raise RuntimeError("load_adapter on a sleeping engine: call wake_up(['weights']) first")
-        if self.lora is None:
-            raise RuntimeError("load_adapter on an engine built without LoRA (pass lora=...)")
-        if not tensors:
-            raise RuntimeError(f"the adapter sync of version {version} delivered no tensors")
+        check_engine_load(bool(self.level), self.lora, version, tensors)
         missing, extra = sorted(set(self._adapter) - set(tensors)), sorted(set(tensors) - set(self._adapter))
         if missing or extra:
             raise RuntimeError(f"adapter version {version} does not fit the engine's LoRA layers: missing {missing[:3]} "

@@ -203,14 +203,9 @@ class VLLMEngine:
 
         from vllm.lora.request import LoRARequest
 
-        from lib.lora import save_adapter
+        from lib.lora import check_engine_load, save_adapter
 
-        if self.asleep:
-            raise RuntimeError("load_adapter on a sleeping engine: call wake_up() first")
-        if self.lora is None:
-            raise RuntimeError("load_adapter on an engine built without LoRA (pass lora=...)")
-        if not tensors:
-            raise RuntimeError(f"the adapter sync of version {version} delivered no tensors")
+        check_engine_load(bool(self.asleep), self.lora, version, tensors)
         folder = os.path.join(self._adapter_root, f"v{version}")
         save_adapter(folder, tensors, self.lora)
         request = LoRARequest(f"policy-v{version}", version, folder)
