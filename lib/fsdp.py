@@ -175,7 +175,8 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     ``packed``: the model will see packed rows (batching.use_remove_padding); with sp_size > 1 (Ulysses, head
     counts checked first) or on GPU such a model attends through lib/attention.py's varlen path.
     ``lora_cfg`` (actor.lora, when enabled): LoRA layers are injected before sharding; only the adapter trains, the
-    frozen base is bf16 on GPU, a fresh adapter's init is seeded by ``seed``, and ``model.base_hash`` holds lib.lora.base_hash of the base (every rank)."""
+    frozen base is bf16 on GPU, a fresh adapter's init is seeded by ``seed``, and a trained model's ``base_hash``
+    holds lib.lora.base_hash of the base weights (on every rank; checkpoints carry it)."""
     from lib import lora, models, ulysses
 
     config = models.load_config(model_cfg.path, model_cfg.trust_remote_code)
@@ -194,7 +195,8 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     full = models.load_full(model_cfg.path, kind, attn, model_cfg.trust_remote_code) if topo.is_main else None
     digest = [None]
     if pc is not None and topo.is_main:
-        digest[0] = lora.base_hash(_base_of(full))
+        if trainable:  # a frozen reference is never checkpointed
+            digest[0] = lora.base_hash(_base_of(full))
         with torch.random.fork_rng():  # the adapter's init is seeded apart from every other generator
             torch.manual_seed(seed)
             lora.inject(full, pc)
@@ -207,8 +209,9 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     models.check_not_meta(model)
     if pc is None:
         return set_trainable(model, trainable)
-    dist.broadcast_object_list(digest, src=0)  # world: every rank checks a resume against the same base
-    model.base_hash = digest[0]
+    if trainable:
+        dist.broadcast_object_list(digest, src=0)  # world: every rank checks a resume against the same base
+        model.base_hash = digest[0]
     model.train(trainable)
     for name, param in model.named_parameters():
         param.requires_grad_(trainable and lora.is_adapter_param(name))
