@@ -196,7 +196,7 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     digest = [None]
     if pc is not None and topo.is_main:
         if trainable:  # a frozen reference is never checkpointed
-            digest[0] = lora.base_hash(_base_of(full))
+            digest[0] = lora.base_hash(iter_full_params(full))
         with torch.random.fork_rng():  # the adapter's init is seeded apart from every other generator
             torch.manual_seed(seed)
             lora.inject(full, pc)
@@ -216,7 +216,3 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     for name, param in model.named_parameters():
         param.requires_grad_(trainable and lora.is_adapter_param(name))
     return model
-
-
-def _base_of(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    return ((hf_name(n), p) for n, p in model.named_parameters())

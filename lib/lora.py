@@ -232,20 +232,18 @@ def set_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], what: str = 
 # ---- names
 
 
-def _strip(name: str) -> str:
-    from lib.fsdp import hf_name
-
-    return hf_name(name)
-
-
 def base_name(name: str) -> str:
     """Trainer name of a base parameter -> its HF name."""
-    return _strip(name).replace(".base_layer.", ".")
+    from lib.fsdp import hf_name
+
+    return hf_name(name).replace(".base_layer.", ".")
 
 
 def peft_name(name: str) -> str:
     """Trainer name of an adapter parameter -> its name in PEFT's adapter file."""
-    name = _strip(name).replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
+    from lib.fsdp import hf_name
+
+    name = hf_name(name).replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
     return PEFT_PREFIX + name
 
 
