@@ -131,15 +131,18 @@ def rloo(token_level_rewards: Tensor, response_mask: Tensor, index: Any, **_: An
 
 def reinforce_plus_plus(token_level_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0,
                         reduce: Reduce | None = None, **_: Any) -> tuple[Tensor, Tensor]:
-    """REINFORCE++ (Hu 2025): discounted return, reset after the response ends, whitened over the batch."""
+    """REINFORCE++ (Hu 2025): discounted return over the sampled tokens, whitened over the batch. Departure from
+    verl, whose return restarts at every masked token: here it passes masked tokens (a multi-turn row's observations)
+    unchanged, so earlier turns get the episode's reward; on rows without inner masked tokens the two agree."""
     with torch.no_grad():
         mask = response_mask.to(token_level_rewards.dtype)
         returns = torch.zeros_like(token_level_rewards)
         running = torch.zeros_like(token_level_rewards[:, 0])
         for t in reversed(range(token_level_rewards.shape[1])):
-            running = token_level_rewards[:, t] + gamma * running
+            # a masked token (padding, or a multi-turn row's observation) neither adds nor discounts: the return
+            # passes it unchanged to the sampled tokens before it
+            running = torch.where(mask[:, t] > 0, token_level_rewards[:, t] + gamma * running, running)
             returns[:, t] = running
-            running = running * mask[:, t]
         return masked_whiten(returns, mask, reduce) * mask, returns
 
 

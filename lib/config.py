@@ -266,6 +266,31 @@ class RewardConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    tools: str = ""
+    """Tools the policy may call over several turns: ``path/to/file.py:name``, where name is a function, a list or
+    dict of functions, or an environment class (``reset(**row)``, public tool methods, ``reward()``, ``close()``).
+    "": single-turn rollouts."""
+    format: str = "hermes"
+    """The tool-call parser: hermes (Hermes/Qwen ``<tool_call>{json}</tool_call>``) or llama3_json (Llama-3.1's
+    JSON object)."""
+    max_turns: int = 4
+    """Assistant turns per episode, at most (1: one turn, its tool calls never run)."""
+    max_response_tokens: int = 0
+    """Tokens after the prompt over all turns, sampled and observation tokens alike. 0: rollout.max_response_length."""
+    max_tokens_per_turn: int = 0
+    """Sampled tokens per assistant turn, at most. 0: no cap below the episode's budget."""
+    max_tool_calls_per_turn: int = 1
+    """Tool calls run per turn; further calls of the turn get an observation saying so."""
+    tool_response_max_tokens: int = 256
+    """A tool's answer is cut to this many tokens, and the cut is marked."""
+    tool_timeout_s: float = 10.0
+    """Per-call time limit; a call past it is killed with its worker process and answered with an error."""
+    tool_workers: int = 2
+    """Tool worker processes per rank."""
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 0
     """Training steps. 0: epochs x steps per epoch."""
@@ -308,6 +333,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -667,6 +693,9 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
     from lib import lora
 
     problems += lora.problems(a.lora, model_config, r.engine)
+    from lib.multi_turn import config_problems
+
+    problems += config_problems(cfg)
     if "wandb" in t.logger:
         import importlib.util
 

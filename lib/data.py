@@ -103,9 +103,11 @@ class PromptSet:
 
 def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, truncation: str = "filter",
                  apply_chat_template: bool = True, limit: int = 0, known_sources: set[str] | None = None,
-                 bad_rows: str = "error") -> PromptSet:
+                 bad_rows: str = "error", tool_schemas: dict[str, dict] | None = None) -> PromptSet:
     """Every row is checked (``row_problem``, and a prompt must tokenize to something): ``bad_rows="error"`` refuses
-    the first bad row naming its file and row number; ``"skip"`` drops bad rows and counts them in ``stats``."""
+    the first bad row naming its file and row number; ``"skip"`` drops bad rows and counts them in ``stats``.
+    ``tool_schemas`` (multi-turn rollouts, by tool name): the chat template shows each row the tools it offers (its
+    ``tools`` column, else those its ``extra_info.tools_kwargs`` names, else all; lib.multi_turn.tools.row_tools)."""
     if truncation not in TRUNCATION:
         raise ValueError(f"data.truncation must be one of {TRUNCATION}, got {truncation!r}")
     ids, texts, sources, truths, extras, others, messages = [], [], [], [], [], [], []
@@ -119,12 +121,12 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
             problem = row_problem(row, known_sources)
             if not problem:
                 prompt = row["prompt"]
-                if apply_chat_template and isinstance(prompt, list):
-                    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-                else:
-                    text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
-                tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-                problem = "" if tokens else "the prompt tokenizes to nothing"
+                try:
+                    text = _prompt_text(row, tokenizer, apply_chat_template, tool_schemas)
+                except ValueError as e:  # a row that offers tools nobody defined
+                    text, problem = "", str(e)
+                tokens = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+                problem = problem or ("" if tokens else "the prompt tokenizes to nothing")
             if problem:
                 if bad_rows == "error":
                     raise ValueError(f"{path} row {number}: {problem} (fix the row, or set --data.bad_rows skip to "
@@ -159,6 +161,20 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
                          f"{stats['bad_rows']} bad rows{': ' + first_bad if first_bad else ''})")
     obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731 - keeps dicts/lists as objects
     return PromptSet(ids, texts, obj(sources), obj(truths), obj(extras), stats, obj(others), obj(messages))
+
+
+def _prompt_text(row: dict, tokenizer: Any, apply_chat_template: bool, tool_schemas: dict | None) -> str:
+    prompt = row["prompt"]
+    if apply_chat_template and isinstance(prompt, list):
+        kwargs = {}
+        if tool_schemas is not None:
+            from lib.multi_turn.tools import row_tools
+
+            extra = row.get("extra_info")
+            kwargs["tools"] = row_tools(row.get("tools"), extra.get("tools_kwargs") if isinstance(extra, dict)
+                                        else None, tool_schemas)
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kwargs)
+    return prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
 
 
 def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> DataProto:

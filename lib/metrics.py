@@ -7,6 +7,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lib.dist import reduce_metrics
+from lib.multi_turn import loop as multi_turn_loop
 from lib.protocol import DataProto
 from lib.rewards import FAILURE_KINDS
 from lib.startup import Run
@@ -42,7 +43,8 @@ def samples_to_log(run: Run, batch: DataProto, k: int) -> list[tuple[str, str, f
              float(batch.non_tensor_batch["scores"][i])) for i in range(k)]
 
 
-SUMMED_METRICS = tuple(f"reward/{kind}" for kind in FAILURE_KINDS)  # counts: summed over ranks and rounds
+# counts: summed over ranks and rounds
+SUMMED_METRICS = tuple(f"reward/{kind}" for kind in FAILURE_KINDS) + multi_turn_loop.SUMMED
 
 
 def global_metrics(run: Run, metrics: dict[str, float]) -> dict[str, float]:

@@ -36,7 +36,11 @@ def generate(run: Run, prompts: DataProto, validate: bool = False) -> tuple[Data
         move_optimizer(run.actor.optimizer, "cpu")
     metrics = enter_rollout(run.actor.model, run.engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20,
                             cfg.actor.fsdp.param_offload, run.lora)
-    out = run.engine.generate(prompts, validate=validate)
+    if run.multi_turn is not None:
+        out = run.multi_turn.rollout(run.engine, prompts, validate)
+        metrics.update(out.meta_info.pop("multi_turn"))
+    else:
+        out = run.engine.generate(prompts, validate=validate)
     level = run.lora.sleep_level if run.lora is not None else 2
     exit_rollout(run.actor.model, run.engine, run.topo.device, level, cfg.actor.fsdp.param_offload)
     if cfg.actor.fsdp.optimizer_offload:

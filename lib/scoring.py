@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from lib import algos
 from lib.protocol import DataProto
-from lib.rewards.scorer import Scored
+from lib.rewards.scorer import Scored, last_sampled
 from lib.startup import Run
 
 
@@ -22,7 +22,7 @@ def score(run: Run, batch: DataProto) -> dict[str, float]:
         lengths = batch.batch["response_mask"].sum(-1)
         penalty = algos.overlong_penalty(lengths, run.cfg.rollout.max_response_length, a.overlong_buffer,
                                          a.overlong_penalty_factor)
-        last = (lengths.long() - 1).clamp(min=0)
+        last = last_sampled(batch.batch["response_mask"])
         scores[torch.arange(len(batch)), last] += penalty.to(scores.dtype) * (lengths > 0)
         metrics["reward/overlong_penalty"] = float(penalty.mean())
     batch.batch["token_level_scores"] = scores

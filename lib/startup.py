@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import checkpoint, lora, toy
+from lib import checkpoint, lora, multi_turn, toy
 from lib.config import Config, Sizes, resolve, to_dict, validate
 from lib.data import PromptSet, Sampler, check_files, load_prompts
 from lib.dist import Topology, init_topology
@@ -30,6 +30,9 @@ from lib.engine import SamplingConfig, plan_kv_cache
 from lib.fsdp import build_sharded_model
 from lib.logging import RunLogger, excepthook_rank, run_dir
 from lib.models import load_config, load_tokenizer, stop_token_ids
+from lib.multi_turn.loop import MultiTurn
+from lib.multi_turn.render import ObservationRenderer
+from lib.multi_turn.tools import load_tools, schemas
 from lib.optim import build_optimizer
 from lib.rewards import RULES, check_truth_source, load_custom
 from lib.rewards.scorer import RewardModel, Scorer
@@ -55,6 +58,8 @@ class Run:
     """The KL reference; the actor's own model (its LoRA adapter switched off) with actor.lora.reference base."""
     lora: Any = None
     """lib.lora.Sync of a LoRA policy (None: full fine-tuning)."""
+    multi_turn: MultiTurn | None = None
+    """Multi-turn rollouts with tools (None: one turn)."""
     data_position: int = 0
     """Prompt batches drawn from the data stream so far (one per step; more with dynamic sampling). Checkpointed."""
     bad_steps: int = 0
@@ -130,7 +135,8 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
                          cfg.reward.rm_offload)
         logger.print(rm.describe())
     scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers)
-    return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer)
+    tools = MultiTurn(cfg.multi_turn, tokenizer, cfg.rollout.max_response_length) if multi_turn.enabled(cfg) else None
+    return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer, multi_turn=tools)
 
 
 @dataclass
@@ -162,8 +168,12 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     tokenizer = load_tokenizer(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
     d = cfg.data
     known = None if cfg.reward.custom_fn or cfg.reward.reward_model else set(RULES)  # an RM scores any row
+    tool_schemas = None
+    if multi_turn.enabled(cfg):
+        tool_schemas = schemas(load_tools(cfg.multi_turn.tools), cfg.multi_turn.tools)
+        ObservationRenderer(tokenizer)  # a template that cannot render tool messages is refused here
     load = lambda files: load_prompts(files, tokenizer, d.max_prompt_length, d.truncation,  # noqa: E731
-                                      d.apply_chat_template, d.limit, known, d.bad_rows)
+                                      d.apply_chat_template, d.limit, known, d.bad_rows, tool_schemas)
     train = load(d.train_files)
     val = load(d.val_files) if d.val_files and cfg.trainer.val_every else None
     if cfg.reward.custom_fn:
@@ -173,21 +183,21 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
 
 
 def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:
-    """``toy`` in the model path or data files means the embedded task: rank 0 builds it once (``topo`` None: a
-    single process, lib/check.py)."""
-    uses_toy = cfg.actor.model.path == "toy" or "toy" in cfg.data.train_files or "toy" in cfg.data.val_files
-    if not uses_toy:
-        return
-    assets = os.path.join(cfg.trainer.output_root, "toy_assets")
-    if topo is None or topo.is_main:
-        toy.prepare(assets, seed=0)
-    if topo is not None:
-        dist.barrier()
-    paths = toy.prepare(assets, seed=0)  # already built: just the paths
-    if cfg.actor.model.path == "toy":
-        cfg.actor.model.path = paths["model"]
-    cfg.data.train_files = [paths["train"] if f == "toy" else f for f in cfg.data.train_files]
-    cfg.data.val_files = [paths["val"] if f == "toy" else f for f in cfg.data.val_files]
+    """``toy`` (``toy_tool``: the tool variant) in the model path or data files means the embedded task: rank 0
+    builds it once (``topo`` None: a single process, lib/check.py)."""
+    for name, build in (("toy", toy.prepare), ("toy_tool", toy.prepare_tool)):
+        if not (cfg.actor.model.path == name or name in cfg.data.train_files or name in cfg.data.val_files):
+            continue
+        assets = os.path.join(cfg.trainer.output_root, f"{name}_assets")
+        if topo is None or topo.is_main:
+            build(assets, seed=0)
+        if topo is not None:
+            dist.barrier()
+        paths = build(assets, seed=0)  # already built: just the paths
+        if cfg.actor.model.path == name:
+            cfg.actor.model.path = paths["model"]
+        cfg.data.train_files = [paths["train"] if f == name else f for f in cfg.data.train_files]
+        cfg.data.val_files = [paths["val"] if f == name else f for f in cfg.data.val_files]
 
 
 def build_models(run: Run, with_ref: bool) -> None:
@@ -308,6 +318,8 @@ def finish(run: Run) -> None:
         run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
     run.logger.close()
     run.scorer.close()
+    if run.multi_turn is not None:
+        run.multi_turn.close()
     run.engine.close()  # vLLM tears its groups down (and the default one) now, not in an atexit hook
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,5 +1,9 @@
 """The embedded default: a character-level tokenizer, a tiny Qwen2 model, and a task with a checkable answer.
 
+The tool variant (``toy_tool``, multi-turn rollouts): the prompt is a four-digit key, the digits sit behind the
+``lookup`` tool, and the answer is them backwards; the model can only score by calling the tool. Its tokenizer is
+ChatML-shaped (``<|im_start|>``, ``<|im_end|>`` as the turn's stop token, Hermes ``<tool_call>`` tags).
+
 Task: write a sequence of digits backwards. The prompt shows four digits ("3,7,1,5,"), the answer is
 "5,1,7,3", and the reward is the length of the correct prefix over the longer of answer and response.
 2000 distinct sequences train, 100 others are held out for validation. The model is warm-started with a
@@ -15,8 +19,6 @@ import os
 import random
 import shutil
 import socket
-
-import torch
 
 CHARS = list("0123456789,")
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -69,6 +71,8 @@ def write_jsonl(path: str, pairs: list[tuple[int, int]], repeats: int) -> None:
 
 def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
     """A few supervised steps on prompt + answer + eos so the format is known (loss on the answer only)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
@@ -96,6 +100,7 @@ def build_policy(tokenizer, train_pairs, seed: int = 0, warm_steps: int = 60, he
                  max_positions: int = 64):
     """The toy policy: a 2-layer Qwen2 (hidden 64) warm-started on the task. heads=2 gives head size 32, the
     smallest vLLM's CPU attention takes (the vLLM end-to-end test uses it)."""
+    import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
@@ -142,15 +147,150 @@ def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60,
         if not _complete(path):
             raise ValueError(f"{path} holds an incomplete toy build; remove the folder and run again") from None
     return out
-    os.makedirs(data_dir, exist_ok=True)
-    tokenizer = build_tokenizer(model_dir)
-    train_pairs, val_pairs = split_pairs(seed, digits=digits)
-    write_jsonl(out["train"], train_pairs, repeats=1)
-    write_jsonl(out["val"], val_pairs, repeats=1)
-    model = build_policy(tokenizer, train_pairs, seed, warm_steps, max_positions=max(64, 4 * digits[1] + 16))
-    tmp = model_dir + ".tmp"
-    model.save_pretrained(tmp)
-    for name in os.listdir(tmp):  # weights appear in the model folder only once complete
-        os.replace(os.path.join(tmp, name), os.path.join(model_dir, name))
-    os.rmdir(tmp)
+
+
+# ---- the tool variant: the digits behind a tool call
+
+TOOL_SPECIAL = ["<|im_start|>", "<|im_end|>"]
+TOOL_WORDS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "user", "assistant",
+              '"name"', '"arguments"', '"lookup"', '"key"']
+TOOL_CHARS = list(dict.fromkeys("0123456789,{}\":_ .'\n" + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ()[]=-"))
+TOOL_TEMPLATE = ("{%- for m in messages -%}"
+                 "{%- if m['role'] == 'tool' -%}"
+                 "{{ '<|im_start|>user\\n<tool_response>' + m['content'] + '</tool_response><|im_end|>\\n' }}"
+                 "{%- else -%}"
+                 "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                 "{%- endif -%}"
+                 "{%- endfor -%}"
+                 "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+TOOL_KEY_DIGITS = 4
+TOOL_WARM_STEPS = 60
+
+
+def lookup(key: str) -> str:
+    """Look up the digits stored under a key.
+
+    Args:
+        key: The four-digit key from the question.
+    """
+    if len(key) != TOOL_KEY_DIGITS or not key.isdigit():
+        raise ValueError(f"a key is {TOOL_KEY_DIGITS} digits, got {key!r}")
+    return example(tool_digits(key))[0]
+
+
+def tool_digits(key: str) -> tuple[int, ...]:
+    """The digits behind a key: a fixed pseudo-random function of it (nothing to learn from the key itself)."""
+    rng = random.Random(f"toy-tool-{key}")
+    return tuple(rng.randrange(10) for _ in range(DIGITS))
+
+
+def tool_call_text(key: str) -> str:
+    return '<tool_call>{"name":"lookup","arguments":{"key":"' + key + '"}}</tool_call>'
+
+
+def build_tool_tokenizer(path: str):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL + TOOL_SPECIAL + TOOL_WORDS + TOOL_CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in TOOL_WORDS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token="<bos>",
+                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<eos>"])
+    fast.chat_template = TOOL_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def split_keys(seed: int = 0, num_train: int = 2000, num_val: int = 100) -> tuple[list[str], list[str]]:
+    rng = random.Random(seed)
+    seen: dict[str, None] = {}
+    while len(seen) < num_train + num_val:
+        seen["".join(str(rng.randrange(10)) for _ in range(TOOL_KEY_DIGITS))] = None
+    keys = list(seen)
+    return keys[:num_train], keys[num_train:]
+
+
+def write_tool_jsonl(path: str, keys: list[str]) -> None:
+    with open(path, "w") as f:
+        for i, key in enumerate(keys):
+            answer = example(tool_digits(key))[1]
+            f.write(json.dumps({"prompt": [{"role": "user", "content": key}], "data_source": "toy",
+                                "reward_model": {"ground_truth": answer, "style": "rule"},
+                                "extra_info": {"index": i}}) + "\n")
+
+
+def tool_episode(tokenizer, key: str) -> tuple[list[int], list[int]]:
+    """The ids of a solved episode as the multi-turn rollout builds it, and its labels (-100 off the sampled turns):
+    the prompt, the tool call, the observation (lib.multi_turn.render), the answer."""
+    from lib.multi_turn.render import ObservationRenderer, tool_message
+
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    end = tokenizer.eos_token
+    prompt = enc(tokenizer.apply_chat_template([{"role": "user", "content": key}], add_generation_prompt=True,
+                                               tokenize=False))
+    call = enc(tool_call_text(key) + end)
+    obs = ObservationRenderer(tokenizer).observation_ids([tool_message("lookup", lookup(key))], end)
+    answer = enc(example(tool_digits(key))[1] + end)
+    ids = prompt + call + obs + answer
+    labels = [-100] * len(prompt) + call + [-100] * len(obs) + answer
+    return ids, labels
+
+
+def warm_start_tool(model, tokenizer, keys: list[str], steps: int, seed: int) -> None:
+    """Supervised steps on whole solved episodes (loss on the sampled turns only), so the format is known."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        rows = [tool_episode(tokenizer, keys[i]) for i in torch.randint(0, len(keys), (32,), generator=g).tolist()]
+        width = max(len(r[0]) for r in rows)
+        ids = torch.tensor([r[0] + [tokenizer.pad_token_id] * (width - len(r[0])) for r in rows])
+        labels = torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in rows])
+        mask = torch.tensor([[1] * len(r[0]) + [0] * (width - len(r[0])) for r in rows])
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0, warm_steps: int = TOOL_WARM_STEPS) -> dict[str, str]:
+    """Build (once) the tool variant's tokenizer, warm-started model and data files; returns their paths."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    model_dir, data_dir = os.path.join(path, "model"), os.path.join(path, "data")
+    out = {"model": model_dir, "train": os.path.join(data_dir, "train.jsonl"),
+           "val": os.path.join(data_dir, "val.jsonl")}
+    if _complete(path):
+        return out
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "data"))
+    tokenizer = build_tool_tokenizer(os.path.join(tmp, "model"))
+    train_keys, val_keys = split_keys(seed)
+    write_tool_jsonl(os.path.join(tmp, "data", "train.jsonl"), train_keys)
+    write_tool_jsonl(os.path.join(tmp, "data", "val.jsonl"), val_keys)
+    torch.manual_seed(seed)
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<eos>")]
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                         bos_token_id=tokenizer.bos_token_id)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    warm_start_tool(model, tokenizer, train_keys, warm_steps, seed)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(os.path.join(tmp, "model"))
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _complete(path):
+            raise ValueError(f"{path} holds an incomplete toy build; remove the folder and run again") from None
     return out

@@ -1,6 +1,8 @@
 """Rollout engines with one interface (DESIGN.md "Contracts"):
 
-``generate(DataProto, validate=False) -> DataProto``, ``sleep(level)``, ``wake_up(tags)``,
+``generate(DataProto, validate=False) -> DataProto``; ``generate_ids(prompts, max_tokens, validate, key) -> [Turn]``
+(token ids in, ids and log-probs out, one sample per request, each with its own token cap; the multi-turn loop's
+call, ``key`` standing for the seed key) and ``stop_ids(validate)``; ``sleep(level)``, ``wake_up(tags)``,
 ``load_weights(iterable of (name, tensor))``, ``reset_prefix_cache()``, ``close()`` (at the end of a run, before
 the process group goes).
 
@@ -44,12 +46,36 @@ class SamplingConfig:
     """Base seed; each data-parallel rollout group derives its own from it."""
 
 
+@dataclass
+class Turn:
+    """One request's result from an engine's ``generate_ids`` (token in, token out; multi-turn rollouts)."""
+
+    ids: list[int]
+    """The sampled ids, the stop token included."""
+    logps: list[float]
+    """Their log-probs (see the module docstring)."""
+    stopped: bool
+    """Ended on a stop token; else cut by the request's token cap."""
+
+
+def turns_from(responses: list[list[int]], logps: list[list[float]], caps: list[int], stop: set[int]) -> list[Turn]:
+    """Each request's ids cut to its own cap (a batch samples up to the largest; sampling is causal, so the cut
+    equals stopping there), and whether it ended on a stop token."""
+    out = []
+    for ids, lp, cap in zip(responses, logps, caps):
+        ids, lp = ids[:cap], lp[:cap]
+        out.append(Turn(ids, lp, bool(ids) and ids[-1] in stop))
+    return out
+
+
 def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positions: torch.Tensor,
                  responses: list[list[int]], log_probs: list[list[float]] | None, pad_id: int,
-                 response_width: int | None = None) -> dict[str, torch.Tensor]:
+                 response_width: int | None = None,
+                 sampled_masks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """The rollout fields from left-padded prompts and each row's generated ids (eos included).
 
-    responses (B, R) right-padded with pad_id; response_mask 1 on generated tokens; input_ids = prompts +
+    responses (B, R) right-padded with pad_id; response_mask 1 on generated tokens (``sampled_masks``: 1 on the
+    tokens sampled, 0 on the observations between a multi-turn row's turns); input_ids = prompts +
     responses; attention_mask likewise; position_ids continue each prompt's last position through R
     (padding too, as the reference does); rollout_log_probs (B, R) with 0 on padding."""
     # prompts, prompt_mask, prompt_positions: (B, P)
@@ -59,16 +85,20 @@ def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positi
     out = torch.full((batch, width), pad_id, dtype=torch.long)
     mask = torch.zeros(batch, width, dtype=torch.long)
     logp = torch.zeros(batch, width, dtype=torch.float32)
+    sampled = torch.zeros(batch, width, dtype=torch.float32)
     for i, ids in enumerate(responses):
         n = min(len(ids), width)
         out[i, :n] = torch.tensor(ids[:n], dtype=torch.long)
         mask[i, :n] = 1
+        if sampled_masks is not None:
+            sampled[i, :n] = torch.tensor(sampled_masks[i][:n], dtype=torch.float32)
         if log_probs is not None:
             logp[i, :n] = torch.tensor(log_probs[i][:n], dtype=torch.float32)
+    response_mask = (sampled if sampled_masks is not None else mask.to(torch.float32)).to(device)
     out, mask, logp = out.to(device), mask.to(device), logp.to(device)
     last = prompt_positions[:, -1:]
     positions = last + torch.arange(1, width + 1, device=device)[None, :]
-    fields = {"prompts": prompts, "responses": out, "response_mask": mask.to(torch.float32),
+    fields = {"prompts": prompts, "responses": out, "response_mask": response_mask,
               "input_ids": torch.cat([prompts, out], 1), "attention_mask": torch.cat([prompt_mask.long(), mask], 1),
               "position_ids": torch.cat([prompt_positions, positions], 1)}
     if log_probs is not None:

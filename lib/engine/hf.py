@@ -8,13 +8,14 @@ the sampler draws from its own ``torch.Generator``, never from the training RNG.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from lib.engine import SamplingConfig, build_output, call_seed, expand_samples
+from lib.engine import SamplingConfig, Turn, build_output, call_seed, expand_samples, turns_from
 from lib.lora import base_name, check_engine_load, is_adapter_param, peft_name
 from lib.models import padded_attention, retie, tied_aliases
 from lib.protocol import DataProto
@@ -204,7 +205,7 @@ class HFEngine:
         mask = data.batch["attention_mask"].to(self.device)
         pos = data.batch["position_ids"].to(self.device)
         gen = self._generator(sp.seed, validate, key)
-        stop = torch.tensor(sorted(set(self.eos_ids) | set(sp.stop_token_ids)), device=self.device)
+        stop = torch.tensor(self.stop_ids(validate), device=self.device)
         per_chunk = max(1, self.batch_tokens // ((ids.shape[1] + sp.max_new_tokens) * sp.n))
         responses, logprob_lists = [], []
         for start in range(0, ids.shape[0], per_chunk):
@@ -220,6 +221,41 @@ class HFEngine:
         num_tokens = sum(len(r) for r in responses)
         meta = {"generate_s": elapsed, "generated_tokens": num_tokens, "tokens_per_s": num_tokens / max(elapsed, 1e-9)}
         return DataProto.from_dict(fields, dict(data.non_tensor_batch), {**data.meta_info, **meta})
+
+    def stop_ids(self, validate: bool = False) -> list[int]:
+        sp = self.val_sampling if validate else self.sampling
+        return sorted(set(self.eos_ids) | set(sp.stop_token_ids))
+
+    @torch.no_grad()
+    def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any) -> list[Turn]:
+        """One sample per prompt (token ids, no padding), each cut at its own ``max_tokens``: a multi-turn loop's
+        turn. Prompts are left-padded and generated in chunks of ``batch_tokens`` as in ``generate``; the samples
+        come from the generator of (seed, rank, validate, ``key``)."""
+        if self.level:
+            raise RuntimeError("generate on a sleeping engine: call wake_up() first")
+        if not prompts:
+            return []
+        sp = self.val_sampling if validate else self.sampling
+        one = dataclasses.replace(sp, n=1, max_new_tokens=max(max_tokens))
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
+        gen = self._generator(sp.seed, validate, key)
+        stop_list = self.stop_ids(validate)
+        stop = torch.tensor(stop_list, device=self.device)
+        per_chunk = max(1, self.batch_tokens // (width + one.max_new_tokens))
+        responses, logps = [], []
+        for start in range(0, len(prompts), per_chunk):
+            rows = slice(start, start + per_chunk)
+            r, lp = self._generate_chunk(ids[rows], mask[rows], pos[rows], one, gen, stop)
+            responses += r
+            logps += lp
+        return turns_from(responses, logps, max_tokens, set(stop_list))
 
     def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
                         gen: torch.Generator, stop: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:

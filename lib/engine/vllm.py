@@ -19,6 +19,7 @@ Version differences (vLLM 0.25 .. 0.33) stay in the small adapter functions at t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from lib.dist import Topology, all_gather
-from lib.engine import SamplingConfig, build_output, call_seed, expand_samples, request_seeds
+from lib.engine import SamplingConfig, Turn, build_output, call_seed, expand_samples, request_seeds, turns_from
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
 from lib.protocol import DataProto
 
@@ -292,6 +293,31 @@ class VLLMEngine:
         n = sum(len(r) for r in responses)
         meta = {"generate_s": elapsed, "generated_tokens": n, "tokens_per_s": n / max(elapsed, 1e-9)}
         return DataProto.from_dict(fields, dict(data.non_tensor_batch), {**data.meta_info, **meta})
+
+    def stop_ids(self, validate: bool = False) -> list[int]:
+        sp = self.val_sampling if validate else self.sampling
+        return sorted(set(self.eos_ids) | set(sp.stop_token_ids))
+
+    def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any) -> list[Turn]:
+        """Same contract as HFEngine.generate_ids: one seeded request per prompt, each with its own max_tokens
+        (vLLM stops each request at its cap, so nothing is cut afterwards). A TP group is not supported here
+        (multi-turn rollouts refuse rollout.tp_size > 1 at start-up)."""
+        if self.asleep:
+            raise RuntimeError(f"generate on a sleeping engine ({sorted(self.asleep)} asleep): call wake_up() first")
+        if not prompts:
+            return []
+        sp = self.val_sampling if validate else self.sampling
+        seed = call_seed(sp.seed, self.group, validate, key)
+        params = _sampling_params(dataclasses.replace(sp, n=1), self.eos_ids, request_seeds(seed, len(prompts)))
+        for p, cap in zip(params, max_tokens):
+            p.max_tokens = cap
+        with rng_kept_apart(self.device):
+            torch.manual_seed(seed)
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                        lora_request=self._lora_request)
+        responses = [list(o.outputs[0].token_ids) for o in outputs]
+        logps = [_sampled_logprobs(o.outputs[0]) for o in outputs]
+        return turns_from(responses, logps, max_tokens, set(self.stop_ids(validate)))
 
 
 @contextlib.contextmanager

@@ -36,22 +36,33 @@ FAILURE_KINDS = ("errors", "invalid", "exits", "crashes", "timeouts")
 worker process; ran past reward.timeout_s."""
 
 
-def load_custom(spec: str) -> ScoreFn:
-    """``path/to/file.py:function`` -> the function (checked before any model loads)."""
+def load_object(spec: str, what: str = "custom reward") -> Any:
+    """``path/to/file.py:name`` -> that object of the file (checked before any model loads). A relative path that is
+    not found from the working directory is looked up from the project's root (``lib/toy.py:lookup``)."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ValueError(f"custom reward {spec!r} must look like path/to/file.py:function_name")
+        raise ValueError(f"{what} {spec!r} must look like path/to/file.py:name")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if not os.path.isfile(path) and not os.path.isabs(path) and os.path.isfile(os.path.join(root, path)):
+        path = os.path.join(root, path)
     if not os.path.isfile(path):
-        raise ValueError(f"custom reward file {path!r} does not exist")
-    module_spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(path))}", path)
+        raise ValueError(f"{what} file {path!r} does not exist")
+    module_spec = importlib.util.spec_from_file_location(f"custom_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
     except BaseException as e:  # noqa: BLE001 - user code: any failure to import is a config error
-        raise ValueError(f"custom reward file {path} failed to import: {type(e).__name__}: {e}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
+        raise ValueError(f"{what} file {path} failed to import: {type(e).__name__}: {e}") from None
+    if not hasattr(module, name):
         raise ValueError(f"{path} has no function {name!r}")
+    return getattr(module, name)
+
+
+def load_custom(spec: str) -> ScoreFn:
+    """``path/to/file.py:function`` -> the function (checked before any model loads)."""
+    fn = load_object(spec)
+    if not callable(fn):
+        raise ValueError(f"custom reward {spec}: {type(fn).__name__} is not a function")
     return fn
 
 

@@ -24,12 +24,12 @@ Result = tuple[float, dict, Any, str, str]  # score, numeric extras, answer, fai
 
 
 class _Worker:
-    def __init__(self, custom: str):
+    def __init__(self, custom: str, mode: str = "score"):
         parent_read, child_write = os.pipe()
         child_read, parent_write = os.pipe()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen([sys.executable, "-m", "lib.rewards.worker", str(child_read),
-                                      str(child_write), custom], pass_fds=(child_read, child_write), env=env,
+                                      str(child_write), custom, mode], pass_fds=(child_read, child_write), env=env,
                                      cwd=ROOT, stdin=subprocess.DEVNULL)
         os.close(child_read)
         os.close(child_write)
@@ -51,13 +51,27 @@ class _Worker:
         self.outbox.close()
 
 
-class RewardPool:
-    def __init__(self, custom: str = "", timeout_s: float = 10.0, num_workers: int = 2):
-        self.custom, self.timeout_s = custom, timeout_s
-        self.workers = [_Worker(custom) for _ in range(max(1, num_workers))]
+def _score_failed(kind: str, message: str) -> Result:
+    return 0.0, {}, None, kind, message
 
-    def score(self, items: list[tuple]) -> list[Result]:
-        """items: (data_source, text, ground_truth, extra_info[, columns]) per sample -> a Result per sample, in order."""
+
+class RewardPool:
+    """``mode`` score: samples are (data_source, text, ground_truth, extra_info[, columns]) -> a Result each. ``mode``
+    tools: ``custom`` is a tools spec (lib/multi_turn/tools.py) and items are tool calls (name, arguments, bound
+    keyword arguments) -> (observation text, failure kind, message) each; a killed call is answered by
+    ``tools.failed``."""
+
+    def __init__(self, custom: str = "", timeout_s: float = 10.0, num_workers: int = 2, mode: str = "score"):
+        self.custom, self.timeout_s, self.mode = custom, timeout_s, mode
+        if mode == "tools":
+            from lib.multi_turn.tools import failed
+            self.failed = failed
+        else:
+            self.failed = _score_failed
+        self.workers = [_Worker(custom, mode) for _ in range(max(1, num_workers))]
+
+    def score(self, items: list[tuple]) -> list[Any]:
+        """One result per item, in order (see the class docstring); also how tool calls are run."""
         results: list[Result | None] = [None] * len(items)
         size = max(1, -(-len(items) // (4 * len(self.workers))))  # a few chunks per worker balance the load
         queue = deque((i, *items[i]) for i in range(len(items)))
@@ -86,7 +100,8 @@ class RewardPool:
                     except subprocess.TimeoutExpired:
                         code = None
                     self._replace(worker, busy, idle, queue, results, items, "crashes",
-                                  f"the scorer's worker process died (exit code {code})")
+                                  f"the {'scorer' if self.mode == 'score' else 'tool'}'s worker process died (exit "
+                                  f"code {code})")
                     continue
                 results[index] = tuple(result)
                 worker.chunk.popleft()
@@ -105,14 +120,14 @@ class RewardPool:
         """Kill a worker, fail its current sample, requeue the rest of its chunk, start a fresh worker."""
         del busy[worker.inbox]
         current, *rest = worker.chunk
-        results[current] = (0.0, {}, None, kind, message)
+        results[current] = self.failed(kind, message)
         queue.extendleft(reversed([(i, *items[i]) for i in rest]))
         idle.append(self._fresh(worker))
 
     def _fresh(self, worker: _Worker) -> _Worker:
         """A new worker in a lost one's place."""
         worker.kill()
-        fresh = _Worker(self.custom)
+        fresh = _Worker(self.custom, self.mode)
         self.workers[self.workers.index(worker)] = fresh
         return fresh
 

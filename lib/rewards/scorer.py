@@ -27,6 +27,14 @@ class Scored:
     messages: dict[str, str]
 
 
+def last_sampled(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last position with mask 1 (0 for a row without one): where its score goes. A multi-turn row's
+    observations (mask 0) may follow sampled tokens, so this is not the mask's sum minus one."""
+    # mask: (B, T)
+    positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    return ((mask > 0) * positions).argmax(-1)
+
+
 class Scorer:
     def __init__(self, tokenizer: Any, custom: str = "", timeout_s: float = 10.0, reward_model: Any = None,
                  num_workers: int = 2):
@@ -38,8 +46,11 @@ class Scorer:
 
     def __call__(self, data: DataProto) -> Scored:
         responses, mask = data.batch["responses"], data.batch["response_mask"]
-        texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, self.tokenizer.pad_token_id).tolist(),
-                                            skip_special_tokens=True)
+        if "solution_str" in data.non_tensor_batch:  # multi-turn rows: the last turn's text is what is judged
+            texts = list(data.non_tensor_batch["solution_str"])
+        else:
+            texts = self.tokenizer.batch_decode(responses.masked_fill(mask == 0, self.tokenizer.pad_token_id).tolist(),
+                                                skip_special_tokens=True)
         n = len(data)
         sources = data.non_tensor_batch.get("data_source", np.array(["toy"] * n, dtype=object))
         truths = data.non_tensor_batch.get("ground_truth", np.array([None] * n, dtype=object))
@@ -68,9 +79,9 @@ class Scorer:
             scores = [s + r for s, r in zip(scores, rm)]
             sums["rm_score"] = rm
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-        lengths = mask.sum(-1).long().cpu()  # scores are placed on CPU, then follow the batch's device
-        rows = torch.nonzero(lengths > 0).flatten()
-        token_scores[rows, lengths[rows] - 1] = torch.tensor(scores, dtype=torch.float32)[rows]
+        m = mask.cpu()  # scores are placed on CPU, then follow the batch's device
+        rows = torch.nonzero(m.sum(-1) > 0).flatten()
+        token_scores[rows, last_sampled(m)[rows]] = torch.tensor(scores, dtype=torch.float32)[rows]
         metrics = {f"reward/{k}": float(v) for k, v in counts.items()}
         metrics.update({f"reward/{k}": float(np.mean(v)) for k, v in sums.items()})
         return Scored(token_scores.to(mask.device), metrics, scores, [r[2] for r in results], texts, messages)

@@ -1,4 +1,5 @@
-"""A reward worker process: ``python -m lib.rewards.worker READ_FD WRITE_FD CUSTOM_SPEC``.
+"""A reward worker process: ``python -m lib.rewards.worker READ_FD WRITE_FD CUSTOM_SPEC [MODE]``. With MODE
+``tools`` it runs tool calls instead (CUSTOM_SPEC names the tools; lib/multi_turn/tools.py).
 
 Receives chunks of samples ``[(index, data_source, text, ground_truth, extra_info, columns), ...]`` and sends one result
 per sample, ``(index, score, extras, answer, kind, message)``, as soon as it is scored, so the pool can tell
@@ -38,14 +39,21 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     inbox, outbox = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
-    custom = load_custom(argv[2]) if len(argv) > 2 and argv[2] else None
+    if len(argv) > 3 and argv[3] == "tools":
+        from lib.multi_turn.tools import load_tools, run_call
+
+        tools = load_tools(argv[2])
+        handle = lambda *item: run_call(tools, *item)  # noqa: E731
+    else:
+        custom = load_custom(argv[2]) if len(argv) > 2 and argv[2] else None
+        handle = lambda *sample: score_one(custom, *sample)  # noqa: E731
     while True:
         try:
             chunk = inbox.recv()
         except (EOFError, OSError):
             return
         for index, *sample in chunk:
-            outbox.send((index, *score_one(custom, *sample)))
+            outbox.send((index, *handle(*sample)))
 
 
 if __name__ == "__main__":

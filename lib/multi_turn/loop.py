@@ -1,0 +1,210 @@
+"""The multi-turn rollout: per turn, one batched generate over this rank's active episodes, then their tool calls.
+
+An episode is one sample (n per prompt, interleaved as in single-turn rollouts). Its row is built token by token:
+the prompt, then for each turn the ids the engine sampled (kept exactly, ``response_mask`` 1, the engine's
+log-probs) and the observation that follows (rendered by lib/multi_turn/render.py, ``response_mask`` 0, log-prob 0).
+An episode ends at a turn without a tool call (its answer), at ``max_turns``, or when the token budget runs out: a
+turn cut by ``max_tokens_per_turn`` or the episode's budget, or an observation that would not leave room for one
+more sampled token. At every turn the engine's input is checked to be an exact prefix of the final row.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lib.engine import build_output, expand_samples
+from lib.multi_turn.parsers import PARSERS, Parsed
+from lib.multi_turn.render import ObservationRenderer, tool_message
+from lib.multi_turn.tools import KINDS, bound_kwargs, failed
+from lib.protocol import DataProto
+
+FINISH = ("answer", "max_turns", "length", "budget")
+"""How an episode ends: a turn without a tool call; max_turns turns; a turn cut by max_tokens_per_turn; the
+episode's token budget (a turn cut by it, or an observation that does not fit)."""
+
+
+@dataclass
+class Episode:
+    prompt: list[int]
+    allowed: set[str] | None  # tool names the row offers (None: every loaded tool)
+    tools_kwargs: Any
+    response: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)  # the length of the engine's input at each turn
+    input_ids: list[list[int]] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    last_text: str = ""
+    finish: str = ""
+
+    def sampled(self, ids: list[int], logps: list[float]) -> None:
+        self.response += ids
+        self.mask += [1] * len(ids)
+        self.logps += logps
+
+    def observed(self, ids: list[int]) -> None:
+        self.response += ids
+        self.mask += [0] * len(ids)
+        self.logps += [0.0] * len(ids)
+
+
+class MultiTurn:
+    """The multi-turn rollout of one rank: the parser, the observation renderer and the tool workers."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, max_response_length: int, pool: Any = None,
+                 chat_template: str | None = None):
+        """``cfg``: lib.config.MultiTurnConfig. ``pool``: something with ``score(items)`` running tool calls
+        (default: tool worker processes, lib/rewards/pool.py in mode tools)."""
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.parse = PARSERS[cfg.format]
+        self.renderer = ObservationRenderer(tokenizer, chat_template)
+        self.budget = cfg.max_response_tokens or max_response_length
+        if pool is None:
+            from lib.rewards.pool import RewardPool
+
+            pool = RewardPool(cfg.tools, cfg.tool_timeout_s, cfg.tool_workers, mode="tools")
+        self.pool = pool
+        self.truncation_marker = " [truncated]"
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # ---- one rollout
+
+    def rollout(self, engine: Any, data: DataProto, validate: bool = False) -> DataProto:
+        """Left-padded prompts -> the rollout fields of lib.engine.build_output (``response_mask`` on sampled tokens
+        only, ``attention_mask`` on every token of the row), n episodes per prompt, and per row ``solution_str``
+        (the last turn's text, what the scorer judges) and ``num_turns``. Metrics in ``meta_info["multi_turn"]``."""
+        sp = engine.val_sampling if validate else engine.sampling
+        key = data.meta_info.get("seed_key", engine.calls[validate])
+        data = expand_samples(data, sp.n)
+        ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
+        nt = data.non_tensor_batch
+        columns = nt.get("columns", np.array([None] * len(data), dtype=object))
+        extras = nt.get("extra_info", np.array([None] * len(data), dtype=object))
+        episodes = []
+        for row, m, col, extra in zip(ids, mask, columns, extras):
+            offered = (col or {}).get("tools") if isinstance(col, dict) else None
+            allowed = {s.get("function", s).get("name") for s in offered} if offered else None
+            kwargs = extra.get("tools_kwargs") if isinstance(extra, dict) else None
+            episodes.append(Episode(row[m.bool()].tolist(), allowed, kwargs))
+        counts = dict.fromkeys(KINDS + ("malformed", "over_limit", "truncations"), 0)
+        t0, gen_s, sampled_total, turn_rows = time.perf_counter(), 0.0, 0, []
+        stop_ids = set(engine.stop_ids(validate))
+        for turn in range(self.cfg.max_turns):
+            active = [e for e in episodes if not e.finish]
+            if not active:
+                break
+            caps = [min(self.cfg.max_tokens_per_turn or self.budget, self.budget - len(e.response)) for e in active]
+            for e in active:
+                e.inputs.append(len(e.prompt) + len(e.response))
+                e.input_ids.append(e.prompt + e.response)
+            t_gen = time.perf_counter()
+            outs = engine.generate_ids([e.prompt + e.response for e in active], caps, validate, (key, turn))
+            gen_s += time.perf_counter() - t_gen
+            turn_rows.append(len(active))
+            calls = []  # (episode, call) pairs to run, in order
+            observations: dict[int, list] = {}
+            for e, out, cap in zip(active, outs, caps):
+                e.sampled(out.ids, out.logps)
+                e.turns += 1
+                sampled_total += len(out.ids)
+                text = self.tokenizer.decode(out.ids, skip_special_tokens=False)
+                stop_text = self.tokenizer.decode(out.ids[-1:], skip_special_tokens=False) if out.stopped else ""
+                if stop_text and text.endswith(stop_text):
+                    text = text[:-len(stop_text)]
+                e.last_text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
+                if not out.stopped:
+                    e.finish = "budget" if len(e.response) >= self.budget else "length"
+                    continue
+                parsed: Parsed = self.parse(text)
+                if not parsed.any:
+                    e.finish = "answer"
+                    continue
+                if e.turns >= self.cfg.max_turns:
+                    e.finish = "max_turns"
+                    continue
+                obs = observations.setdefault(id(e), [stop_text])
+                for message in parsed.errors:
+                    counts["malformed"] += 1
+                    obs.append(tool_message("error", failed("malformed", message)[0]))
+                for i, call in enumerate(parsed.calls):
+                    if i >= self.cfg.max_tool_calls_per_turn:
+                        counts["over_limit"] += 1
+                        obs.append(tool_message(call.name, failed("over_limit", f"only {self.cfg.max_tool_calls_per_turn} "
+                                                                 f"tool calls run per turn")[0]))
+                    elif e.allowed is not None and call.name not in e.allowed:
+                        counts["invalid"] += 1
+                        obs.append(tool_message(call.name, failed("invalid", f"tool {call.name!r} is not offered "
+                                                                             f"here; the tools are {sorted(e.allowed)}")[0]))
+                    else:
+                        e.tool_calls += 1
+                        obs.append(len(calls))  # filled in below, in the call's place
+                        calls.append((call.name, call.arguments, bound_kwargs(e.tools_kwargs, call.name)))
+            results = self.pool.score(calls) if calls else []
+            for e in active:
+                if e.finish:
+                    continue
+                stop_text, *parts = observations[id(e)]
+                messages = []
+                for part in parts:
+                    if isinstance(part, int):
+                        name = calls[part][0]
+                        text, kind, _ = results[part]
+                        if kind:
+                            counts[kind] += 1
+                        part = tool_message(name, self._cut(text, counts))
+                    messages.append(part)
+                obs_ids = self.renderer.observation_ids(messages, stop_text)
+                if len(e.response) + len(obs_ids) >= self.budget:  # no room left for a sampled token after it
+                    e.finish = "budget"
+                    continue
+                e.observed(obs_ids)
+        for e in episodes:
+            e.finish = e.finish or "max_turns"
+            final = e.prompt + e.response
+            for ids in e.input_ids:  # token in, token out: every turn's input is a prefix of the final row
+                if final[:len(ids)] != ids:
+                    raise RuntimeError("multi-turn rollout: an engine input is not a prefix of its final row")
+            e.input_ids = []
+        engine.calls[validate] += 1
+        fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
+                              [e.response for e in episodes], [e.logps for e in episodes],
+                              self.tokenizer.pad_token_id, sampled_masks=[e.mask for e in episodes])
+        obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731
+        non_tensor = dict(nt, solution_str=obj([e.last_text for e in episodes]),
+                          num_turns=obj([e.turns for e in episodes]))
+        elapsed = time.perf_counter() - t0
+        n = max(len(episodes), 1)
+        observed = sum(len(e.response) for e in episodes) - sampled_total
+        metrics = {"multi_turn/turns_mean": sum(e.turns for e in episodes) / n,
+                   "multi_turn/turns_max": float(max((e.turns for e in episodes), default=0)),
+                   "multi_turn/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
+                   "multi_turn/sampled_tokens_mean": sampled_total / n,
+                   "multi_turn/observation_tokens_mean": observed / n,
+                   "multi_turn/generate_s": gen_s, "multi_turn/tools_s": elapsed - gen_s,
+                   "multi_turn/sampled_tokens_per_s": sampled_total / max(gen_s, 1e-9),
+                   "multi_turn/rows_per_turn_mean": float(np.mean(turn_rows)) if turn_rows else 0.0}
+        metrics.update({f"multi_turn/tool_{k}": float(v) for k, v in counts.items()})
+        metrics.update({f"multi_turn/finish_{f}": sum(e.finish == f for e in episodes) / n for f in FINISH})
+        meta = {"generate_s": elapsed, "generated_tokens": sampled_total,
+                "tokens_per_s": sampled_total / max(elapsed, 1e-9), "multi_turn": metrics}
+        return DataProto.from_dict(fields, non_tensor, {**data.meta_info, **meta})
+
+    def _cut(self, text: str, counts: dict) -> str:
+        """A tool's answer cut to tool_response_max_tokens tokens, the cut marked."""
+        limit = self.cfg.tool_response_max_tokens
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if limit and len(ids) > limit:
+            counts["truncations"] += 1
+            return self.tokenizer.decode(ids[:limit], skip_special_tokens=False) + self.truncation_marker
+        return text
+
+
+SUMMED = tuple(f"multi_turn/tool_{k}" for k in KINDS + ("malformed", "over_limit", "truncations"))
+"""The counts among the metrics (summed over ranks and rounds)."""

@@ -1,0 +1,65 @@
+"""Observation tokens: what the chat template puts between one assistant turn and the next.
+
+The model's own tokens are never re-rendered (token in, token out). Only the tool messages are rendered, as the
+difference between the chat template applied to a stand-in conversation with and without them:
+
+    render(base)                                        = ... assistant SENTINEL <tail>
+    render(base + tool messages, generation prompt)     = ... assistant SENTINEL <tail> <tool turns> <next prompt>
+
+Everything after the stand-in assistant's content is the template's own: ``<tail>`` is how it closes an assistant
+turn (Qwen: ``<|im_end|>\\n``), the rest is the observation. The model's turn ended with a stop token; where the tail
+starts with that token's text, the rest of the tail (Qwen: ``\\n``) is the boundary we insert. Templates rewrite
+earlier turns (Qwen3 strips past reasoning) only before the sentinel, which is why the stand-in is cut there and
+not compared as a prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SENTINEL = "SPMDRL-ASSISTANT-CONTENT"
+
+
+class ObservationRenderer:
+    def __init__(self, tokenizer: Any, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.template = chat_template  # None: the tokenizer's own
+        self._base = [{"role": "user", "content": "SPMDRL-USER"}, {"role": "assistant", "content": SENTINEL}]
+        self.tail = self._after_sentinel(self._apply(self._base, False))
+
+    def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
+        kwargs = {"chat_template": self.template} if self.template else {}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                                  **kwargs)
+
+    @staticmethod
+    def _after_sentinel(text: str) -> str:
+        at = text.find(SENTINEL)
+        if at < 0:
+            raise ValueError("the chat template does not render an assistant message's content as given, so tool "
+                             "observations cannot be rendered from it")
+        return text[at + len(SENTINEL):]
+
+    def boundary_text(self, stop_text: str) -> str:
+        """What the template puts after an assistant turn that ended with ``stop_text`` (the decoded stop token;
+        "" when the turn did not end on one) before the next message."""
+        if stop_text and self.tail.startswith(stop_text):
+            return self.tail[len(stop_text):]
+        return self.tail
+
+    def observation_text(self, messages: list[dict], stop_text: str) -> str:
+        """The text between an assistant turn that ended with ``stop_text`` and the model's next turn: the boundary,
+        the tool messages, the generation prompt."""
+        full = self._after_sentinel(self._apply(self._base + list(messages), True))
+        if not full.startswith(self.tail):
+            raise ValueError(f"the chat template closes an assistant turn differently when tool messages follow "
+                             f"({full[:40]!r} vs {self.tail!r}); multi-turn rendering needs a template that does not")
+        return self.boundary_text(stop_text) + full[len(self.tail):]
+
+    def observation_ids(self, messages: list[dict], stop_text: str) -> list[int]:
+        return self.tokenizer(self.observation_text(messages, stop_text), add_special_tokens=False)["input_ids"]
+
+
+def tool_message(name: str, content: str) -> dict:
+    """A tool's answer as a chat message (role tool; the templates that want a name or an id read these)."""
+    return {"role": "tool", "name": name, "content": content}
