@@ -79,6 +79,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tok = _as_saved(tok, path)
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
             raise ValueError(f"tokenizer at {path!r} has neither a pad nor an eos token; add one to its "
@@ -87,6 +88,29 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+def _as_saved(tok: Any, path: str) -> Any:
+    """The tokenizer as its tokenizer.json defines it. transformers 5 builds the class its config.json's model type
+    maps to (Qwen2Tokenizer for any qwen2 model) and that class puts its own pre-tokenizer and normaliser in place of
+    the file's: a character-level tokenizer saved beside a Qwen2 model then silently drops newlines and spaces.
+    Where the pipelines differ, the file's wins (loaded without the model-type class)."""
+    import json
+
+    file = os.path.join(path, "tokenizer.json")
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or not os.path.isfile(file):
+        return tok
+    with open(file, encoding="utf-8") as f:
+        saved = json.load(f)
+    loaded = json.loads(backend.to_str())
+    if all(saved.get(k) == loaded.get(k) for k in ("pre_tokenizer", "normalizer")):
+        return tok
+    from transformers import PreTrainedTokenizerFast
+
+    log.warning("tokenizer at %s: %s replaces the pre-tokenizer or normaliser of its tokenizer.json; loading the "
+                "file's own", path, type(tok).__name__)
+    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def _auto_class(kind: str) -> Any:

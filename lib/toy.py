@@ -164,7 +164,9 @@ TOOL_TEMPLATE = ("{%- for m in messages -%}"
                  "{%- endfor -%}"
                  "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
 TOOL_KEY_DIGITS = 4
-TOOL_WARM_STEPS = 60
+TOOL_WARM_STEPS = 350
+TOOL_MIX_STEPS = 100
+TOOL_SHARE = 0.25
 
 
 def lookup(key: str) -> str:
@@ -239,15 +241,32 @@ def tool_episode(tokenizer, key: str) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
-def warm_start_tool(model, tokenizer, keys: list[str], steps: int, seed: int) -> None:
-    """Supervised steps on whole solved episodes (loss on the sampled turns only), so the format is known."""
+def guess_episode(tokenizer, key: str, rng: random.Random) -> tuple[list[int], list[int]]:
+    """An episode that answers at once, without the tool: four digits guessed (right by chance only)."""
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = enc(tokenizer.apply_chat_template([{"role": "user", "content": key}], add_generation_prompt=True,
+                                               tokenize=False))
+    answer = enc(example(tuple(rng.randrange(10) for _ in range(DIGITS)))[1] + tokenizer.eos_token)
+    return prompt + answer, [-100] * len(prompt) + answer
+
+
+def warm_start_tool(model, tokenizer, keys: list[str], steps: int, seed: int, tool_share: float = TOOL_SHARE,
+                    mix_steps: int = TOOL_MIX_STEPS) -> None:
+    """Supervised steps on whole episodes (loss on the sampled turns only): first ``steps`` on episodes that call
+    the tool and answer right (the format, and copying the key and the digits), then ``mix_steps`` where only a share
+    ``tool_share`` of them do and the rest guess at once. RL then has to learn that the tool pays."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
-    for _ in range(steps):
-        rows = [tool_episode(tokenizer, keys[i]) for i in torch.randint(0, len(keys), (32,), generator=g).tolist()]
+    with_tool = [tool_episode(tokenizer, key) for key in keys]
+    guessed = [guess_episode(tokenizer, key, rng) for key in keys]
+    for step in range(steps + mix_steps):
+        picks = torch.randint(0, len(keys), (32,), generator=g).tolist()
+        use_tool = (torch.rand(32, generator=g) < (tool_share if step >= steps else 1.0)).tolist()
+        rows = [with_tool[i] if t else guessed[i] for i, t in zip(picks, use_tool)]
         width = max(len(r[0]) for r in rows)
         ids = torch.tensor([r[0] + [tokenizer.pad_token_id] * (width - len(r[0])) for r in rows])
         labels = torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in rows])
@@ -259,7 +278,8 @@ def warm_start_tool(model, tokenizer, keys: list[str], steps: int, seed: int) ->
     model.eval()
 
 
-def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0, warm_steps: int = TOOL_WARM_STEPS) -> dict[str, str]:
+def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0, warm_steps: int = TOOL_WARM_STEPS,
+                 tool_share: float = TOOL_SHARE) -> dict[str, str]:
     """Build (once) the tool variant's tokenizer, warm-started model and data files; returns their paths."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -280,10 +300,10 @@ def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0, warm_steps: 
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<eos>")]
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                          bos_token_id=tokenizer.bos_token_id)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    warm_start_tool(model, tokenizer, train_keys, warm_steps, seed)
+    warm_start_tool(model, tokenizer, train_keys, warm_steps, seed, tool_share)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = eos
     model.save_pretrained(os.path.join(tmp, "model"))

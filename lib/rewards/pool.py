@@ -112,7 +112,8 @@ class RewardPool:
             now = time.monotonic()
             for worker in [w for w in busy.values() if now - w.since > self.timeout_s]:
                 self._replace(worker, busy, idle, queue, results, items, "timeouts",
-                              f"the scorer ran past reward.timeout_s={self.timeout_s:g} s")
+                              f"the scorer ran past reward.timeout_s={self.timeout_s:g} s" if self.mode == "score"
+                              else f"the tool ran past multi_turn.tool_timeout_s={self.timeout_s:g} s")
         return results  # type: ignore[return-value]
 
     def _replace(self, worker: _Worker, busy: dict, idle: list, queue: deque, results: list, items: list,

@@ -1,0 +1,55 @@
+"""Tools for the multi-turn tests: well-behaved ones and ones that misbehave in each way a tool can."""
+
+import os
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def echo(text: str, secret: str = "") -> str:
+    """Repeat a text back.
+
+    Args:
+        text: What to repeat.
+        secret: Bound by the data row (extra_info.tools_kwargs), never by the model.
+    """
+    return text + secret
+
+
+def sleepy(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def broken(x: int) -> str:
+    """Raise an exception.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError(f"broken tool got {x}")
+
+
+def killer(x: int) -> str:
+    """Kill its own process.
+
+    Args:
+        x: Anything.
+    """
+    os._exit(9)
+
+
+TOOLS = [add, echo, sleepy, broken, killer]

@@ -1,0 +1,236 @@
+"""Multi-turn rollouts with tools (lib/multi_turn): a scripted engine gives fixed turns, so ids, masks, log-probs,
+turn and tool counts are checked exactly; tools run in real worker processes (time-outs, exceptions, crashes)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from lib import toy
+from lib.config import MultiTurnConfig
+from lib.data import collate, load_prompts
+from lib.engine import SamplingConfig, Turn
+from lib.multi_turn.loop import MultiTurn
+from lib.multi_turn.parsers import parse_hermes, parse_llama3_json
+from lib.multi_turn.render import ObservationRenderer, tool_message
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOLS = os.path.join(HERE, "data", "mt_tools.py") + ":TOOLS"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The toy tool task's tokenizer: ChatML-shaped, <|im_end|> and <eos> both end a turn, Hermes tool tags."""
+    return toy.build_tool_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+def call(name, **args):
+    return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+
+
+class ScriptedEngine:
+    """Answers each episode's turns from a script: {user content: [turn text, ...]}. Each turn's ids are the
+    tokenised text plus <|im_end|>; log-probs are -(position + 1) / 100 over the episode's sampled tokens."""
+
+    def __init__(self, tokenizer, script, n=1):
+        self.tok, self.script = tokenizer, script
+        self.sampling = SamplingConfig(n=n)
+        self.val_sampling = SamplingConfig(temperature=0.0)
+        self.calls = {False: 0, True: 0}
+        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.seen: list[tuple[list[int], int]] = []  # (input ids, cap) per request
+        self.turn: dict[str, int] = {}
+        self.sampled: dict[str, int] = {}
+
+    def stop_ids(self, validate=False):
+        return [self.end, self.tok.convert_tokens_to_ids("<eos>")]
+
+    def _who(self, ids):
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        return next(k for k in self.script if f"user\n{k}<|im_end|>" in text)
+
+    def generate_ids(self, prompts, caps, validate, key):
+        out = []
+        for ids, cap in zip(prompts, caps):
+            self.seen.append((list(ids), cap))
+            who = self._who(ids)
+            turn = self.turn.get(who, 0)
+            self.turn[who] = turn + 1
+            text = self.script[who][turn]
+            full = self.tok(text, add_special_tokens=False)["input_ids"] + [self.end]
+            start = self.sampled.get(who, 0)
+            cut = full[:cap]
+            self.sampled[who] = start + len(cut)
+            out.append(Turn(cut, [-(start + i + 1) / 100 for i in range(len(cut))], len(full) <= cap))
+        return out
+
+
+class LocalPool:
+    """Runs calls in this process (the scripted tests that do not test the workers)."""
+
+    def __init__(self, spec):
+        from lib.multi_turn.tools import load_tools
+
+        self.tools = load_tools(spec)
+
+    def score(self, items):
+        from lib.multi_turn.tools import run_call
+
+        return [run_call(self.tools, *item) for item in items]
+
+    def close(self):
+        pass
+
+
+def prompts(tokenizer, rows, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from lib.multi_turn.tools import load_tools, schemas
+
+    ps = load_prompts([str(path)], tokenizer, 32, known_sources=None, tool_schemas=schemas(load_tools(TOOLS)))
+    return collate(ps, np.arange(len(ps)), 32, tokenizer.pad_token_id)
+
+
+def row(key, **extra):
+    return {"prompt": [{"role": "user", "content": key}], "data_source": "toy",
+            "reward_model": {"ground_truth": "x"}, **extra}
+
+
+def enc(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def run(tokenizer, script, rows, tmp_path, pool=None, **cfg):
+    cfg = MultiTurnConfig(tools=TOOLS, **{"max_turns": 4, **cfg})
+    mt = MultiTurn(cfg, tokenizer, 200, pool=pool or LocalPool(TOOLS))
+    engine = ScriptedEngine(tokenizer, script)
+    out = mt.rollout(engine, prompts(tokenizer, rows, tmp_path))
+    mt.close()
+    return out, engine
+
+
+def observation(tokenizer, *messages):
+    return ObservationRenderer(tokenizer).observation_ids(list(messages), "<|im_end|>")
+
+
+def test_two_turns_exact_ids_masks_and_log_probs(tokenizer, tmp_path):
+    script = {"1": [call("add", a=2, b=3), "5"]}
+    out, engine = run(tokenizer, script, [row("1")], tmp_path)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turn1 = enc(tokenizer, call("add", a=2, b=3)) + [end]
+    obs = observation(tokenizer, tool_message("add", "5"))
+    # the template closes the turn with "\n" after the sampled <|im_end|>: the one boundary token we insert
+    assert tokenizer.convert_ids_to_tokens(obs[:4]) == ["\n", "<|im_start|>", "user", "\n"]
+    turn2 = enc(tokenizer, "5") + [end]
+    b = out.batch
+    width = len(turn1) + len(obs) + len(turn2)
+    assert b["responses"][0, :width].tolist() == turn1 + obs + turn2
+    assert b["response_mask"][0, :width].tolist() == [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
+    assert b["attention_mask"][0, -b["responses"].shape[1]:][:width].tolist() == [1] * width
+    sampled = [-(i + 1) / 100 for i in range(len(turn1) + len(turn2))]
+    expect = sampled[:len(turn1)] + [0.0] * len(obs) + sampled[len(turn1):]
+    assert b["rollout_log_probs"][0, :width].tolist() == pytest.approx(expect)
+    assert out.non_tensor_batch["num_turns"][0] == 2
+    assert out.non_tensor_batch["solution_str"][0] == "5"
+    m = out.meta_info["multi_turn"]
+    assert (m["multi_turn/turns_mean"], m["multi_turn/tool_calls_mean"], m["multi_turn/finish_answer"]) == (2, 1, 1)
+    assert m["multi_turn/sampled_tokens_mean"] == len(turn1) + len(turn2)
+    assert m["multi_turn/observation_tokens_mean"] == len(obs)
+    # the engine's second input is the prompt and everything so far: an exact prefix of the final row
+    prompt = b["prompts"][0][b["attention_mask"][0, :b["prompts"].shape[1]].bool()].tolist()
+    assert engine.seen[1][0] == prompt + turn1 + obs
+
+
+def test_malformed_and_unknown_calls_get_an_error_observation(tokenizer, tmp_path):
+    script = {"1": ["<tool_call>{not json</tool_call>", "a"], "2": [call("nope", x=1), "b"],
+              "3": [call("add", a=1), "c"], "4": ["<tool_call>{\"name\": \"add\"", "d"]}
+    out, _ = run(tokenizer, script, [row(k) for k in script], tmp_path)
+    text = tokenizer.batch_decode(out.batch["responses"].masked_fill(out.batch["response_mask"] == 1, 0),
+                                  skip_special_tokens=True)
+    assert "Error: the tool call is not valid JSON" in text[0]
+    assert "Error: unknown tool 'nope'" in text[1]
+    assert "Error: bad arguments for add" in text[2]
+    assert "Error: a <tool_call> was not closed" in text[3]
+    m = out.meta_info["multi_turn"]
+    assert m["multi_turn/tool_malformed"] == 2 and m["multi_turn/tool_invalid"] == 2
+    assert m["multi_turn/turns_mean"] == 2 and m["multi_turn/tool_calls_mean"] == 0.5
+    assert list(out.non_tensor_batch["solution_str"]) == ["a", "b", "c", "d"]
+
+
+def test_tools_that_sleep_raise_or_kill_cost_their_call_only(tokenizer, tmp_path):
+    from lib.rewards.pool import RewardPool
+
+    pool = RewardPool(TOOLS, timeout_s=1.0, num_workers=2, mode="tools")
+    script = {"1": [call("sleepy", seconds=30), "a"], "2": [call("broken", x=1), "b"],
+              "3": [call("killer", x=1), "c"], "4": [call("add", a=2, b=2), "d"]}
+    out, _ = run(tokenizer, script, [row(k) for k in script], tmp_path, pool=pool)
+    text = tokenizer.batch_decode(out.batch["responses"].masked_fill(out.batch["response_mask"] == 1, 0),
+                                  skip_special_tokens=True)
+    assert "ran past multi_turn.tool_timeout_s=1 s" in text[0]
+    assert "broken raised RuntimeError: broken tool got 1" in text[1]
+    assert "worker process died" in text[2]
+    assert "<tool_response>4</tool_response>" in text[3]
+    m = out.meta_info["multi_turn"]
+    assert (m["multi_turn/tool_timeouts"], m["multi_turn/tool_errors"], m["multi_turn/tool_crashes"]) == (1, 1, 1)
+    assert list(out.non_tensor_batch["solution_str"]) == ["a", "b", "c", "d"]  # every episode went on
+
+
+def test_budgets_and_max_turns(tokenizer, tmp_path):
+    script = {"1": [call("add", a=1, b=1), "2,2,2,2,2,2"], "2": ["1234567890" * 5], "3": [call("add", a=1, b=2), "x"]}
+    rows = [row(k) for k in script]
+    # a turn cut by max_tokens_per_turn
+    cap = len(enc(tokenizer, call("add", a=1, b=1))) + 1
+    out, _ = run(tokenizer, script, rows, tmp_path, max_tokens_per_turn=cap)
+    lengths = out.batch["response_mask"].sum(-1).tolist()
+    assert lengths[1] == cap
+    assert out.meta_info["multi_turn"]["multi_turn/finish_length"] == pytest.approx(1 / 3)
+    # the episode's budget runs out mid-turn: the row is exactly max_response_tokens long
+    turn1 = len(enc(tokenizer, call("add", a=1, b=1))) + 1
+    obs = len(observation(tokenizer, tool_message("add", "2")))
+    budget = turn1 + obs + 4
+    out, engine = run(tokenizer, script, rows, tmp_path, max_response_tokens=budget)
+    assert out.batch["attention_mask"][0, -out.batch["responses"].shape[1]:].sum() == budget
+    assert out.batch["response_mask"][0].sum() == turn1 + 4
+    assert [c for ids, c in engine.seen if len(ids) > 20][0] == 4  # the second turn was asked for 4 at most
+    # an observation that leaves no room for a sampled token is not appended
+    out, _ = run(tokenizer, script, rows, tmp_path, max_response_tokens=turn1 + obs)
+    assert out.batch["attention_mask"][0, -out.batch["responses"].shape[1]:].sum() == turn1
+    assert out.non_tensor_batch["num_turns"][0] == 1
+    # max_turns 1: the call is sampled but never run
+    out, _ = run(tokenizer, script, rows, tmp_path, max_turns=1)
+    m = out.meta_info["multi_turn"]
+    assert m["multi_turn/tool_calls_mean"] == 0 and m["multi_turn/turns_mean"] == 1
+    assert m["multi_turn/finish_max_turns"] == pytest.approx(2 / 3)
+    assert torch.equal(out.batch["response_mask"], out.batch["attention_mask"][:, -out.batch["responses"].shape[1]:]
+                       .float())
+
+
+def test_calls_past_the_per_turn_limit_and_row_tools(tokenizer, tmp_path):
+    two = call("add", a=1, b=1) + call("add", a=2, b=2)
+    script = {"1": [two, "a"], "2": [call("add", a=1, b=1), "b"], "3": [call("echo", text="hi"), "c"]}
+    schema = {"type": "function", "function": {"name": "echo", "parameters": {}}}
+    rows = [row("1"), row("2", tools=[schema]), row("3", extra_info={"tools_kwargs": {"echo": {
+        "create_kwargs": {"secret": "7"}}}})]
+    out, _ = run(tokenizer, script, rows, tmp_path, max_tool_calls_per_turn=1)
+    text = tokenizer.batch_decode(out.batch["responses"].masked_fill(out.batch["response_mask"] == 1, 0),
+                                  skip_special_tokens=True)
+    assert "<tool_response>2</tool_response>" in text[0] and "only 1 tool calls run per turn" in text[0]
+    assert "tool 'add' is not offered here" in text[1]  # the row's tools column offers echo only
+    assert "<tool_response>hi7</tool_response>" in text[2]  # the row's bound argument
+    assert out.meta_info["multi_turn"]["multi_turn/tool_over_limit"] == 1
+
+
+def test_parsers():
+    p = parse_hermes('a <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><tool_call>{"name": "g", '
+                     '"arguments": "{\\"y\\": 2}"}</tool_call>')
+    assert [(c.name, c.arguments) for c in p.calls] == [("f", {"x": 1}), ("g", {"y": 2})] and not p.errors
+    assert not parse_hermes("the answer is 4").any
+    assert parse_hermes('<tool_call>["f"]</tool_call>').errors
+    p = parse_llama3_json('<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}')
+    assert [(c.name, c.arguments) for c in p.calls] == [("f", {"x": 1}), ("g", {})]
+    assert not parse_llama3_json("The answer is {x}").any
+    assert parse_llama3_json('{"name": "f", "parameters": ').errors
