@@ -164,8 +164,8 @@ TOOL_TEMPLATE = ("{%- for m in messages -%}"
                  "{%- endfor -%}"
                  "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
 TOOL_KEY_DIGITS = 4
-TOOL_WARM_STEPS = 350
-TOOL_MIX_STEPS = 100
+TOOL_WARM_STEPS = 300
+TOOL_MIX_STEPS = 0
 TOOL_SHARE = 0.25
 
 
