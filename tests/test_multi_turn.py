@@ -385,3 +385,29 @@ def test_turn_by_turn_rendering_equals_the_whole_conversation(name, qwen_bpe):
     if name.startswith("Qwen"):
         assert ids + qwen_bpe(boundary, add_special_tokens=False)["input_ids"] == \
             qwen_bpe(expected, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def tool_assets(tmp_path_factory):
+    return toy.prepare_tool(str(tmp_path_factory.mktemp("toy_tool") / "assets"))
+
+
+@pytest.mark.parametrize("extra", [[], ["--algorithm.filter_groups", "--algorithm.rollout_correction", "token",
+                                        "--algorithm.rollout_correction_mode", "mask"]], ids=["plain", "dapo_rc"])
+def test_tool_preset_end_to_end(tmp_path, tool_assets, extra):
+    """The tool preset through torchrun on 2 ranks: episodes call the tool and answer in a later turn, and the
+    trainer's log-probs over those rows match the engine's (the canary), also with dynamic sampling and rollout
+    correction."""
+    from tests.test_e2e import torchrun
+
+    torchrun("train_grpo.py", tmp_path, "--config", "configs/tiny_cpu_grpo_tools.yaml", "--trainer.total_steps", "3",
+             "--trainer.val_every", "3", "--actor.model.path", tool_assets["model"], "--data.train_files",
+             tool_assets["train"], "--data.val_files", tool_assets["val"], *extra)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    train = [r for r in rows if "multi_turn/turns_mean" in r and "actor/pg_loss" in r]
+    assert len(train) == 3
+    for r in train:
+        assert r["multi_turn/tool_calls_mean"] > 0.5 and r["multi_turn/turns_mean"] > 1.5, r
+        assert r["multi_turn/observation_tokens_mean"] > 10
+        assert r["rollout/logp_abs_diff"] < 1e-5
+    assert any("val/score_mean" in r for r in rows)
