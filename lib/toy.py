@@ -124,6 +124,19 @@ def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60,
     """Build (once) the tokenizer, the warm-started model and the data files; returns their paths.
     ``digits`` (lo, hi) other than the default makes the long-tail variant (answers of 2 lo to 2 hi tokens with
     the eos; bench/compare_trl.py --case long-tail), with room in the model for the longest prompt + answer."""
+    def build(tmp: str) -> None:
+        tokenizer = build_tokenizer(os.path.join(tmp, "model"))
+        train_pairs, val_pairs = split_pairs(seed, digits=digits)
+        write_jsonl(os.path.join(tmp, "data", "train.jsonl"), train_pairs, repeats=1)
+        write_jsonl(os.path.join(tmp, "data", "val.jsonl"), val_pairs, repeats=1)
+        model = build_policy(tokenizer, train_pairs, seed, warm_steps, max_positions=max(64, 4 * digits[1] + 16))
+        model.save_pretrained(os.path.join(tmp, "model"))
+
+    return _build_once(path, build)
+
+
+def _build_once(path: str, build) -> dict[str, str]:
+    """The paths of a toy build under ``path``; ``build(folder)`` writes one (model/ and data/) the first time."""
     model_dir, data_dir = os.path.join(path, "model"), os.path.join(path, "data")
     out = {"model": model_dir, "train": os.path.join(data_dir, "train.jsonl"),
            "val": os.path.join(data_dir, "val.jsonl")}
@@ -134,12 +147,7 @@ def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60,
     tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.join(tmp, "data"))
-    tokenizer = build_tokenizer(os.path.join(tmp, "model"))
-    train_pairs, val_pairs = split_pairs(seed, digits=digits)
-    write_jsonl(os.path.join(tmp, "data", "train.jsonl"), train_pairs, repeats=1)
-    write_jsonl(os.path.join(tmp, "data", "val.jsonl"), val_pairs, repeats=1)
-    model = build_policy(tokenizer, train_pairs, seed, warm_steps, max_positions=max(64, 4 * digits[1] + 16))
-    model.save_pretrained(os.path.join(tmp, "model"))
+    build(tmp)
     try:
         os.rename(tmp, path)
     except OSError:
@@ -284,33 +292,21 @@ def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0, warm_steps: 
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    model_dir, data_dir = os.path.join(path, "model"), os.path.join(path, "data")
-    out = {"model": model_dir, "train": os.path.join(data_dir, "train.jsonl"),
-           "val": os.path.join(data_dir, "val.jsonl")}
-    if _complete(path):
-        return out
-    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.join(tmp, "data"))
-    tokenizer = build_tool_tokenizer(os.path.join(tmp, "model"))
-    train_keys, val_keys = split_keys(seed)
-    write_tool_jsonl(os.path.join(tmp, "data", "train.jsonl"), train_keys)
-    write_tool_jsonl(os.path.join(tmp, "data", "val.jsonl"), val_keys)
-    torch.manual_seed(seed)
-    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<eos>")]
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-                         bos_token_id=tokenizer.bos_token_id)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    warm_start_tool(model, tokenizer, train_keys, warm_steps, seed, tool_share)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = eos
-    model.save_pretrained(os.path.join(tmp, "model"))
-    try:
-        os.rename(tmp, path)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _complete(path):
-            raise ValueError(f"{path} holds an incomplete toy build; remove the folder and run again") from None
-    return out
+    def build(tmp: str) -> None:
+        tokenizer = build_tool_tokenizer(os.path.join(tmp, "model"))
+        train_keys, val_keys = split_keys(seed)
+        write_tool_jsonl(os.path.join(tmp, "data", "train.jsonl"), train_keys)
+        write_tool_jsonl(os.path.join(tmp, "data", "val.jsonl"), val_keys)
+        torch.manual_seed(seed)
+        eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<eos>")]
+        config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                             bos_token_id=tokenizer.bos_token_id)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        warm_start_tool(model, tokenizer, train_keys, warm_steps, seed, tool_share)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = eos
+        model.save_pretrained(os.path.join(tmp, "model"))
+
+    return _build_once(path, build)
