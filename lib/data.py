@@ -120,7 +120,6 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
         for number, row in enumerate(rows[:limit] if limit else rows):
             problem = row_problem(row, known_sources)
             if not problem:
-                prompt = row["prompt"]
                 try:
                     text = _prompt_text(row, tokenizer, apply_chat_template, tool_schemas)
                 except ValueError as e:  # a row that offers tools nobody defined
@@ -177,16 +176,19 @@ def _prompt_text(row: dict, tokenizer: Any, apply_chat_template: bool, tool_sche
     return prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
 
 
-def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> DataProto:
-    """Left-pad the rows' prompts to ``width`` (fixed, so every rank's prompts line up)."""
-    batch = len(rows)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tokens = prompts.prompt_ids[r]
+def left_pad(token_lists: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token lists -> left-padded (input_ids, attention_mask, position_ids), each (B, width)."""
+    input_ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(token_lists), width, dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
         input_ids[i, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
         mask[i, width - len(tokens):] = 1
-    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    return input_ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+
+def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> DataProto:
+    """Left-pad the rows' prompts to ``width`` (fixed, so every rank's prompts line up)."""
+    input_ids, mask, position_ids = left_pad([prompts.prompt_ids[r] for r in rows], width, pad_id)
     return DataProto.from_dict({"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids},
                                {"data_source": prompts.data_source[rows], "ground_truth": prompts.ground_truth[rows],
                                 "extra_info": prompts.extra_info[rows], "columns": prompts.columns[rows],

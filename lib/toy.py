@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import socket
+import string
 
 CHARS = list("0123456789,")
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -71,24 +72,29 @@ def write_jsonl(path: str, pairs: list[tuple[int, int]], repeats: int) -> None:
 
 def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
     """A few supervised steps on prompt + answer + eos so the format is known (loss on the answer only)."""
+    examples = []
+    for digits in pairs:
+        prompt, answer = example(digits)
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        examples.append((p + a, [-100] * len(p) + a))
+    fit(model, examples, steps, seed, tokenizer.pad_token_id)
+
+
+def fit(model, examples: list[tuple[list[int], list[int]]], steps: int, seed: int, pad_id: int) -> None:
+    """Supervised steps (AdamW, lr 3e-3) on batches of 32 examples (ids, labels with -100 off the loss) drawn with
+    replacement, right-padded where their lengths differ."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        idx = torch.randint(0, len(pairs), (32,), generator=g).tolist()
-        rows, labels = [], []
-        for i in idx:
-            prompt, answer = example(pairs[i])
-            p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            rows.append(p + a)
-            labels.append([-100] * len(p) + a)
-        width = max(map(len, rows))  # right-padded when the lengths differ (the long-tail variant)
-        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
-        labels = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
-        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        rows = [examples[i] for i in torch.randint(0, len(examples), (32,), generator=g).tolist()]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.tensor([r + [pad_id] * (width - len(r)) for r, _ in rows])
+        labels = torch.tensor([x + [-100] * (width - len(x)) for _, x in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])
         loss = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -162,7 +168,7 @@ def _build_once(path: str, build) -> dict[str, str]:
 TOOL_SPECIAL = ["<|im_start|>", "<|im_end|>"]
 TOOL_WORDS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "user", "assistant",
               '"name"', '"arguments"', '"lookup"', '"key"']
-TOOL_CHARS = list(dict.fromkeys("0123456789,{}\":_ .'\n" + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ()[]=-"))
+TOOL_CHARS = list(dict.fromkeys("0123456789,{}\":_ .'\n()[]=-" + string.ascii_letters))
 TOOL_TEMPLATE = ("{%- for m in messages -%}"
                  "{%- if m['role'] == 'tool' -%}"
                  "{{ '<|im_start|>user\\n<tool_response>' + m['content'] + '</tool_response><|im_end|>\\n' }}"
@@ -173,8 +179,6 @@ TOOL_TEMPLATE = ("{%- for m in messages -%}"
                  "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
 TOOL_KEY_DIGITS = 4
 TOOL_WARM_STEPS = 300
-TOOL_MIX_STEPS = 0
-TOOL_SHARE = 0.25
 
 
 def lookup(key: str) -> str:
@@ -249,45 +253,13 @@ def tool_episode(tokenizer, key: str) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
-def guess_episode(tokenizer, key: str, rng: random.Random) -> tuple[list[int], list[int]]:
-    """An episode that answers at once, without the tool: four digits guessed (right by chance only)."""
-    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompt = enc(tokenizer.apply_chat_template([{"role": "user", "content": key}], add_generation_prompt=True,
-                                               tokenize=False))
-    answer = enc(example(tuple(rng.randrange(10) for _ in range(DIGITS)))[1] + tokenizer.eos_token)
-    return prompt + answer, [-100] * len(prompt) + answer
+def warm_start_tool(model, tokenizer, keys: list[str], steps: int, seed: int) -> None:
+    """Supervised steps on whole solved episodes (loss on the sampled turns only), so the format is known."""
+    fit(model, [tool_episode(tokenizer, key) for key in keys], steps, seed, tokenizer.pad_token_id)
 
 
-def warm_start_tool(model, tokenizer, keys: list[str], steps: int, seed: int, tool_share: float = TOOL_SHARE,
-                    mix_steps: int = TOOL_MIX_STEPS) -> None:
-    """Supervised steps on whole episodes (loss on the sampled turns only): first ``steps`` on episodes that call
-    the tool and answer right (the format, and copying the key and the digits), then ``mix_steps`` where only a share
-    ``tool_share`` of them do and the rest guess at once. RL then has to learn that the tool pays."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    with_tool = [tool_episode(tokenizer, key) for key in keys]
-    guessed = [guess_episode(tokenizer, key, rng) for key in keys]
-    for step in range(steps + mix_steps):
-        picks = torch.randint(0, len(keys), (32,), generator=g).tolist()
-        use_tool = (torch.rand(32, generator=g) < (tool_share if step >= steps else 1.0)).tolist()
-        rows = [with_tool[i] if t else guessed[i] for i, t in zip(picks, use_tool)]
-        width = max(len(r[0]) for r in rows)
-        ids = torch.tensor([r[0] + [tokenizer.pad_token_id] * (width - len(r[0])) for r in rows])
-        labels = torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in rows])
-        mask = torch.tensor([[1] * len(r[0]) + [0] * (width - len(r[0])) for r in rows])
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-
-
-def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0, warm_steps: int = TOOL_WARM_STEPS,
-                 tool_share: float = TOOL_SHARE) -> dict[str, str]:
+def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0,
+                 warm_steps: int = TOOL_WARM_STEPS) -> dict[str, str]:
     """Build (once) the tool variant's tokenizer, warm-started model and data files; returns their paths."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -304,7 +276,7 @@ def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0, warm_steps: 
                              tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                              bos_token_id=tokenizer.bos_token_id)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        warm_start_tool(model, tokenizer, train_keys, warm_steps, seed, tool_share)
+        warm_start_tool(model, tokenizer, train_keys, warm_steps, seed)
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.eos_token_id = eos
         model.save_pretrained(os.path.join(tmp, "model"))

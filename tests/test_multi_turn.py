@@ -113,6 +113,12 @@ def run(tokenizer, script, rows, tmp_path, pool=None, **cfg):
     return out, engine
 
 
+def observed_text(tokenizer, out):
+    """Each row's observations (the tokens with response_mask 0), decoded."""
+    return tokenizer.batch_decode(out.batch["responses"].masked_fill(out.batch["response_mask"] == 1, 0),
+                                  skip_special_tokens=True)
+
+
 def observation(tokenizer, *messages):
     return ObservationRenderer(tokenizer).observation_ids(list(messages), "<|im_end|>")
 
@@ -149,8 +155,7 @@ def test_malformed_and_unknown_calls_get_an_error_observation(tokenizer, tmp_pat
     script = {"1": ["<tool_call>{not json</tool_call>", "a"], "2": [call("nope", x=1), "b"],
               "3": [call("add", a=1), "c"], "4": ["<tool_call>{\"name\": \"add\"", "d"]}
     out, _ = run(tokenizer, script, [row(k) for k in script], tmp_path)
-    text = tokenizer.batch_decode(out.batch["responses"].masked_fill(out.batch["response_mask"] == 1, 0),
-                                  skip_special_tokens=True)
+    text = observed_text(tokenizer, out)
     assert "Error: the tool call is not valid JSON" in text[0]
     assert "Error: unknown tool 'nope'" in text[1]
     assert "Error: bad arguments for add" in text[2]
@@ -168,8 +173,7 @@ def test_tools_that_sleep_raise_or_kill_cost_their_call_only(tokenizer, tmp_path
     script = {"1": [call("sleepy", seconds=30), "a"], "2": [call("broken", x=1), "b"],
               "3": [call("killer", x=1), "c"], "4": [call("add", a=2, b=2), "d"]}
     out, _ = run(tokenizer, script, [row(k) for k in script], tmp_path, pool=pool)
-    text = tokenizer.batch_decode(out.batch["responses"].masked_fill(out.batch["response_mask"] == 1, 0),
-                                  skip_special_tokens=True)
+    text = observed_text(tokenizer, out)
     assert "ran past multi_turn.tool_timeout_s=1 s" in text[0]
     assert "broken raised RuntimeError: broken tool got 1" in text[1]
     assert "worker process died" in text[2]
@@ -216,8 +220,7 @@ def test_calls_past_the_per_turn_limit_and_row_tools(tokenizer, tmp_path):
     rows = [row("1"), row("2", tools=[schema]), row("3", extra_info={"tools_kwargs": {"echo": {
         "create_kwargs": {"secret": "7"}}}})]
     out, _ = run(tokenizer, script, rows, tmp_path, max_tool_calls_per_turn=1)
-    text = tokenizer.batch_decode(out.batch["responses"].masked_fill(out.batch["response_mask"] == 1, 0),
-                                  skip_special_tokens=True)
+    text = observed_text(tokenizer, out)
     assert "<tool_response>2</tool_response>" in text[0] and "only 1 tool calls run per turn" in text[0]
     assert "tool 'add' is not offered here" in text[1]  # the row's tools column offers echo only
     assert "<tool_response>hi7</tool_response>" in text[2]  # the row's bound argument

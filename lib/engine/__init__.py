@@ -46,6 +46,11 @@ class SamplingConfig:
     """Base seed; each data-parallel rollout group derives its own from it."""
 
 
+def stop_ids(eos_ids: list[int], sp: SamplingConfig) -> list[int]:
+    """Every id that ends a response: the model's eos ids and the sampling config's extra stop ids."""
+    return sorted(set(eos_ids) | set(sp.stop_token_ids))
+
+
 @dataclass
 class Turn:
     """One request's result from an engine's ``generate_ids`` (token in, token out; multi-turn rollouts)."""

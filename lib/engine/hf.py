@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from lib.engine import SamplingConfig, Turn, build_output, call_seed, expand_samples, turns_from
+from lib.data import left_pad
+from lib.engine import SamplingConfig, Turn, build_output, call_seed, expand_samples, stop_ids, turns_from
 from lib.lora import base_name, check_engine_load, is_adapter_param, peft_name
 from lib.models import padded_attention, retie, tied_aliases
 from lib.protocol import DataProto
@@ -204,15 +205,8 @@ class HFEngine:
         ids = data.batch["input_ids"].to(self.device)
         mask = data.batch["attention_mask"].to(self.device)
         pos = data.batch["position_ids"].to(self.device)
-        gen = self._generator(sp.seed, validate, key)
-        stop = torch.tensor(self.stop_ids(validate), device=self.device)
-        per_chunk = max(1, self.batch_tokens // ((ids.shape[1] + sp.max_new_tokens) * sp.n))
-        responses, logprob_lists = [], []
-        for start in range(0, ids.shape[0], per_chunk):
-            rows = slice(start, start + per_chunk)
-            r, lp = self._generate_chunk(ids[rows], mask[rows], pos[rows], sp, gen, stop)
-            responses += r
-            logprob_lists += lp
+        responses, logprob_lists = self._generate_chunks(ids, mask, pos, sp, self._generator(sp.seed, validate, key),
+                                                         self.stop_ids(validate))
         self.calls[validate] += 1
         data = expand_samples(data, sp.n)
         fields = build_output(data.batch["input_ids"].to(self.device), data.batch["attention_mask"].to(self.device),
@@ -223,8 +217,7 @@ class HFEngine:
         return DataProto.from_dict(fields, dict(data.non_tensor_batch), {**data.meta_info, **meta})
 
     def stop_ids(self, validate: bool = False) -> list[int]:
-        sp = self.val_sampling if validate else self.sampling
-        return sorted(set(self.eos_ids) | set(sp.stop_token_ids))
+        return stop_ids(self.eos_ids, self.val_sampling if validate else self.sampling)
 
     @torch.no_grad()
     def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any) -> list[Turn]:
@@ -237,25 +230,23 @@ class HFEngine:
             return []
         sp = self.val_sampling if validate else self.sampling
         one = dataclasses.replace(sp, n=1, max_new_tokens=max(max_tokens))
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        gen = self._generator(sp.seed, validate, key)
-        stop_list = self.stop_ids(validate)
-        stop = torch.tensor(stop_list, device=self.device)
-        per_chunk = max(1, self.batch_tokens // (width + one.max_new_tokens))
+        ids, mask, pos = (x.to(self.device) for x in left_pad(prompts, max(map(len, prompts)), self.pad_id))
+        stop = self.stop_ids(validate)
+        responses, logps = self._generate_chunks(ids, mask, pos, one, self._generator(sp.seed, validate, key), stop)
+        return turns_from(responses, logps, max_tokens, set(stop))
+
+    def _generate_chunks(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
+                         gen: torch.Generator, stop_ids: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """Left-padded prompts in chunks of at most ``batch_tokens`` prompt + response tokens (n samples each)."""
+        stop = torch.tensor(stop_ids, device=self.device)
+        per_chunk = max(1, self.batch_tokens // ((ids.shape[1] + sp.max_new_tokens) * sp.n))
         responses, logps = [], []
-        for start in range(0, len(prompts), per_chunk):
+        for start in range(0, ids.shape[0], per_chunk):
             rows = slice(start, start + per_chunk)
-            r, lp = self._generate_chunk(ids[rows], mask[rows], pos[rows], one, gen, stop)
+            r, lp = self._generate_chunk(ids[rows], mask[rows], pos[rows], sp, gen, stop)
             responses += r
             logps += lp
-        return turns_from(responses, logps, max_tokens, set(stop_list))
+        return responses, logps
 
     def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
                         gen: torch.Generator, stop: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:

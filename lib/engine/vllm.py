@@ -19,7 +19,6 @@ Version differences (vLLM 0.25 .. 0.33) stay in the small adapter functions at t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import random
@@ -31,7 +30,8 @@ import numpy as np
 import torch
 
 from lib.dist import Topology, all_gather
-from lib.engine import SamplingConfig, Turn, build_output, call_seed, expand_samples, request_seeds, turns_from
+from lib.engine import (SamplingConfig, Turn, build_output, call_seed, expand_samples, request_seeds, stop_ids,
+                        turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
 from lib.protocol import DataProto
 
@@ -276,15 +276,8 @@ class VLLMEngine:
             mine = slice(0, len(data))
         ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
         prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
-        seed = call_seed(sp.seed, self.group, validate, key)
-        params = _sampling_params(sp, self.eos_ids, request_seeds(seed, len(prompts)))
-        with rng_kept_apart(self.device):
-            torch.manual_seed(seed)
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                        lora_request=self._lora_request)
+        responses, logps = self._generate(prompts, sp, call_seed(sp.seed, self.group, validate, key))
         self.calls[validate] += 1
-        responses = [list(o.outputs[0].token_ids) for o in outputs]
-        logps = [_sampled_logprobs(o.outputs[0]) for o in outputs]
         data = data[mine]
         responses, logps = responses[mine], logps[mine]
         fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
@@ -295,8 +288,7 @@ class VLLMEngine:
         return DataProto.from_dict(fields, dict(data.non_tensor_batch), {**data.meta_info, **meta})
 
     def stop_ids(self, validate: bool = False) -> list[int]:
-        sp = self.val_sampling if validate else self.sampling
-        return sorted(set(self.eos_ids) | set(sp.stop_token_ids))
+        return stop_ids(self.eos_ids, self.val_sampling if validate else self.sampling)
 
     def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any) -> list[Turn]:
         """Same contract as HFEngine.generate_ids: one seeded request per prompt, each with its own max_tokens
@@ -307,17 +299,21 @@ class VLLMEngine:
         if not prompts:
             return []
         sp = self.val_sampling if validate else self.sampling
-        seed = call_seed(sp.seed, self.group, validate, key)
-        params = _sampling_params(dataclasses.replace(sp, n=1), self.eos_ids, request_seeds(seed, len(prompts)))
-        for p, cap in zip(params, max_tokens):
+        responses, logps = self._generate(prompts, sp, call_seed(sp.seed, self.group, validate, key), max_tokens)
+        return turns_from(responses, logps, max_tokens, set(self.stop_ids(validate)))
+
+    def _generate(self, prompts: list[list[int]], sp: SamplingConfig, seed: int,
+                  max_tokens: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """One seeded request per prompt (``request_seeds``; ``max_tokens``: a cap per request, else the sampling
+        config's); the default generator is seeded for the call and restored after it."""
+        params = _sampling_params(sp, self.eos_ids, request_seeds(seed, len(prompts)))
+        for p, cap in zip(params, max_tokens or []):
             p.max_tokens = cap
         with rng_kept_apart(self.device):
             torch.manual_seed(seed)
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                                         lora_request=self._lora_request)
-        responses = [list(o.outputs[0].token_ids) for o in outputs]
-        logps = [_sampled_logprobs(o.outputs[0]) for o in outputs]
-        return turns_from(responses, logps, max_tokens, set(self.stop_ids(validate)))
+        return [list(o.outputs[0].token_ids) for o in outputs], [_sampled_logprobs(o.outputs[0]) for o in outputs]
 
 
 @contextlib.contextmanager
@@ -386,7 +382,7 @@ def _sampling_params(sp: SamplingConfig, eos_ids: list[int], seeds: list[int]) -
     greedy = sp.temperature == 0
     common = dict(n=1, temperature=0.0 if greedy else sp.temperature, top_p=1.0 if greedy else sp.top_p,
                   top_k=0 if greedy else sp.top_k, max_tokens=sp.max_new_tokens,
-                  stop_token_ids=sorted(set(eos_ids) | set(sp.stop_token_ids)), logprobs=0, detokenize=False)
+                  stop_token_ids=stop_ids(eos_ids, sp), logprobs=0, detokenize=False)
     return [SamplingParams(**common, seed=None if greedy else seed) for seed in seeds]
 
 

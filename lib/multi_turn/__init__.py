@@ -18,12 +18,11 @@ def enabled(cfg: Any) -> bool:
 
 
 def config_problems(cfg: Any) -> list[str]:
-    """What keeps the multi_turn section from running (each naming the fix); nothing when it is off."""
+    """What keeps the multi_turn section's values from running (each naming the fix); nothing when it is off."""
     m, r = cfg.multi_turn, cfg.rollout
     if not enabled(cfg):
         return []
     from lib.multi_turn.parsers import PARSERS
-    from lib.multi_turn.tools import load_tools, schemas
 
     problems = []
     if m.format not in PARSERS:
@@ -43,8 +42,4 @@ def config_problems(cfg: Any) -> list[str]:
     if not cfg.data.apply_chat_template:
         problems.append("multi-turn rollouts render tool observations with the chat template: turn "
                         "data.apply_chat_template on")
-    try:
-        schemas(load_tools(m.tools), m.tools)
-    except ValueError as e:
-        problems.append(str(e))
-    return problems
+    return problems  # the tools themselves are loaded and checked with the data (lib.startup.check_inputs)

@@ -22,6 +22,8 @@ from lib.multi_turn.render import ObservationRenderer, tool_message
 from lib.multi_turn.tools import KINDS, bound_kwargs, failed
 from lib.protocol import DataProto
 
+TRUNCATED = " [truncated]"
+"""Marks a tool answer cut to multi_turn.tool_response_max_tokens."""
 FINISH = ("answer", "max_turns", "length", "budget")
 """How an episode ends: a turn without a tool call; max_turns turns; a turn cut by max_tokens_per_turn; the
 episode's token budget (a turn cut by it, or an observation that does not fit)."""
@@ -35,11 +37,10 @@ class Episode:
     response: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
-    inputs: list[int] = field(default_factory=list)  # the length of the engine's input at each turn
-    input_ids: list[list[int]] = field(default_factory=list)
+    inputs: list[list[int]] = field(default_factory=list)  # the engine's input at each turn
     turns: int = 0
     tool_calls: int = 0
-    last_text: str = ""
+    last_turn: list[int] = field(default_factory=list)  # the ids of its last turn: what the scorer judges
     finish: str = ""
 
     def sampled(self, ids: list[int], logps: list[float]) -> None:
@@ -69,7 +70,6 @@ class MultiTurn:
 
             pool = RewardPool(cfg.tools, cfg.tool_timeout_s, cfg.tool_workers, mode="tools")
         self.pool = pool
-        self.truncation_marker = " [truncated]"
 
     def close(self) -> None:
         self.pool.close()
@@ -95,22 +95,21 @@ class MultiTurn:
             episodes.append(Episode(row[m.bool()].tolist(), allowed, kwargs))
         counts = dict.fromkeys(KINDS + ("malformed", "over_limit", "truncations"), 0)
         t0, gen_s, sampled_total, turn_rows = time.perf_counter(), 0.0, 0, []
-        stop_ids = set(engine.stop_ids(validate))
         for turn in range(self.cfg.max_turns):
             active = [e for e in episodes if not e.finish]
             if not active:
                 break
             caps = [min(self.cfg.max_tokens_per_turn or self.budget, self.budget - len(e.response)) for e in active]
-            for e in active:
-                e.inputs.append(len(e.prompt) + len(e.response))
-                e.input_ids.append(e.prompt + e.response)
+            inputs = [e.prompt + e.response for e in active]
+            for e, ids in zip(active, inputs):
+                e.inputs.append(ids)
             t_gen = time.perf_counter()
-            outs = engine.generate_ids([e.prompt + e.response for e in active], caps, validate, (key, turn))
+            outs = engine.generate_ids(inputs, caps, validate, (key, turn))
             gen_s += time.perf_counter() - t_gen
             turn_rows.append(len(active))
-            calls = []  # (episode, call) pairs to run, in order
-            observations: dict[int, list] = {}
-            for e, out, cap in zip(active, outs, caps):
+            calls = []  # (name, arguments, bound arguments) to run, in order
+            observations: dict[int, list] = {}  # per episode: its stop text, then messages or indices into calls
+            for e, out in zip(active, outs):
                 e.sampled(out.ids, out.logps)
                 e.turns += 1
                 sampled_total += len(out.ids)
@@ -118,7 +117,7 @@ class MultiTurn:
                 stop_text = self.tokenizer.decode(out.ids[-1:], skip_special_tokens=False) if out.stopped else ""
                 if stop_text and text.endswith(stop_text):
                     text = text[:-len(stop_text)]
-                e.last_text = self.tokenizer.decode(out.ids, skip_special_tokens=True)
+                e.last_turn = out.ids
                 if not out.stopped:
                     e.finish = "budget" if len(e.response) >= self.budget else "length"
                     continue
@@ -131,17 +130,14 @@ class MultiTurn:
                     continue
                 obs = observations.setdefault(id(e), [stop_text])
                 for message in parsed.errors:
-                    counts["malformed"] += 1
-                    obs.append(tool_message("error", failed("malformed", message)[0]))
+                    refuse(obs, counts, "malformed", "error", message)
                 for i, call in enumerate(parsed.calls):
                     if i >= self.cfg.max_tool_calls_per_turn:
-                        counts["over_limit"] += 1
-                        obs.append(tool_message(call.name, failed("over_limit", f"only {self.cfg.max_tool_calls_per_turn} "
-                                                                 f"tool calls run per turn")[0]))
+                        refuse(obs, counts, "over_limit", call.name,
+                               f"only {self.cfg.max_tool_calls_per_turn} tool calls run per turn")
                     elif e.allowed is not None and call.name not in e.allowed:
-                        counts["invalid"] += 1
-                        obs.append(tool_message(call.name, failed("invalid", f"tool {call.name!r} is not offered "
-                                                                             f"here; the tools are {sorted(e.allowed)}")[0]))
+                        refuse(obs, counts, "invalid", call.name,
+                               f"tool {call.name!r} is not offered here; the tools are {sorted(e.allowed)}")
                     else:
                         e.tool_calls += 1
                         obs.append(len(calls))  # filled in below, in the call's place
@@ -168,16 +164,17 @@ class MultiTurn:
         for e in episodes:
             e.finish = e.finish or "max_turns"
             final = e.prompt + e.response
-            for ids in e.input_ids:  # token in, token out: every turn's input is a prefix of the final row
+            for ids in e.inputs:  # token in, token out: every turn's input is a prefix of the final row
                 if final[:len(ids)] != ids:
                     raise RuntimeError("multi-turn rollout: an engine input is not a prefix of its final row")
-            e.input_ids = []
+            e.inputs = []
         engine.calls[validate] += 1
         fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
                               [e.response for e in episodes], [e.logps for e in episodes],
                               self.tokenizer.pad_token_id, sampled_masks=[e.mask for e in episodes])
         obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731
-        non_tensor = dict(nt, solution_str=obj([e.last_text for e in episodes]),
+        non_tensor = dict(nt, solution_str=obj(self.tokenizer.batch_decode([e.last_turn for e in episodes],
+                                                                     skip_special_tokens=True)),
                           num_turns=obj([e.turns for e in episodes]))
         elapsed = time.perf_counter() - t0
         n = max(len(episodes), 1)
@@ -202,8 +199,15 @@ class MultiTurn:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if limit and len(ids) > limit:
             counts["truncations"] += 1
-            return self.tokenizer.decode(ids[:limit], skip_special_tokens=False) + self.truncation_marker
+            return self.tokenizer.decode(ids[:limit], skip_special_tokens=False) + TRUNCATED
         return text
+
+
+def refuse(observation: list, counts: dict, kind: str, name: str, message: str) -> None:
+    """A call answered with an error without running (malformed, over the per-turn limit, not offered): counted, and
+    its message goes into the turn's observation."""
+    counts[kind] += 1
+    observation.append(tool_message(name, failed(kind, message)[0]))
 
 
 SUMMED = tuple(f"multi_turn/tool_{k}" for k in KINDS + ("malformed", "over_limit", "truncations"))

@@ -65,9 +65,10 @@ class RewardPool:
         self.custom, self.timeout_s, self.mode = custom, timeout_s, mode
         if mode == "tools":
             from lib.multi_turn.tools import failed
-            self.failed = failed
+
+            self.failed, self.what, self.limit = failed, "tool", "multi_turn.tool_timeout_s"
         else:
-            self.failed = _score_failed
+            self.failed, self.what, self.limit = _score_failed, "scorer", "reward.timeout_s"
         self.workers = [_Worker(custom, mode) for _ in range(max(1, num_workers))]
 
     def score(self, items: list[tuple]) -> list[Any]:
@@ -100,8 +101,7 @@ class RewardPool:
                     except subprocess.TimeoutExpired:
                         code = None
                     self._replace(worker, busy, idle, queue, results, items, "crashes",
-                                  f"the {'scorer' if self.mode == 'score' else 'tool'}'s worker process died (exit "
-                                  f"code {code})")
+                                  f"the {self.what}'s worker process died (exit code {code})")
                     continue
                 results[index] = tuple(result)
                 worker.chunk.popleft()
@@ -112,8 +112,7 @@ class RewardPool:
             now = time.monotonic()
             for worker in [w for w in busy.values() if now - w.since > self.timeout_s]:
                 self._replace(worker, busy, idle, queue, results, items, "timeouts",
-                              f"the scorer ran past reward.timeout_s={self.timeout_s:g} s" if self.mode == "score"
-                              else f"the tool ran past multi_turn.tool_timeout_s={self.timeout_s:g} s")
+                              f"the {self.what} ran past {self.limit}={self.timeout_s:g} s")
         return results  # type: ignore[return-value]
 
     def _replace(self, worker: _Worker, busy: dict, idle: list, queue: deque, results: list, items: list,
