@@ -178,7 +178,7 @@ TOOL_TEMPLATE = ("{%- for m in messages -%}"
                  "{%- endfor -%}"
                  "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
 TOOL_KEY_DIGITS = 4
-TOOL_WARM_STEPS = 300
+TOOL_WARM_STEPS = 260
 
 
 def lookup(key: str) -> str:

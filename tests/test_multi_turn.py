@@ -414,3 +414,21 @@ def test_tool_preset_end_to_end(tmp_path, tool_assets, extra):
         assert r["multi_turn/observation_tokens_mean"] > 10
         assert r["rollout/logp_abs_diff"] < 1e-5
     assert any("val/score_mean" in r for r in rows)
+
+
+def test_a_character_tokenizer_saved_beside_a_qwen2_model_keeps_its_pre_tokenizer(tmp_path):
+    """transformers 5 loads the tokenizer class of config.json's model type (Qwen2Tokenizer), which puts its own
+    pre-tokenizer in place of tokenizer.json's: the toy tokenizers lost every newline and space. load_tokenizer
+    keeps the file's."""
+    from transformers import Qwen2Config
+
+    from lib.models import load_tokenizer
+
+    built = toy.build_tool_tokenizer(str(tmp_path))
+    Qwen2Config(vocab_size=len(built), hidden_size=8, num_hidden_layers=1, num_attention_heads=1).save_pretrained(
+        str(tmp_path))
+    text = '<|im_start|>user\n42 7<|im_end|>\n<tool_call>{"key": "1"}</tool_call>'
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded(text, add_special_tokens=False)["input_ids"] == built(text, add_special_tokens=False)["input_ids"]
+    assert loaded.decode(loaded(text, add_special_tokens=False)["input_ids"]) == text
+    assert loaded.chat_template == built.chat_template and loaded.pad_token == "<pad>"
