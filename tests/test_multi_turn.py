@@ -432,3 +432,63 @@ def test_a_character_tokenizer_saved_beside_a_qwen2_model_keeps_its_pre_tokenize
     assert loaded(text, add_special_tokens=False)["input_ids"] == built(text, add_special_tokens=False)["input_ids"]
     assert loaded.decode(loaded(text, add_special_tokens=False)["input_ids"]) == text
     assert loaded.chat_template == built.chat_template and loaded.pad_token == "<pad>"
+
+
+def _ranks_body(assets):
+    """Greedy multi-turn rollouts of 8 held-out prompts split over the ranks, then one policy update on them."""
+    from transformers import AutoModelForCausalLM
+
+    from lib.actor import Trainee, update_policy
+    from lib.config import ActorConfig, BatchingConfig, ModelConfig, OptimConfig
+    from lib.dist import init_topology
+    from lib.engine.hf import HFEngine
+    from lib.fsdp import build_sharded_model, iter_full_params
+    from lib.models import load_tokenizer
+    from lib.optim import build_optimizer
+
+    topo = init_topology(device="cpu")
+    tok = load_tokenizer(assets["model"])
+    hf = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
+    stop = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<eos>")]
+    engine = HFEngine(hf.config, torch.device("cpu"), tok.pad_token_id, stop, SamplingConfig(n=1))
+    engine.wake_up()
+    engine.load_weights(hf.named_parameters())
+    engine.finish_sync()
+    cfg = MultiTurnConfig(tools="lib/toy.py:lookup", max_turns=3, max_tokens_per_turn=32)
+    ps = load_prompts([assets["val"]], tok, 16, limit=8, tool_schemas={})
+    share = 8 // topo.world_size
+    rows = np.arange(topo.rank * share, (topo.rank + 1) * share)
+    out = MultiTurn(cfg, tok, 64, pool=LocalPool(cfg.tools)).rollout(engine, collate(ps, rows, 16, tok.pad_token_id),
+                                                                      validate=True)
+    mask = out.batch["response_mask"]
+    out.batch["advantages"] = torch.stack([torch.randn(mask.shape[1], generator=torch.Generator().manual_seed(int(r)))
+                                           for r in rows]) * mask
+    optim = OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0)  # eps 1: tiny gradients are not blown up to lr
+    actor_cfg = ActorConfig(model=ModelConfig(path=assets["model"]), optim=optim,
+                            batching=BatchingConfig(micro_batch_size_per_rank=2), loss_agg_mode="token-mean")
+    model = build_sharded_model(actor_cfg.model, actor_cfg.fsdp, topo)
+    optimizer, scheduler = build_optimizer(model, actor_cfg.optim)
+    metrics = update_policy(Trainee(model, optimizer, scheduler, topo), out, actor_cfg)
+    b = out.batch
+    width = b["attention_mask"][:, -b["responses"].shape[1]:].sum(-1).tolist()
+    episodes = [(b["responses"][i, :w].tolist(), b["response_mask"][i, :w].tolist(), b["rollout_log_probs"][i, :w])
+                for i, w in enumerate(width)]
+    return {"episodes": episodes, "metrics": metrics, "weights": {n: t.clone() for n, t in iter_full_params(model)}}
+
+
+def test_one_rank_equals_two_ranks_over_multi_turn_rows(tool_assets):
+    """The same 8 tool episodes (greedy) give the same rows, masks and log-probs on 1 and 2 ranks, and one update
+    on them (token-mean over sampled tokens only) the same loss and weights."""
+    from lib.testing import run_distributed
+
+    (one,) = run_distributed(_ranks_body, tool_assets, world_size=1, timeout=300)
+    r0, r1 = run_distributed(_ranks_body, tool_assets, world_size=2, timeout=300)
+    two = r0["episodes"] + r1["episodes"]
+    assert sum(0 in m for _, m, _ in one["episodes"]) >= 4  # most episodes called the tool
+    for (ids1, m1, lp1), (ids2, m2, lp2) in zip(one["episodes"], two):
+        assert ids1 == ids2 and m1 == m2
+        torch.testing.assert_close(lp2, lp1, rtol=1e-5, atol=1e-6)
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), key
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(r0["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
