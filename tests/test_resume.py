@@ -65,8 +65,12 @@ def children(pid):
 LORA = ("--actor.lora.rank", "8", "--actor.lora.alpha", "16", "--actor.optim.lr", "0.01", "--actor.use-kl-loss")
 
 
+# multi-turn rollouts with tools (the toy tool task): episodes of several turns, tool workers, dynamic sampling
+TOOLS = ("--config", "tiny_cpu_grpo_tools", "--rollout.n", "4")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), LORA], ids=["full", "lora"])
+@pytest.mark.parametrize("extra", [(), LORA, TOOLS], ids=["full", "lora", "tools"])
 def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
     args = (*ARGS, *extra)
     reference = subprocess.run(command(tmp_path, "--trainer.total_steps", "6", *args, name="whole"), cwd=ROOT,
@@ -86,11 +90,13 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resumed from step" in again.stdout
     got, want = rows(tmp_path), rows(tmp_path, "whole")
-    if extra:  # a fresh engine holds no base yet (its memory before the first wake), takes the base once more and
-        # numbers adapter versions anew: transfers and engine memory, not training
+    if extra is LORA:  # a fresh engine holds no base yet (its memory before the first wake), takes the base once
+        # more and numbers adapter versions anew: transfers and engine memory, not training
         got, want = ([{k: v for k, v in r.items() if not k.startswith(("sync/", "engine/mem_"))} for r in x]
                      for x in (got, want))
         assert any(r.get("actor/kl_loss", 0) > 0 for r in got)
+    if extra is TOOLS:
+        assert all(r["multi_turn/tool_calls_mean"] > 0.5 for r in got if "multi_turn/tool_calls_mean" in r)
     assert [r["step"] for r in got] == [r["step"] for r in want]  # no step twice, none missing
     for a, b in zip(got, want):
         assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
