@@ -398,15 +398,18 @@ def tool_assets(tmp_path_factory):
     return toy.prepare_tool(str(tmp_path_factory.mktemp("toy_tool") / "assets"))
 
 
-@pytest.mark.parametrize("extra", [[], ["--algorithm.filter_groups", "--algorithm.rollout_correction", "token",
-                                        "--algorithm.rollout_correction_mode", "mask"]], ids=["plain", "dapo_rc"])
-def test_tool_preset_end_to_end(tmp_path, tool_assets, extra):
+@pytest.mark.parametrize("script,extra", [
+    ("train_grpo.py", []),
+    ("train_grpo.py", ["--algorithm.filter_groups", "--algorithm.rollout_correction", "token",
+                       "--algorithm.rollout_correction_mode", "mask"]),
+    ("train_ppo.py", [])], ids=["grpo", "dapo_rc", "ppo"])
+def test_tool_preset_end_to_end(tmp_path, tool_assets, script, extra):
     """The tool preset through torchrun on 2 ranks: episodes call the tool and answer in a later turn, and the
     trainer's log-probs over those rows match the engine's (the canary), also with dynamic sampling and rollout
-    correction."""
+    correction, and with PPO (its critic's GAE across the observations)."""
     from tests.test_e2e import torchrun
 
-    torchrun("train_grpo.py", tmp_path, "--config", "configs/tiny_cpu_grpo_tools.yaml", "--trainer.total_steps", "3",
+    torchrun(script, tmp_path, "--config", "configs/tiny_cpu_grpo_tools.yaml", "--trainer.total_steps", "3",
              "--trainer.val_every", "3", "--actor.model.path", tool_assets["model"], "--data.train_files",
              tool_assets["train"], "--data.val_files", tool_assets["val"], *extra)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -416,6 +419,8 @@ def test_tool_preset_end_to_end(tmp_path, tool_assets, extra):
         assert r["multi_turn/tool_calls_mean"] > 0.5 and r["multi_turn/turns_mean"] > 1.5, r
         assert r["multi_turn/observation_tokens_mean"] > 10
         assert r["rollout/logp_abs_diff"] < 1e-5
+        if script == "train_ppo.py":
+            assert r["critic/vf_loss"] > 0
     assert any("val/score_mean" in r for r in rows)
 
 
