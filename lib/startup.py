@@ -32,7 +32,7 @@ from lib.logging import RunLogger, excepthook_rank, run_dir
 from lib.models import load_config, load_tokenizer, stop_token_ids
 from lib.multi_turn.loop import MultiTurn
 from lib.multi_turn.render import ObservationRenderer
-from lib.multi_turn.tools import load_tools, schemas
+from lib.multi_turn.tools import is_environment, load_tools, schemas
 from lib.optim import build_optimizer
 from lib.rewards import RULES, check_truth_source, load_custom
 from lib.rewards.scorer import RewardModel, Scorer
@@ -172,6 +172,11 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     if multi_turn.enabled(cfg):
         tool_schemas = schemas(load_tools(cfg.multi_turn.tools), cfg.multi_turn.tools)
         ObservationRenderer(tokenizer)  # a template that cannot render tool messages is refused here
+        if is_environment(cfg.multi_turn.tools):
+            if cfg.reward.custom_fn:
+                raise ValueError(f"multi_turn.tools {cfg.multi_turn.tools} is an environment: its reward() scores the "
+                                 f"episodes; drop --reward.custom_fn")
+            known = None  # rows need no rule scorer
     load = lambda files: load_prompts(files, tokenizer, d.max_prompt_length, d.truncation,  # noqa: E731
                                       d.apply_chat_template, d.limit, known, d.bad_rows, tool_schemas)
     train = load(d.train_files)

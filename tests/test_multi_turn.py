@@ -73,25 +73,27 @@ class LocalPool:
     """Runs calls in this process (the scripted tests that do not test the workers)."""
 
     def __init__(self, spec):
-        from lib.multi_turn.tools import load_tools
+        from lib.multi_turn.tools import ToolHost
 
-        self.tools = load_tools(spec)
+        self.host = ToolHost(spec)
 
-    def score(self, items):
-        from lib.multi_turn.tools import run_call
-
-        return [run_call(self.tools, *item) for item in items]
+    def score(self, items, pin=None):
+        return [self.host(*item) for item in items]
 
     def close(self):
         pass
 
 
 def prompts(tokenizer, rows, tmp_path):
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return prompts_for(tokenizer, rows, tmp_path, TOOLS)
+
+
+def prompts_for(tokenizer, rows, tmp_path, spec):
     from lib.multi_turn.tools import load_tools, schemas
 
-    ps = load_prompts([str(path)], tokenizer, 32, known_sources=None, tool_schemas=schemas(load_tools(TOOLS)))
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ps = load_prompts([str(path)], tokenizer, 32, known_sources=None, tool_schemas=schemas(load_tools(spec)))
     return collate(ps, np.arange(len(ps)), 32, tokenizer.pad_token_id)
 
 
@@ -534,3 +536,40 @@ def test_gsm8k_calculator_recipe(qwen_bpe, tmp_path):
     assert "<tool_response>\n5\n</tool_response>" in observed_text(tok, out)[0]
     assert out.non_tensor_batch["solution_str"][0] == "2+3 is 5.\n#### 5"
     assert gsm8k(out.non_tensor_batch["solution_str"][0], row["reward_model"]["ground_truth"])["score"] == 1.0
+
+
+def test_environments_keep_state_per_episode_and_score_it(tokenizer, tmp_path):
+    """An environment class: an instance per episode, reset with the row, pinned to one worker so its state lasts
+    across turns; reward() is the episode's score (through the scorer). A crash loses only the environments of its
+    worker; a reward that raises costs its episode only."""
+    from lib.rewards.pool import RewardPool
+    from lib.rewards.scorer import Scorer
+
+    spec = os.path.join(HERE, "data", "mt_tools.py") + ":Vault"
+    script = {"1": [call("open_vault", code="11"), call("open_vault", code="42"), "a"],
+              "2": [call("open_vault", code="42"), "b"],
+              "3": [call("crash", x=1), call("open_vault", code="1"), "c"],
+              "4": ["d"], "5": [call("open_vault", code="5"), "e"]}
+    truths = {"1": "42", "2": "7", "3": "1", "4": "4", "5": "raise"}
+    rows = [row(k, reward_model={"ground_truth": truths[k]}) for k in script]
+    cfg = MultiTurnConfig(tools=spec, max_turns=4)
+    mt = MultiTurn(cfg, tokenizer, 400, pool=RewardPool(spec, 5.0, num_workers=3, mode="tools"))
+    ps_rows = prompts_for(tokenizer, rows, tmp_path, spec)
+    out = mt.rollout(ScriptedEngine(tokenizer, script), ps_rows)
+    mt.close()
+    text = observed_text(tokenizer, out)
+    assert "wrong code (attempt 1)" in text[0] and "open (attempt 2)" in text[0]  # state across turns
+    assert "wrong code (attempt 1)" in text[1]
+    assert "worker process died" in text[2] and "environment is gone" in text[2]  # episode 3 was alone on worker 2
+    m = out.meta_info["multi_turn"]
+    assert m["multi_turn/tool_crashes"] == 3  # the crash, the next call, and its reward
+    assert m["multi_turn/tool_errors"] == 1  # the reward that raised
+    scorer = Scorer(tokenizer, num_workers=1)
+    scored = scorer(out)
+    scorer.close()
+    assert scored.scores == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert scored.metrics["reward/crashes"] == 1 and scored.metrics["reward/errors"] == 1
+    assert scored.metrics["reward/attempts"] == pytest.approx((2 + 1 + 0) / 3)
+    mask = out.batch["response_mask"]
+    last = (mask * torch.arange(1, mask.shape[1] + 1)).argmax(-1)
+    assert scored.token_scores[0, last[0]] == 1.0 and scored.token_scores.sum() == 1.0

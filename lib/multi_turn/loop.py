@@ -19,7 +19,7 @@ import numpy as np
 from lib.engine import build_output, expand_samples
 from lib.multi_turn.parsers import PARSERS, Parsed
 from lib.multi_turn.render import ObservationRenderer, tool_message
-from lib.multi_turn.tools import KINDS, bound_kwargs, failed
+from lib.multi_turn.tools import KINDS, bound_kwargs, failed, is_environment
 from lib.protocol import DataProto
 
 TRUNCATED = " [truncated]"
@@ -31,6 +31,7 @@ episode's token budget (a turn cut by it, or an observation that does not fit)."
 
 @dataclass
 class Episode:
+    index: int  # its row in the rollout (an environment's key)
     prompt: list[int]
     allowed: set[str] | None  # tool names the row offers (None: every loaded tool)
     tools_kwargs: Any
@@ -65,6 +66,7 @@ class MultiTurn:
         self.parse = PARSERS[cfg.format]
         self.renderer = ObservationRenderer(tokenizer, chat_template)
         self.budget = cfg.max_response_tokens or max_response_length
+        self.environment = is_environment(cfg.tools)
         if pool is None:
             from lib.rewards.pool import RewardPool
 
@@ -88,12 +90,15 @@ class MultiTurn:
         columns = nt.get("columns", np.array([None] * len(data), dtype=object))
         extras = nt.get("extra_info", np.array([None] * len(data), dtype=object))
         episodes = []
-        for row, m, col, extra in zip(ids, mask, columns, extras):
+        for i, (row, m, col, extra) in enumerate(zip(ids, mask, columns, extras)):
             offered = (col or {}).get("tools") if isinstance(col, dict) else None
             allowed = {s.get("function", s).get("name") for s in offered} if offered else None
             kwargs = extra.get("tools_kwargs") if isinstance(extra, dict) else None
-            episodes.append(Episode(row[m.bool()].tolist(), allowed, kwargs))
+            episodes.append(Episode(i, row[m.bool()].tolist(), allowed, kwargs))
         counts = dict.fromkeys(KINDS + ("malformed", "over_limit", "truncations"), 0)
+        if self.environment:  # an episode's environment lives in one worker: its operations are pinned there
+            pin = list(range(len(episodes)))
+            resets = self._run([("reset", i, self._row(nt, i)) for i in pin], pin, counts)
         t0, gen_s, sampled_total, turn_rows = time.perf_counter(), 0.0, 0, []
         for turn in range(self.cfg.max_turns):
             active = [e for e in episodes if not e.finish]
@@ -128,7 +133,7 @@ class MultiTurn:
                 if e.turns >= self.cfg.max_turns:
                     e.finish = "max_turns"
                     continue
-                obs = observations.setdefault(id(e), [stop_text])
+                obs = observations.setdefault(e.index, [stop_text])
                 for message in parsed.errors:
                     refuse(obs, counts, "malformed", "error", message)
                 for i, call in enumerate(parsed.calls):
@@ -141,20 +146,17 @@ class MultiTurn:
                     else:
                         e.tool_calls += 1
                         obs.append(len(calls))  # filled in below, in the call's place
-                        calls.append((call.name, call.arguments, bound_kwargs(e.tools_kwargs, call.name)))
-            results = self.pool.score(calls) if calls else []
+                        calls.append(("call", e.index, call.name, call.arguments,
+                                      bound_kwargs(e.tools_kwargs, call.name)))
+            results = self._run(calls, [c[1] for c in calls] if self.environment else None, counts)
             for e in active:
                 if e.finish:
                     continue
-                stop_text, *parts = observations[id(e)]
+                stop_text, *parts = observations[e.index]
                 messages = []
                 for part in parts:
                     if isinstance(part, int):
-                        name = calls[part][0]
-                        text, kind, _ = results[part]
-                        if kind:
-                            counts[kind] += 1
-                        part = tool_message(name, self._cut(text, counts))
+                        part = tool_message(calls[part][2], self._cut(results[part][0], counts))
                     messages.append(part)
                 obs_ids = self.renderer.observation_ids(messages, stop_text)
                 if len(e.response) + len(obs_ids) >= self.budget:  # no room left for a sampled token after it
@@ -169,6 +171,11 @@ class MultiTurn:
                     raise RuntimeError("multi-turn rollout: an engine input is not a prefix of its final row")
             e.inputs = []
         engine.calls[validate] += 1
+        env_reward = None
+        if self.environment:  # the episode's score, then the instance goes
+            env_reward = [r if not reset[1] else reset for r, reset in
+                          zip(self._run([("reward", i) for i in pin], pin, counts), resets)]
+            self._run([("close", i) for i in pin], pin, counts)
         fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
                               [e.response for e in episodes], [e.logps for e in episodes],
                               self.tokenizer.pad_token_id, sampled_masks=[e.mask for e in episodes])
@@ -176,6 +183,8 @@ class MultiTurn:
         non_tensor = dict(nt, solution_str=obj(self.tokenizer.batch_decode([e.last_turn for e in episodes],
                                                                      skip_special_tokens=True)),
                           num_turns=obj([e.turns for e in episodes]))
+        if env_reward is not None:
+            non_tensor["env_reward"] = obj(env_reward)
         elapsed = time.perf_counter() - t0
         n = max(len(episodes), 1)
         observed = sum(len(e.response) for e in episodes) - sampled_total
@@ -193,6 +202,24 @@ class MultiTurn:
         meta = {"generate_s": elapsed, "generated_tokens": sampled_total,
                 "tokens_per_s": sampled_total / max(elapsed, 1e-9), "multi_turn": metrics}
         return DataProto.from_dict(fields, non_tensor, {**data.meta_info, **meta})
+
+    def _run(self, items: list[tuple], pin: list[int] | None, counts: dict) -> list[tuple]:
+        """Tool operations in the workers; each failure counted by kind."""
+        results = self.pool.score(items, pin) if items else []
+        for _, kind, _ in results:
+            if kind:
+                counts[kind] += 1
+        return results
+
+    @staticmethod
+    def _row(nt: dict, i: int) -> dict:
+        """What an environment's reset gets: the row's prompt messages, data_source, ground_truth, extra_info and
+        other columns."""
+        row = {k: nt[k][i] for k in ("data_source", "ground_truth", "extra_info") if k in nt}
+        if "messages" in nt:
+            row["prompt"] = nt["messages"][i]
+        columns = nt["columns"][i] if "columns" in nt else None
+        return {**(columns if isinstance(columns, dict) else {}), **row}
 
     def _cut(self, text: str, counts: dict) -> str:
         """A tool's answer cut to tool_response_max_tokens tokens, the cut marked."""

@@ -2,8 +2,12 @@
 processes (lib/rewards/pool.py, mode ``tools``) under a per-call time limit.
 
 ``--multi_turn.tools path/to/file.py:name``, where ``name`` is a function, a list of functions or a dict of name ->
-function. A tool's schema (what the chat template shows the model) comes from its signature and docstring
-(``transformers.utils.get_json_schema``: a description, and an ``Args:`` line per parameter).
+function, or an environment: a class with ``reset(**row)``, public tool methods, ``reward()`` and ``close()``. Each
+episode gets an instance of its own, in one worker (lib/rewards/pool.py pins its calls there): ``reset`` gets the
+row (prompt, data_source, ground_truth, extra_info and the other columns), the model calls the tool methods, and
+``reward()`` (a number, or a dict with ``score`` like a custom reward) is the episode's score. A tool's schema (what
+the chat template shows the model) comes from its signature and docstring (``transformers.utils.get_json_schema``:
+a description, and an ``Args:`` line per parameter).
 
 Every call costs its own result only. A call that raises, names no known tool, passes arguments the function does
 not take, runs past ``multi_turn.tool_timeout_s`` (its worker is killed) or kills its worker is answered with an
@@ -24,25 +28,42 @@ KINDS = ("errors", "invalid", "timeouts", "crashes")
 it ran past the time limit; it killed its worker process."""
 
 
+ENV_METHODS = ("reset", "reward", "close")
+LOST = "the episode's environment is gone (its reset failed, or its worker process was killed and replaced)"
+
+
 def load_tools(spec: str) -> dict[str, Callable]:
-    """``path/to/file.py:name`` -> {tool name: function}."""
-    obj = load_object(spec, "multi_turn.tools")
+    """``path/to/file.py:name`` -> {tool name: function} (an environment's: its public methods but reset, reward
+    and close, unbound)."""
+    return tools_of(load_object(spec, "multi_turn.tools"), spec)
+
+
+def tools_of(obj: Any, spec: str) -> dict[str, Callable]:
     if isinstance(obj, type):
-        raise ValueError(f"multi_turn.tools {spec}: {obj.__name__} is a class; environments are not supported yet, "
-                         f"give a function, a list of functions or a dict of name -> function")
-    if callable(obj):
+        missing = [m for m in ENV_METHODS if not callable(getattr(obj, m, None))]
+        if missing:
+            raise ValueError(f"multi_turn.tools {spec}: the environment {obj.__name__} has no {missing}; an "
+                             f"environment is a class with reset(**row), tool methods, reward() and close()")
+        tools = {name: fn for name, fn in inspect.getmembers(obj, inspect.isfunction)
+                 if not name.startswith("_") and name not in ENV_METHODS}
+    elif callable(obj):
         tools = {obj.__name__: obj}
     elif isinstance(obj, dict):
         tools = dict(obj)
     elif isinstance(obj, (list, tuple)):
         tools = {getattr(fn, "__name__", str(i)): fn for i, fn in enumerate(obj)}
     else:
-        raise ValueError(f"multi_turn.tools {spec}: a {type(obj).__name__} is not a function, a list of functions or "
-                         f"a dict of name -> function")
+        raise ValueError(f"multi_turn.tools {spec}: a {type(obj).__name__} is not a function, a list of functions, "
+                         f"a dict of name -> function or an environment class")
     bad = [name for name, fn in tools.items() if not callable(fn) or not isinstance(name, str)]
     if not tools or bad:
-        raise ValueError(f"multi_turn.tools {spec}: {bad or 'nothing'} is not a function; give functions")
+        raise ValueError(f"multi_turn.tools {spec}: {bad or 'no tool'} is not a function; give functions (or an "
+                         f"environment with public tool methods)")
     return tools
+
+
+def is_environment(spec: str) -> bool:
+    return isinstance(load_object(spec, "multi_turn.tools"), type)
 
 
 def schemas(tools: dict[str, Callable], spec: str = "") -> dict[str, dict]:
@@ -99,24 +120,66 @@ def as_text(result: Any) -> str:
         return str(result)
 
 
-def run_call(tools: dict[str, Callable], name: str, arguments: dict, bound: dict) -> tuple[str, str, str]:
-    """In a worker: one call -> (observation text, failure kind or "", message)."""
-    fn = tools.get(name)
-    if fn is None:
-        return failed("invalid", f"unknown tool {name!r}; the tools are {sorted(tools)}")
-    kwargs = {**arguments, **bound}
+class ToolHost:
+    """In a tool worker: runs the loop's operations, each ``(op, episode, *args)`` -> (text or value, failure kind or
+    "", message). ``call``: (name, arguments, bound arguments) -> the tool's answer as text. With an environment
+    also ``reset`` (row), ``reward`` (-> its raw value) and ``close``; the instances live here, by episode."""
+
+    def __init__(self, spec: str):
+        obj = load_object(spec, "multi_turn.tools")
+        self.tools = tools_of(obj, spec)
+        self.env_class = obj if isinstance(obj, type) else None
+        self.envs: dict[Any, Any] = {}
+
+    def __call__(self, op: str, episode: Any, *args: Any) -> tuple[Any, str, str]:
+        if op == "call":
+            return self.call(episode, *args)
+        if op == "reset":
+            self.envs.pop(episode, None)
+            env = self.env_class()
+            out = guarded(lambda: env.reset(**args[0]), "reset")
+            if not out[1]:
+                self.envs[episode] = env
+            return out
+        env = self.envs.get(episode)
+        if env is None:  # lost with its worker, or never reset: nothing to close, no reward
+            return ("", "", "") if op == "close" else failed("crashes", LOST)
+        if op == "reward":
+            return guarded(env.reward, "reward", as_value=True)
+        if op == "close":
+            del self.envs[episode]
+            return guarded(env.close, "close")
+        raise ValueError(f"unknown tool operation {op!r}")
+
+    def call(self, episode: Any, name: str, arguments: dict, bound: dict) -> tuple[str, str, str]:
+        if self.env_class is not None:
+            env = self.envs.get(episode)
+            if env is None:
+                return failed("crashes", LOST)
+            fn = getattr(env, name) if name in self.tools else None
+        else:
+            fn = self.tools.get(name)
+        if fn is None:
+            return failed("invalid", f"unknown tool {name!r}; the tools are {sorted(self.tools)}")
+        kwargs = {**arguments, **bound}
+        try:
+            inspect.signature(fn).bind(**kwargs)
+        except TypeError as e:
+            return failed("invalid", f"bad arguments for {name}: {e}")
+        except ValueError:  # no signature to check (a builtin): let the call say
+            pass
+        return guarded(lambda: fn(**kwargs), name)
+
+
+def guarded(fn: Callable[[], Any], name: str, as_value: bool = False) -> tuple[Any, str, str]:
+    """Run ``fn``; its failure is its result's only: (error text, "errors", message)."""
     try:
-        inspect.signature(fn).bind(**kwargs)
-    except TypeError as e:
-        return failed("invalid", f"bad arguments for {name}: {e}")
-    except ValueError:  # no signature to check (a builtin): let the call say
-        pass
-    try:
-        return as_text(fn(**kwargs)), "", ""
+        out = fn()
     except SystemExit as e:
         return failed("errors", f"{name} called sys.exit({e.code!r})")
     except BaseException as e:  # noqa: BLE001 - the tool's failure costs its call only
         return failed("errors", f"{name} raised {type(e).__name__}: {e}")
+    return (out if as_value else as_text(out)), "", ""
 
 
 def failed(kind: str, message: str) -> tuple[str, str, str]:

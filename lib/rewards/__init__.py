@@ -107,6 +107,13 @@ def rule_for(data_source: Any) -> ScoreFn:
                      f"--reward.custom_fn path/to/file.py:function")
 
 
+def result_of(out: Any) -> tuple[float, dict[str, float], Any, str, str]:
+    """A scorer's return value -> (score, numeric extras, answer, failure kind or "", message)."""
+    score, extras, answer, kind = interpret(out)
+    message = f"the scorer returned {type(out).__name__} {str(out)[:80]!r}, not a finite score" if kind else ""
+    return score, extras, answer, kind, message
+
+
 def interpret(out: Any) -> tuple[float, dict[str, float], Any, str]:
     """A scorer's return value -> (score, numeric extras, answer, failure kind or ""). A real number (bools and
     numpy scalars count), or a dict with a finite numeric ``score``; anything else is "invalid"."""

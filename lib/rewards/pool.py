@@ -71,16 +71,27 @@ class RewardPool:
             self.failed, self.what, self.limit = _score_failed, "scorer", "reward.timeout_s"
         self.workers = [_Worker(custom, mode) for _ in range(max(1, num_workers))]
 
-    def score(self, items: list[tuple]) -> list[Any]:
-        """One result per item, in order (see the class docstring); also how tool calls are run."""
+    def score(self, items: list[tuple], pin: list[int] | None = None) -> list[Any]:
+        """One result per item, in order (see the class docstring); also how tool calls are run. ``pin``: a key per
+        item; items of one key go to one worker (key modulo the number of workers), in order, in one chunk (an
+        environment's state lives in its worker). A lost worker's place, and its items, go to a fresh one."""
         results: list[Result | None] = [None] * len(items)
-        size = max(1, -(-len(items) // (4 * len(self.workers))))  # a few chunks per worker balance the load
-        queue = deque((i, *items[i]) for i in range(len(items)))
+        if pin is None:  # one queue all workers take from, a few chunks per worker to balance the load
+            size = max(1, -(-len(items) // (4 * len(self.workers))))
+            queues = [deque((i, *items[i]) for i in range(len(items)))] * len(self.workers)
+        else:
+            size = len(items)
+            queues = [deque() for _ in self.workers]
+            for i, key in enumerate(pin):
+                queues[key % len(self.workers)].append((i, *items[i]))
         idle = list(self.workers)
         busy: dict[Connection, _Worker] = {}
-        while queue or busy:
-            while queue and idle:
-                worker = idle.pop()
+        while any(queues) or busy:
+            for worker in list(idle):
+                queue = queues[self.workers.index(worker)]
+                if not queue:
+                    continue
+                idle.remove(worker)
                 chunk = [queue.popleft() for _ in range(min(size, len(queue)))]
                 try:
                     worker.send(chunk)
@@ -89,6 +100,8 @@ class RewardPool:
                     idle.append(self._fresh(worker))
                     continue
                 busy[worker.inbox] = worker
+            if not busy:
+                continue
             now = time.monotonic()
             deadline = min(w.since for w in busy.values()) + self.timeout_s
             for conn in wait(list(busy), timeout=max(0.0, deadline - now)):
@@ -100,7 +113,7 @@ class RewardPool:
                         code = worker.proc.wait(timeout=5)
                     except subprocess.TimeoutExpired:
                         code = None
-                    self._replace(worker, busy, idle, queue, results, items, "crashes",
+                    self._replace(worker, busy, idle, queues, results, items, "crashes",
                                   f"the {self.what}'s worker process died (exit code {code})")
                     continue
                 results[index] = tuple(result)
@@ -111,17 +124,17 @@ class RewardPool:
                     idle.append(worker)
             now = time.monotonic()
             for worker in [w for w in busy.values() if now - w.since > self.timeout_s]:
-                self._replace(worker, busy, idle, queue, results, items, "timeouts",
+                self._replace(worker, busy, idle, queues, results, items, "timeouts",
                               f"the {self.what} ran past {self.limit}={self.timeout_s:g} s")
         return results  # type: ignore[return-value]
 
-    def _replace(self, worker: _Worker, busy: dict, idle: list, queue: deque, results: list, items: list,
+    def _replace(self, worker: _Worker, busy: dict, idle: list, queues: list[deque], results: list, items: list,
                  kind: str, message: str) -> None:
         """Kill a worker, fail its current sample, requeue the rest of its chunk, start a fresh worker."""
         del busy[worker.inbox]
         current, *rest = worker.chunk
         results[current] = self.failed(kind, message)
-        queue.extendleft(reversed([(i, *items[i]) for i in rest]))
+        queues[self.workers.index(worker)].extendleft(reversed([(i, *items[i]) for i in rest]))
         idle.append(self._fresh(worker))
 
     def _fresh(self, worker: _Worker) -> _Worker:

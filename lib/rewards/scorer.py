@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from lib.protocol import DataProto
-from lib.rewards import FAILURE_KINDS, RULES, load_custom
+from lib.rewards import FAILURE_KINDS, RULES, load_custom, result_of
 from lib.rewards.pool import RewardPool
 
 
@@ -62,6 +62,10 @@ class Scorer:
         ruled = [i for i, (src, _, truth, _, _) in enumerate(samples) if self.reward_model is None or self.custom
                  or (src in RULES and truth is not None)]
         results = [(0.0, {}, None, "", "")] * n
+        if "env_reward" in data.non_tensor_batch:  # multi-turn environments score their own episodes
+            results = [result_of(value) if not kind else (0.0, {}, None, kind, f"the environment's {message}")
+                       for value, kind, message in data.non_tensor_batch["env_reward"]]
+            ruled = []
         for i, r in zip(ruled, self.pool.score([samples[i] for i in ruled])):
             results[i] = r
         counts = dict.fromkeys(FAILURE_KINDS, 0)

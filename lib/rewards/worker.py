@@ -12,7 +12,7 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
-from lib.rewards import interpret, keyword_columns, load_custom, rule_for
+from lib.rewards import keyword_columns, load_custom, result_of, rule_for
 
 
 def score_one(custom, data_source, text, ground_truth, extra_info, columns=None):
@@ -29,9 +29,7 @@ def score_one(custom, data_source, text, ground_truth, extra_info, columns=None)
         return 0.0, {}, None, "exits", f"the scorer called sys.exit({e.code!r})"
     except BaseException as e:  # noqa: BLE001 - the scorer's failure costs its sample only
         return 0.0, {}, None, "errors", f"the scorer raised {type(e).__name__}: {e}"
-    score, extras, answer, kind = interpret(out)
-    message = f"the scorer returned {type(out).__name__} {str(out)[:80]!r}, not a finite score" if kind else ""
-    return score, extras, answer, kind, message
+    return result_of(out)
 
 
 def main(argv: list[str]) -> None:
@@ -40,10 +38,9 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, signal.SIG_IGN)
     inbox, outbox = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
     if len(argv) > 3 and argv[3] == "tools":
-        from lib.multi_turn.tools import load_tools, run_call
+        from lib.multi_turn.tools import ToolHost
 
-        tools = load_tools(argv[2])
-        handle = lambda *item: run_call(tools, *item)  # noqa: E731
+        handle = ToolHost(argv[2])
     else:
         custom = load_custom(argv[2]) if len(argv) > 2 and argv[2] else None
         handle = lambda *sample: score_one(custom, *sample)  # noqa: E731

@@ -53,3 +53,36 @@ def killer(x: int) -> str:
 
 
 TOOLS = [add, echo, sleepy, broken, killer]
+
+
+class Vault:
+    """An environment: each episode's vault opens with the row's ground truth; the score is whether it opened."""
+
+    def reset(self, ground_truth=None, **row):
+        self.secret, self.attempts, self.opened = str(ground_truth), 0, False
+
+    def open_vault(self, code: str) -> str:
+        """Try a code on the vault.
+
+        Args:
+            code: The code to try.
+        """
+        self.attempts += 1
+        self.opened = self.opened or code == self.secret
+        return f"{'open' if code == self.secret else 'wrong code'} (attempt {self.attempts})"
+
+    def crash(self, x: int) -> str:
+        """Kill the process the environment lives in.
+
+        Args:
+            x: Anything.
+        """
+        os._exit(9)
+
+    def reward(self):
+        if self.secret == "raise":
+            raise ValueError("no reward for this vault")
+        return {"score": float(self.opened), "attempts": self.attempts}
+
+    def close(self):
+        pass
