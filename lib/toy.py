@@ -258,9 +258,10 @@ def warm_start_tool(model, tokenizer, keys: list[str], steps: int, seed: int) ->
     fit(model, [tool_episode(tokenizer, key) for key in keys], steps, seed, tokenizer.pad_token_id)
 
 
-def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0,
-                 warm_steps: int = TOOL_WARM_STEPS) -> dict[str, str]:
-    """Build (once) the tool variant's tokenizer, warm-started model and data files; returns their paths."""
+def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0, warm_steps: int = TOOL_WARM_STEPS,
+                 heads: int = 4, kv_heads: int = 2) -> dict[str, str]:
+    """Build (once) the tool variant's tokenizer, warm-started model and data files; returns their paths. heads=2
+    gives head size 32, the smallest vLLM's CPU attention takes."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -272,7 +273,7 @@ def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0,
         torch.manual_seed(seed)
         eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<eos>")]
         config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
                              tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                              bos_token_id=tokenizer.bos_token_id)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")

