@@ -549,8 +549,8 @@ def test_environments_keep_state_per_episode_and_score_it(tokenizer, tmp_path):
     script = {"1": [call("open_vault", code="11"), call("open_vault", code="42"), "a"],
               "2": [call("open_vault", code="42"), "b"],
               "3": [call("crash", x=1), call("open_vault", code="1"), "c"],
-              "4": ["d"], "5": [call("open_vault", code="5"), "e"]}
-    truths = {"1": "42", "2": "7", "3": "1", "4": "4", "5": "raise"}
+              "4": ["d"], "5": [call("open_vault", code="5"), "e"], "6": [call("open_vault", code="1"), "f"]}
+    truths = {"1": "42", "2": "7", "3": "1", "4": "4", "5": "raise", "6": "badreset"}
     rows = [row(k, reward_model={"ground_truth": truths[k]}) for k in script]
     cfg = MultiTurnConfig(tools=spec, max_turns=4)
     mt = MultiTurn(cfg, tokenizer, 400, pool=RewardPool(spec, 5.0, num_workers=3, mode="tools"))
@@ -561,14 +561,15 @@ def test_environments_keep_state_per_episode_and_score_it(tokenizer, tmp_path):
     assert "wrong code (attempt 1)" in text[0] and "open (attempt 2)" in text[0]  # state across turns
     assert "wrong code (attempt 1)" in text[1]
     assert "worker process died" in text[2] and "environment is gone" in text[2]  # episode 3 was alone on worker 2
+    assert "environment is gone" in text[5]  # its reset raised
     m = out.meta_info["multi_turn"]
-    assert m["multi_turn/tool_crashes"] == 3  # the crash, the next call, and its reward
-    assert m["multi_turn/tool_errors"] == 1  # the reward that raised
+    assert m["multi_turn/tool_crashes"] == 4  # the crash, the next call and the reward of episode 3; episode 6's call
+    assert m["multi_turn/tool_errors"] == 2  # the reward that raised, the reset that raised
     scorer = Scorer(tokenizer, num_workers=1)
     scored = scorer(out)
     scorer.close()
-    assert scored.scores == [1.0, 0.0, 0.0, 0.0, 0.0]
-    assert scored.metrics["reward/crashes"] == 1 and scored.metrics["reward/errors"] == 1
+    assert scored.scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert scored.metrics["reward/crashes"] == 1 and scored.metrics["reward/errors"] == 2
     assert scored.metrics["reward/attempts"] == pytest.approx((2 + 1 + 0) / 3)
     mask = out.batch["response_mask"]
     last = (mask * torch.arange(1, mask.shape[1] + 1)).argmax(-1)

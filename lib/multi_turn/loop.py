@@ -112,7 +112,7 @@ class MultiTurn:
             outs = engine.generate_ids(inputs, caps, validate, (key, turn))
             gen_s += time.perf_counter() - t_gen
             turn_rows.append(len(active))
-            calls = []  # (name, arguments, bound arguments) to run, in order
+            calls = []  # ("call", episode, name, arguments, bound arguments) to run, in order
             observations: dict[int, list] = {}  # per episode: its stop text, then messages or indices into calls
             for e, out in zip(active, outs):
                 e.sampled(out.ids, out.logps)
@@ -172,10 +172,11 @@ class MultiTurn:
             e.inputs = []
         engine.calls[validate] += 1
         env_reward = None
-        if self.environment:  # the episode's score, then the instance goes
-            env_reward = [r if not reset[1] else reset for r, reset in
-                          zip(self._run([("reward", i) for i in pin], pin, counts), resets)]
-            self._run([("close", i) for i in pin], pin, counts)
+        if self.environment:  # the episode's score, then the instance goes; a failed reset is the episode's result
+            alive = [i for i in pin if not resets[i][1]]
+            got = dict(zip(alive, self._run([("reward", i) for i in alive], alive, counts)))
+            env_reward = [got.get(i, resets[i]) for i in pin]
+            self._run([("close", i) for i in alive], alive, counts)
         fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
                               [e.response for e in episodes], [e.logps for e in episodes],
                               self.tokenizer.pad_token_id, sampled_masks=[e.mask for e in episodes])

@@ -59,6 +59,8 @@ class Vault:
     """An environment: each episode's vault opens with the row's ground truth; the score is whether it opened."""
 
     def reset(self, ground_truth=None, **row):
+        if ground_truth == "badreset":
+            raise RuntimeError("this vault cannot be set up")
         self.secret, self.attempts, self.opened = str(ground_truth), 0, False
 
     def open_vault(self, code: str) -> str:
