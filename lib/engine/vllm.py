@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from lib.dist import Topology, all_gather
 from lib.engine import (SamplingConfig, Turn, build_output, call_seed, expand_samples, request_seeds, stop_ids,
@@ -293,15 +294,32 @@ class VLLMEngine:
 
     def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any) -> list[Turn]:
         """Same contract as HFEngine.generate_ids: one seeded request per prompt, each with its own max_tokens
-        (vLLM stops each request at its cap, so nothing is cut afterwards). A TP group is not supported here
-        (multi-turn rollouts refuse rollout.tp_size > 1 at start-up)."""
+        (vLLM stops each request at its cap, so nothing is cut afterwards). A TP group generates its ranks' requests
+        together (every rank of the group calls, with its own requests or none) and each rank keeps its own."""
         if self.asleep:
             raise RuntimeError(f"generate on a sleeping engine ({sorted(self.asleep)} asleep): call wake_up() first")
+        sp = self.val_sampling if validate else self.sampling
+        topo, mine = self.topo, slice(0, len(prompts))
+        if topo.rollout_tp_size > 1:
+            parts: list = [None] * topo.rollout_tp_size
+            # the TP group: every rank's requests (token ids and caps), in rank order
+            dist.all_gather_object(parts, (prompts, max_tokens), group=topo.rollout_tp_group)
+            start = sum(len(p) for p, _ in parts[:topo.rollout_tp_rank])
+            mine = slice(start, start + len(prompts))
+            prompts, max_tokens = [x for p, _ in parts for x in p], [c for _, caps in parts for c in caps]
         if not prompts:
             return []
-        sp = self.val_sampling if validate else self.sampling
         responses, logps = self._generate(prompts, sp, call_seed(sp.seed, self.group, validate, key), max_tokens)
-        return turns_from(responses, logps, max_tokens, set(self.stop_ids(validate)))
+        return turns_from(responses[mine], logps[mine], max_tokens[mine], set(self.stop_ids(validate)))
+
+    def any_active(self, active: bool) -> bool:
+        """Whether any rank of this rank's TP group still has requests: the group generates together, so a rank
+        with none keeps calling ``generate_ids`` until its group is done."""
+        if self.topo.rollout_tp_size == 1:
+            return active
+        flag = torch.tensor([int(active)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topo.rollout_tp_group)
+        return bool(flag.item())
 
     def _generate(self, prompts: list[list[int]], sp: SamplingConfig, seed: int,
                   max_tokens: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:

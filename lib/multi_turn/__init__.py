@@ -36,9 +36,6 @@ def config_problems(cfg: Any) -> list[str]:
     if m.max_response_tokens > r.max_response_length:
         problems.append(f"multi_turn.max_response_tokens={m.max_response_tokens} exceeds rollout.max_response_length="
                         f"{r.max_response_length} (the row's width after the prompt); raise that or lower this")
-    if r.tp_size > 1:
-        problems.append(f"multi-turn rollouts run on one engine rank per rollout group: set rollout.tp_size=1 (got "
-                        f"{r.tp_size})")
     if not cfg.data.apply_chat_template:
         problems.append("multi-turn rollouts render tool observations with the chat template: turn "
                         "data.apply_chat_template on")

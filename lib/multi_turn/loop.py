@@ -102,7 +102,7 @@ class MultiTurn:
         t0, gen_s, sampled_total, turn_rows = time.perf_counter(), 0.0, 0, []
         for turn in range(self.cfg.max_turns):
             active = [e for e in episodes if not e.finish]
-            if not active:
+            if not engine.any_active(bool(active)):  # a vLLM TP group goes on while any of its ranks has episodes
                 break
             caps = [min(self.cfg.max_tokens_per_turn or self.budget, self.budget - len(e.response)) for e in active]
             inputs = [e.prompt + e.response for e in active]
