@@ -85,84 +85,35 @@ class MultiTurn:
         sp = engine.val_sampling if validate else engine.sampling
         key = data.meta_info.get("seed_key", engine.calls[validate])
         data = expand_samples(data, sp.n)
-        ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
         nt = data.non_tensor_batch
-        columns = nt.get("columns", np.array([None] * len(data), dtype=object))
-        extras = nt.get("extra_info", np.array([None] * len(data), dtype=object))
-        episodes = []
-        for i, (row, m, col, extra) in enumerate(zip(ids, mask, columns, extras)):
-            offered = (col or {}).get("tools") if isinstance(col, dict) else None
-            allowed = {s.get("function", s).get("name") for s in offered} if offered else None
-            kwargs = extra.get("tools_kwargs") if isinstance(extra, dict) else None
-            episodes.append(Episode(i, row[m.bool()].tolist(), allowed, kwargs))
+        episodes = self._episodes(data)
         counts = dict.fromkeys(KINDS + ("malformed", "over_limit", "truncations"), 0)
-        if self.environment:  # an episode's environment lives in one worker: its operations are pinned there
-            pin = list(range(len(episodes)))
+        pin = [e.index for e in episodes] if self.environment else None  # an environment lives in one worker
+        if pin is not None:
             resets = self._run([("reset", i, self._row(nt, i)) for i in pin], pin, counts)
-        t0, gen_s, sampled_total, turn_rows = time.perf_counter(), 0.0, 0, []
+        t0, gen_s, sampled, turn_rows = time.perf_counter(), 0.0, 0, []
         for turn in range(self.cfg.max_turns):
             active = [e for e in episodes if not e.finish]
             if not engine.any_active(bool(active)):  # a vLLM TP group goes on while any of its ranks has episodes
                 break
             caps = [min(self.cfg.max_tokens_per_turn or self.budget, self.budget - len(e.response)) for e in active]
             inputs = [e.prompt + e.response for e in active]
-            for e, ids in zip(active, inputs):
-                e.inputs.append(ids)
             t_gen = time.perf_counter()
             outs = engine.generate_ids(inputs, caps, validate, (key, turn))
             gen_s += time.perf_counter() - t_gen
             turn_rows.append(len(active))
-            calls = []  # ("call", episode, name, arguments, bound arguments) to run, in order
-            observations: dict[int, list] = {}  # per episode: its stop text, then messages or indices into calls
-            for e, out in zip(active, outs):
-                e.sampled(out.ids, out.logps)
-                e.turns += 1
-                sampled_total += len(out.ids)
-                text = self.tokenizer.decode(out.ids, skip_special_tokens=False)
-                stop_text = self.tokenizer.decode(out.ids[-1:], skip_special_tokens=False) if out.stopped else ""
-                if stop_text and text.endswith(stop_text):
-                    text = text[:-len(stop_text)]
-                e.last_turn = out.ids
-                if not out.stopped:
-                    e.finish = "budget" if len(e.response) >= self.budget else "length"
-                    continue
-                parsed: Parsed = self.parse(text)
-                if not parsed.any:
-                    e.finish = "answer"
-                    continue
-                if e.turns >= self.cfg.max_turns:
-                    e.finish = "max_turns"
-                    continue
-                obs = observations.setdefault(e.index, [stop_text])
-                for message in parsed.errors:
-                    refuse(obs, counts, "malformed", "error", message)
-                for i, call in enumerate(parsed.calls):
-                    if i >= self.cfg.max_tool_calls_per_turn:
-                        refuse(obs, counts, "over_limit", call.name,
-                               f"only {self.cfg.max_tool_calls_per_turn} tool calls run per turn")
-                    elif e.allowed is not None and call.name not in e.allowed:
-                        refuse(obs, counts, "invalid", call.name,
-                               f"tool {call.name!r} is not offered here; the tools are {sorted(e.allowed)}")
-                    else:
-                        e.tool_calls += 1
-                        obs.append(len(calls))  # filled in below, in the call's place
-                        calls.append(("call", e.index, call.name, call.arguments,
-                                      bound_kwargs(e.tools_kwargs, call.name)))
-            results = self._run(calls, [c[1] for c in calls] if self.environment else None, counts)
+            calls: list[tuple] = []  # ("call", episode, name, arguments, bound arguments) to run, in order
+            observations = {}  # per episode going on: its stop text, then messages or indices into calls
+            for e, ids, out in zip(active, inputs, outs):
+                e.inputs.append(ids)
+                sampled += len(out.ids)
+                planned = self._sampled(e, out, calls, counts)
+                if planned is not None:
+                    observations[e.index] = planned
+            results = self._run(calls, [c[1] for c in calls] if pin is not None else None, counts)
             for e in active:
-                if e.finish:
-                    continue
-                stop_text, *parts = observations[e.index]
-                messages = []
-                for part in parts:
-                    if isinstance(part, int):
-                        part = tool_message(calls[part][2], self._cut(results[part][0], counts))
-                    messages.append(part)
-                obs_ids = self.renderer.observation_ids(messages, stop_text)
-                if len(e.response) + len(obs_ids) >= self.budget:  # no room left for a sampled token after it
-                    e.finish = "budget"
-                    continue
-                e.observed(obs_ids)
+                if e.index in observations:
+                    self._observe(e, observations[e.index], calls, results, counts)
         for e in episodes:
             e.finish = e.finish or "max_turns"
             final = e.prompt + e.response
@@ -171,12 +122,6 @@ class MultiTurn:
                     raise RuntimeError("multi-turn rollout: an engine input is not a prefix of its final row")
             e.inputs = []
         engine.calls[validate] += 1
-        env_reward = None
-        if self.environment:  # the episode's score, then the instance goes; a failed reset is the episode's result
-            alive = [i for i in pin if not resets[i][1]]
-            got = dict(zip(alive, self._run([("reward", i) for i in alive], alive, counts)))
-            env_reward = [got.get(i, resets[i]) for i in pin]
-            self._run([("close", i) for i in alive], alive, counts)
         fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
                               [e.response for e in episodes], [e.logps for e in episodes],
                               self.tokenizer.pad_token_id, sampled_masks=[e.mask for e in episodes])
@@ -184,25 +129,93 @@ class MultiTurn:
         non_tensor = dict(nt, solution_str=obj(self.tokenizer.batch_decode([e.last_turn for e in episodes],
                                                                      skip_special_tokens=True)),
                           num_turns=obj([e.turns for e in episodes]))
-        if env_reward is not None:
-            non_tensor["env_reward"] = obj(env_reward)
+        if pin is not None:  # the episode's score, then the instance goes; a failed reset is the episode's result
+            alive = [i for i in pin if not resets[i][1]]
+            got = dict(zip(alive, self._run([("reward", i) for i in alive], alive, counts)))
+            non_tensor["env_reward"] = obj([got.get(i, resets[i]) for i in pin])
+            self._run([("close", i) for i in alive], alive, counts)
         elapsed = time.perf_counter() - t0
+        metrics = self._metrics(episodes, counts, sampled, turn_rows)
+        # wall clock under timing/ and perf/, as the stages' (resume tests leave those out)
+        metrics.update({"timing/multi_turn_generate_s": gen_s, "timing/multi_turn_tools_s": elapsed - gen_s,
+                        "perf/multi_turn_sampled_tokens_per_s": sampled / max(gen_s, 1e-9)})
+        meta = {"generate_s": elapsed, "generated_tokens": sampled, "tokens_per_s": sampled / max(elapsed, 1e-9),
+                "multi_turn": metrics}
+        return DataProto.from_dict(fields, non_tensor, {**data.meta_info, **meta})
+
+    @staticmethod
+    def _episodes(data: DataProto) -> list[Episode]:
+        """One episode per row: its prompt (unpadded), the tools its row offers, its bound tool arguments."""
+        nt, n = data.non_tensor_batch, len(data)
+        columns = nt.get("columns", np.array([None] * n, dtype=object))
+        extras = nt.get("extra_info", np.array([None] * n, dtype=object))
+        ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
+        episodes = []
+        for i, (row, m, col, extra) in enumerate(zip(ids, mask, columns, extras)):
+            offered = col.get("tools") if isinstance(col, dict) else None
+            allowed = {s.get("function", s).get("name") for s in offered} if offered else None
+            kwargs = extra.get("tools_kwargs") if isinstance(extra, dict) else None
+            episodes.append(Episode(i, row[m.bool()].tolist(), allowed, kwargs))
+        return episodes
+
+    def _sampled(self, e: Episode, out: Any, calls: list[tuple], counts: dict) -> list | None:
+        """Take a turn the engine sampled: the episode ends here (None), or goes on with the observation planned
+        (the stop text, then error messages and indices of the calls appended to ``calls``)."""
+        e.sampled(out.ids, out.logps)
+        e.turns += 1
+        e.last_turn = out.ids
+        if not out.stopped:
+            e.finish = "budget" if len(e.response) >= self.budget else "length"
+            return None
+        text = self.tokenizer.decode(out.ids, skip_special_tokens=False)
+        stop_text = self.tokenizer.decode(out.ids[-1:], skip_special_tokens=False)
+        parsed: Parsed = self.parse(text[:-len(stop_text)] if stop_text and text.endswith(stop_text) else text)
+        if not parsed.any:
+            e.finish = "answer"
+            return None
+        if e.turns >= self.cfg.max_turns:
+            e.finish = "max_turns"
+            return None
+        obs: list = [stop_text]
+        for message in parsed.errors:
+            refuse(obs, counts, "malformed", "error", message)
+        for i, call in enumerate(parsed.calls):
+            if i >= self.cfg.max_tool_calls_per_turn:
+                refuse(obs, counts, "over_limit", call.name,
+                       f"only {self.cfg.max_tool_calls_per_turn} tool calls run per turn")
+            elif e.allowed is not None and call.name not in e.allowed:
+                refuse(obs, counts, "invalid", call.name,
+                       f"tool {call.name!r} is not offered here; the tools are {sorted(e.allowed)}")
+            else:
+                e.tool_calls += 1
+                obs.append(len(calls))  # the call's answer goes here once it has run
+                calls.append(("call", e.index, call.name, call.arguments, bound_kwargs(e.tools_kwargs, call.name)))
+        return obs
+
+    def _observe(self, e: Episode, planned: list, calls: list[tuple], results: list[tuple], counts: dict) -> None:
+        """Render the turn's observation and append it, or end the episode where it would leave no room for one more
+        sampled token."""
+        stop_text, *parts = planned
+        messages = [tool_message(calls[p][2], self._cut(results[p][0], counts)) if isinstance(p, int) else p
+                    for p in parts]
+        obs_ids = self.renderer.observation_ids(messages, stop_text)
+        if len(e.response) + len(obs_ids) >= self.budget:
+            e.finish = "budget"
+        else:
+            e.observed(obs_ids)
+
+    @staticmethod
+    def _metrics(episodes: list[Episode], counts: dict, sampled: int, turn_rows: list[int]) -> dict[str, float]:
         n = max(len(episodes), 1)
-        observed = sum(len(e.response) for e in episodes) - sampled_total
         metrics = {"multi_turn/turns_mean": sum(e.turns for e in episodes) / n,
                    "multi_turn/turns_max": float(max((e.turns for e in episodes), default=0)),
                    "multi_turn/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
-                   "multi_turn/sampled_tokens_mean": sampled_total / n,
-                   "multi_turn/observation_tokens_mean": observed / n,
-                   # wall clock under timing/ and perf/, as the stages' (resume tests leave those out)
-                   "timing/multi_turn_generate_s": gen_s, "timing/multi_turn_tools_s": elapsed - gen_s,
-                   "perf/multi_turn_sampled_tokens_per_s": sampled_total / max(gen_s, 1e-9),
+                   "multi_turn/sampled_tokens_mean": sampled / n,
+                   "multi_turn/observation_tokens_mean": (sum(len(e.response) for e in episodes) - sampled) / n,
                    "multi_turn/rows_per_turn_mean": float(np.mean(turn_rows)) if turn_rows else 0.0}
         metrics.update({f"multi_turn/tool_{k}": float(v) for k, v in counts.items()})
         metrics.update({f"multi_turn/finish_{f}": sum(e.finish == f for e in episodes) / n for f in FINISH})
-        meta = {"generate_s": elapsed, "generated_tokens": sampled_total,
-                "tokens_per_s": sampled_total / max(elapsed, 1e-9), "multi_turn": metrics}
-        return DataProto.from_dict(fields, non_tensor, {**data.meta_info, **meta})
+        return metrics
 
     def _run(self, items: list[tuple], pin: list[int] | None, counts: dict) -> list[tuple]:
         """Tool operations in the workers; each failure counted by kind."""
