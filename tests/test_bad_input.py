@@ -120,6 +120,12 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
     ("empty-prompt", "train_grpo.py", "--data.train_files {empty_prompt}", "row 1: an empty prompt"),
     ("not-object", "train_grpo.py", "--data.train_files {not_object}", "row 1: a row must be an object"),
     ("too-long", "train_grpo.py", "--data.train_files {long} --data.truncation error", "row 1: a prompt of"),
+    ("tools-file", "train_grpo.py", "--multi_turn.tools /nope.py:tools", "multi_turn.tools file '/nope.py' does "
+     "not exist"),
+    ("tools-format", "train_grpo.py", "--multi_turn.tools {reward}:score --multi_turn.format xml",
+     "multi_turn.format='xml'; use one of"),
+    ("tools-schema", "train_grpo.py", "--multi_turn.tools {reward}:score", "cannot be read from its signature and "
+     "docstring"),
     ("resume-off", "train_grpo.py", "--trainer.run_name existing --trainer.no-resume", "trainer.resume is off"),
     ("changed-config", "train_grpo.py", "--trainer.run_name other", "actor.optim.lr: 0.5 -> 0.001"),
 ]

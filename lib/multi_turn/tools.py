@@ -57,8 +57,10 @@ def tools_of(obj: Any, spec: str) -> dict[str, Callable]:
                          f"a dict of name -> function or an environment class")
     bad = [name for name, fn in tools.items() if not callable(fn) or not isinstance(name, str)]
     if not tools or bad:
-        raise ValueError(f"multi_turn.tools {spec}: {bad or 'no tool'} is not a function; give functions (or an "
-                         f"environment with public tool methods)")
+        what = f"{bad[:3]}{f' and {len(bad) - 3} more' if len(bad) > 3 else ''} are not functions" if bad else \
+            "there is no tool"
+        raise ValueError(f"multi_turn.tools {spec}: {what}; give functions (or an environment with public tool "
+                         f"methods)")
     return tools
 
 
