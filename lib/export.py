@@ -46,7 +46,7 @@ def write_hf(state: dict[str, torch.Tensor], model_path: str, out_dir: str, kind
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    missing = [n for n, p in [*model.named_parameters(), *models.persistent_buffers(model)] if p.is_meta]
     if missing:
         raise ValueError(f"the weights lack {missing[:5]}: not a checkpoint of this model ({model_path})")
     model.config.dtype = dtype

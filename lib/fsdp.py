@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lib.dist import Topology
+from lib.models import persistent_buffers
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -158,10 +159,27 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iter
             yield hf_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def iter_persistent_buffers(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor, floating ones cast to ``dtype``) of every persistent buffer (lib.models.persistent_buffers:
+    the weights that are not parameters). FSDP2 keeps buffers whole on every rank, so no gather is needed."""
+    for name, buf in persistent_buffers(model):
+        tensor = buf.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        yield hf_name(name), tensor
+
+
+def iter_full_state(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight of the model, full: the parameters (``iter_full_params``), then the persistent buffers."""
+    yield from iter_full_params(model, dtype)
+    yield from iter_persistent_buffers(model, dtype)
+
+
 def full_state_dict_on_rank0(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
-    """The full parameters on CPU on rank 0 (empty elsewhere), one tensor gathered at a time."""
+    """The full weights (parameters and persistent buffers) on CPU on rank 0 (empty elsewhere), one tensor
+    gathered at a time."""
     out: dict[str, Any] = {}
-    for name, tensor in iter_full_params(model):
+    for name, tensor in iter_full_state(model):
         if topo.is_main:
             out[name] = tensor.cpu()
         del tensor

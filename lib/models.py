@@ -10,7 +10,7 @@ import copy
 import importlib.util
 import logging
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -189,6 +189,18 @@ def stop_token_ids(path: str, tokenizer: Any, trust_remote_code: bool = False) -
         eos = getattr(load_config(path, trust_remote_code), "eos_token_id", None)
     ids += [eos] if isinstance(eos, int) else list(eos or [])
     return sorted(set(ids))
+
+
+def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) of every persistent buffer: the weights of a model that are not parameters (Gemma-4's
+    per-layer ``layer_scalar``; the MoE router's ``e_score_correction_bias`` in DeepSeek-V3 and GLM-4.5, which
+    decides the experts a token reaches). They are in the checkpoint and in ``state_dict()``; the engine and the
+    export need their trained values, not the ones ``__init__`` computes. Non-persistent buffers (rotary
+    ``inv_freq``) are derived from the config and stay out."""
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buf
 
 
 def check_not_meta(model: nn.Module) -> None:

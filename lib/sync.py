@@ -17,6 +17,7 @@ pool can take them. Weights are written only after their wake, and never reloade
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from typing import Any, Iterator
 
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from lib import lora
-from lib.fsdp import iter_full_params, load_model, offload_model
+from lib.fsdp import iter_full_state, iter_persistent_buffers, load_model, offload_model
 
 
 def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -44,7 +45,7 @@ def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
 
 def sync_weights(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
                  weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
-    """Stream the FSDP ``model``'s full parameters (or ``weights``, full tensors in HF names: a LoRA model's base or
+    """Stream the FSDP ``model``'s full parameters and persistent buffers (or ``weights``, full tensors in HF names: a LoRA model's base or
     merged weights) into an awake ``engine``. Returns time, GB sent, peak extra GB."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
@@ -55,7 +56,9 @@ def sync_weights(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes
     t0 = time.perf_counter()
     sent = 0
     largest_bucket = 0
-    for bucket in buckets(weights if weights is not None else iter_full_params(model, dtype), bucket_bytes):
+    if weights is None:
+        weights = iter_full_state(model, dtype)
+    for bucket in buckets(weights, bucket_bytes):
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
         sent += nbytes
         largest_bucket = max(largest_bucket, nbytes)
@@ -104,9 +107,11 @@ def enter_rollout(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_byte
     if adapter is None:
         metrics = sync_weights(model, engine, dtype, bucket_bytes)
     elif adapter.merge:
-        metrics = sync_weights(model, engine, dtype, bucket_bytes, lora.iter_merged(model, dtype))
+        metrics = sync_weights(model, engine, dtype, bucket_bytes,
+                               itertools.chain(lora.iter_merged(model, dtype), iter_persistent_buffers(model, dtype)))
     elif not engine.base_loaded:
-        metrics = sync_weights(model, engine, dtype, bucket_bytes, lora.iter_base(model, dtype))
+        metrics = sync_weights(model, engine, dtype, bucket_bytes,
+                               itertools.chain(lora.iter_base(model, dtype), iter_persistent_buffers(model, dtype)))
     else:
         metrics = {"sync/seconds": 0.0, "sync/gb": 0.0}
     if offload_params:

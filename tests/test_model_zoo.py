@@ -20,7 +20,7 @@ from lib import attention
 from lib.engine import SamplingConfig
 from lib.engine.hf import HFEngine
 from lib.forward import response_log_probs
-from lib.models import padded_attention, stop_token_ids
+from lib.models import padded_attention, persistent_buffers, stop_token_ids
 from lib.protocol import DataProto
 from tests import zoo
 
@@ -62,7 +62,8 @@ def test_engine_packed_and_padded_log_probs_equal_eager(name, zoo_root):
     assert dict(engine.aliases) == ({"lm_head.weight": "model.embed_tokens.weight"}
                                     if eager.config.tie_word_embeddings else {})
     engine.wake_up(["weights"])
-    engine.load_weights(eager.named_parameters())  # named_parameters lists a tied head once, as the trainer does
+    # named_parameters lists a tied head once, as the trainer does; the persistent buffers go too, as in a sync
+    engine.load_weights([*eager.named_parameters(), *persistent_buffers(eager)])
     engine.finish_sync()
     engine.wake_up(["kv_cache"])
     with torch.no_grad():

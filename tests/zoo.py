@@ -43,6 +43,34 @@ CASES: dict[str, tuple[str, dict]] = {
                                       tie_word_embeddings=False)),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                      layer_types=ALTERNATING, tie_word_embeddings=False)),
+    # ---- the models of 2026
+    "olmo3": ("Olmo3Config", dict(sliding_window=WINDOW, layer_types=ALTERNATING, tie_word_embeddings=False)),
+    # per-layer inputs, a wider head on the global layers, a persistent per-layer scalar buffer
+    "gemma4": ("Gemma4TextConfig", dict(sliding_window=WINDOW, layer_types=ALTERNATING, vocab_size_per_layer_input=VOCAB,
+                                        hidden_size_per_layer_input=16, global_head_dim=32, tie_word_embeddings=True)),
+    # multi-head latent attention; a dense first layer, then MoE with a shared expert and the router's
+    # e_score_correction_bias buffer
+    "deepseek_v3": ("DeepseekV3Config", dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
+                                             v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                                             topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                                             num_key_value_heads=4, tie_word_embeddings=False)),
+    "glm4_moe": ("Glm4MoeConfig", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       first_k_dense_replace=1, use_qk_norm=True, partial_rotary_factor=0.5,
+                                       tie_word_embeddings=False)),
+    # hybrids: Gated DeltaNet linear attention, short convolutions, Mamba-2 beside (gated) attention layers
+    "qwen3_5": ("Qwen3_5TextConfig", dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+                                          linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                          tie_word_embeddings=True)),
+    "qwen3_next": ("Qwen3NextConfig", dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+                                           linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32, tie_word_embeddings=False)),
+    "lfm2": ("Lfm2Config", dict(layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False,
+                                tie_word_embeddings=True)),
+    "granite4": ("GraniteMoeHybridConfig", dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_state=16,
+                                                mamba_d_head=32, mamba_chunk_size=8, num_local_experts=4,
+                                                num_experts_per_tok=2, shared_intermediate_size=64,
+                                                position_embedding_type="rope", tie_word_embeddings=True)),
 }
 
 
@@ -94,6 +122,7 @@ def build(name: str, root: str, seed: int = 0) -> str:
         return path
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config(name), dtype=torch.float32)
+    move_off_init(model)
     tmp = path + ".tmp"
     model.save_pretrained(tmp)
     build_tokenizer(tmp)
@@ -101,6 +130,17 @@ def build(name: str, root: str, seed: int = 0) -> str:
     GenerationConfig(eos_token_id=[2, 0], pad_token_id=0, bos_token_id=None).save_pretrained(tmp)
     os.replace(tmp, path)
     return path
+
+
+@torch.no_grad()
+def move_off_init(model: torch.nn.Module) -> None:
+    """Persistent buffers as a trained checkpoint holds them, not at their init values (Gemma-4's per-layer
+    ``layer_scalar`` starts at 1, the MoE router's ``e_score_correction_bias`` at 0): a model that re-initialises
+    them instead of loading them then computes another model, which the checks see."""
+    persistent = model.state_dict()
+    for name, buf in model.named_buffers():
+        if name in persistent and buf.is_floating_point():
+            buf.copy_(buf + 0.5 * torch.rand_like(buf) + 0.1)
 
 
 def write_data(root: str) -> tuple[str, str]:

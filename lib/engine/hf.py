@@ -18,7 +18,7 @@ import torch
 from lib.data import left_pad
 from lib.engine import SamplingConfig, Turn, build_output, call_seed, expand_samples, stop_ids, turns_from
 from lib.lora import base_name, check_engine_load, is_adapter_param, peft_name
-from lib.models import padded_attention, retie, tied_aliases
+from lib.models import padded_attention, persistent_buffers, retie, tied_aliases
 from lib.protocol import DataProto
 
 
@@ -28,6 +28,20 @@ def _no_init():
     except ImportError:  # older transformers
         from transformers.modeling_utils import no_init_weights
     return no_init_weights()
+
+
+def copyable(cache: Any) -> bool:
+    """Whether ``cache.batch_repeat_interleave`` copies everything a prompt's prefill left in ``cache``: every layer
+    a key/value layer that has it. Linear-attention and convolution layers (Gated DeltaNet, LFM2's short
+    convolutions, Mamba-2) hold states that method does not copy (transformers 5 gives some none, and a layer that
+    mixes both kinds inherits the key/value one, which leaves the states of the first sample alone), and a cache
+    whose layers are made lazily cannot be judged before the prefill: for those the engine prefills per sample."""
+    from transformers import cache_utils
+
+    states = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(hasattr(layer, "batch_repeat_interleave") and not isinstance(layer, states)
+                                for layer in layers)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -135,6 +149,8 @@ class HFEngine:
         # adapter's under the names of PEFT's files
         named = list(self.model.named_parameters())
         self._params = {base_name(n): p for n, p in named if not is_adapter_param(n)}
+        # weights that are not parameters come with the sync too (their trained values, not __init__'s)
+        self._params.update({base_name(n): b for n, b in persistent_buffers(self.model)})
         self._adapter = {peft_name(n): p for n, p in named if is_adapter_param(n)}
 
     def reset_prefix_cache(self) -> None:
@@ -260,10 +276,15 @@ class HFEngine:
         keep = mask.bool().any(0)  # columns where every prompt of the chunk is padding carry nothing
         first = int(keep.float().argmax()) if bool(keep.any()) else 0
         ids, mask, pos = ids[:, first:], mask[:, first:], pos[:, first:]
-        cache = DynamicCache(config=self.model.config)  # sliding-window layers keep only their window
+        # the model's own cache layers: sliding-window layers keep only their window, linear-attention and
+        # convolution layers their state
+        cache = DynamicCache(config=self.model.config)
+        copy = sp.n > 1 and copyable(cache)
+        if sp.n > 1 and not copy:  # a cache that cannot be copied exactly: each sample prefills its own
+            ids, mask, pos = (x.repeat_interleave(sp.n, 0) for x in (ids, mask, pos))
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1].float()
-        if sp.n > 1:  # one prefill per prompt, its cache copied to the n samples
+        if copy:  # one prefill per prompt, its cache copied to the n samples
             cache.batch_repeat_interleave(sp.n)
             logits, mask, pos = (x.repeat_interleave(sp.n, 0) for x in (logits, mask, pos))
         batch = logits.shape[0]
