@@ -15,6 +15,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from lib import mixers
+
 log = logging.getLogger(__name__)
 
 KINDS = ("causal_lm", "critic")
@@ -141,6 +143,7 @@ def build_empty(config: Any, kind: str, attn_impl: str, trust_remote_code: bool 
     with torch.device("meta"):
         model = cls.from_config(_model_config(config, kind), attn_implementation=attn_impl, trust_remote_code=trust_remote_code,
                                 dtype=torch.float32)
+    mixers.bound(model)  # linear attention, convolutions, Mamba: packed rows keep to their sequences there too
     return model
 
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from lib import attention
+from lib import attention, mixers
 from lib.engine import SamplingConfig
 from lib.engine.hf import HFEngine
 from lib.forward import response_log_probs
@@ -71,7 +71,9 @@ def test_engine_packed_and_padded_log_probs_equal_eager(name, zoo_root):
         assert rollout.batch["input_ids"].shape[1] > zoo.WINDOW * 4
         reference, _ = response_log_probs(eager, rollout, packed=False)
         padded, _ = response_log_probs(build(path, padded_attention(eager.config)), rollout, packed=False)
-        packed, _ = response_log_probs(build(path, attention.register()), rollout, packed=True)
+        packed_model = build(path, attention.register())
+        mixers.bound(packed_model)  # as lib.models.build_empty does
+        packed, _ = response_log_probs(packed_model, rollout, packed=True)
     mask = rollout.batch["response_mask"].bool()
     for what, got in (("engine", rollout.batch["rollout_log_probs"]), ("padded", padded), ("packed", packed)):
         diff = (got - reference)[mask].abs().max().item()
