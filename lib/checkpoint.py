@@ -39,7 +39,8 @@ def latest_step(run_path: str) -> int | None:
 RUN_CONTROL = ("trainer.total_steps", "trainer.epochs", "trainer.val_every", "trainer.save_every", "trainer.keep_last",
                "trainer.logger", "trainer.project", "trainer.log_samples", "trainer.resume", "trainer.max_bad_steps",
                "trainer.collective_timeout_s", "reward.timeout_s", "reward.num_workers", "rollout.kv_cache_gb",
-               "rollout.max_num_seqs", "rollout.gpu_memory_utilization", "rollout.enforce_eager")
+               "rollout.max_num_seqs", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
+               "rollout.logp_diff_limit")
 """Settings a resumed run may change: how long it runs and how it reports, not what it computes."""
 
 

@@ -197,6 +197,12 @@ class RolloutConfig:
     """HF engine: prompt + response tokens of the rows generated together (a call with more runs in chunks of
     whole prompts, each prefilled once for its n samples). Bounds its KV cache: tokens x layers x 2 x KV heads x
     head size x dtype bytes."""
+    logp_diff_limit: float = 0.0
+    """The canary: a step whose rollout/logp_abs_diff (mean |engine - trainer| log-prob of the sampled tokens) exceeds
+    this stops the run (exit 3, before that step's checkpoint): the engine samples from another model than the one
+    trained. 0: by the engine's dtype, 1e-3 in fp32 (a run whose two sides compute the same model shows ~1e-7) and
+    0.1 in bf16/fp16; < 0: never stop (still logged). Not applied with top_k/top_p filtering, whose log-probs are
+    of the filtered distribution. A resumed run may change it."""
     val_temperature: float = 0.0
     """Validation sampling temperature (0: greedy)."""
     val_n: int = 1

@@ -197,7 +197,7 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     holds lib.lora.base_hash of the base weights (on every rank; checkpoints carry it)."""
     from lib import lora, models, ulysses
 
-    config = models.load_config(model_cfg.path, model_cfg.trust_remote_code)
+    config, dropout_off = models.without_dropout(models.load_config(model_cfg.path, model_cfg.trust_remote_code))
     attn = models.attn_implementation(model_cfg.attn_implementation, packed, topo.sp_size, config)
     if topo.sp_size > 1:
         ulysses.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
@@ -210,7 +210,7 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
             lora.cast_frozen(model, torch.bfloat16)
     apply_fsdp(model, topo, fsdp_cfg.mixed_precision, fsdp_cfg.reshard_after_forward,
                model_cfg.gradient_checkpointing and trainable)
-    full = models.load_full(model_cfg.path, kind, attn, model_cfg.trust_remote_code) if topo.is_main else None
+    full = models.load_full(model_cfg.path, kind, attn, model_cfg.trust_remote_code, config) if topo.is_main else None
     digest = [None]
     if pc is not None and topo.is_main:
         if trainable:  # a frozen reference is never checkpointed
@@ -225,6 +225,7 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     load_from_rank0(model, full, topo)
     del full
     models.check_not_meta(model)
+    model.dropout_off = dropout_off  # the settings turned off, for the start-up log
     if pc is None:
         return set_trainable(model, trainable)
     if trainable:

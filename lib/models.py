@@ -137,6 +137,26 @@ def _model_config(config: Any, kind: str) -> Any:
     return config
 
 
+def without_dropout(config: Any) -> tuple[Any, list[str]]:
+    """A copy of ``config`` with every dropout rate set to 0, and the settings changed (``name=rate``). The engine
+    samples without dropout, so the trainer's log-probs of those samples (and its update) must not have it either:
+    some architectures ship attention or residual dropout in their configs. Text and vision sub-configs included."""
+    config = copy.deepcopy(config)
+    changed: list[str] = []
+
+    def visit(cfg: Any, prefix: str) -> None:
+        for key, value in list(vars(cfg).items()):
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
+                visit(value, f"{prefix}{key}.")
+            elif ("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool) and value > 0:
+                setattr(cfg, key, 0.0)
+                changed.append(f"{prefix}{key}={value}")
+
+    visit(config, "")
+    return config, changed
+
+
 def build_empty(config: Any, kind: str, attn_impl: str, trust_remote_code: bool = False) -> nn.Module:
     """The model on the meta device (no memory), ready for fully_shard + to_empty + broadcast."""
     cls = _auto_class(kind)
@@ -147,11 +167,12 @@ def build_empty(config: Any, kind: str, attn_impl: str, trust_remote_code: bool 
     return model
 
 
-def load_full(path: str, kind: str, attn_impl: str, trust_remote_code: bool = False) -> nn.Module:
-    """The model with its weights on CPU in float32 (rank 0 only). A critic built from a causal LM checkpoint
-    gets a freshly initialised value head (transformers warns about it)."""
+def load_full(path: str, kind: str, attn_impl: str, trust_remote_code: bool = False, config: Any = None) -> nn.Module:
+    """The model with its weights on CPU in float32 (rank 0 only), built from ``config`` (default: the model's
+    own). A critic built from a causal LM checkpoint gets a freshly initialised value head (transformers warns
+    about it)."""
     cls = _auto_class(kind)
-    config = _model_config(load_config(path, trust_remote_code), kind)
+    config = _model_config(config if config is not None else load_config(path, trust_remote_code), kind)
     return cls.from_pretrained(path, config=config, attn_implementation=attn_impl,
                                trust_remote_code=trust_remote_code, dtype=torch.float32)
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from lib import checkpoint
 from lib.logging import stage
+from lib.startup import engine_dtype
 from lib.validation import validate_policy
 
 if TYPE_CHECKING:
@@ -97,15 +98,38 @@ def save(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl) -> str:
     return checkpoint.save(run.path, step, _parts(trainees), state, run.topo, run.cfg.trainer.keep_last)
 
 
+def logp_diff_limit(run: Run) -> float | None:
+    """The canary's bound for this run (rollout.logp_diff_limit), or None where it does not act."""
+    r = run.cfg.rollout
+    if r.logp_diff_limit < 0 or r.top_k > 0 or r.top_p < 1:
+        return None
+    if r.logp_diff_limit > 0:
+        return r.logp_diff_limit
+    return 1e-3 if engine_dtype(run) == torch.float32 else 1e-1
+
+
 def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metrics: dict) -> bool:
     """Validate every val_every steps and at the end; checkpoint every save_every steps, at the end and when a stop
     signal came. Returns False when the run must stop (a signal, or too many bad steps in a row)."""
     t, done = run.cfg.trainer, step + 1 == run.total_steps
     skipped = sum(v for k, v in metrics.items() if k.endswith("/skipped_steps"))
     run.bad_steps = run.bad_steps + 1 if skipped else 0
-    flags = torch.tensor([_requested[0] if _requested else 0, run.bad_steps], dtype=torch.int64)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # world: a signal or a bad step on any rank stops every rank
-    signum, bad = int(flags[0]), int(flags[1])
+    diff = metrics.get("rollout/logp_abs_diff", 0.0)
+    flags = torch.tensor([_requested[0] if _requested else 0, run.bad_steps, diff], dtype=torch.float64)
+    # world: a signal, a bad step or an engine that computes another model on any rank stops every rank
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    signum, bad, diff = int(flags[0]), int(flags[1]), float(flags[2])
+    limit = logp_diff_limit(run)
+    if limit is not None and not diff <= limit:
+        run.logger.print(
+            f"error: rollout/logp_abs_diff {diff:.3g} at step {step + 1} is beyond {limit:g}: the engine samples from "
+            f"another model than the one trained (a run whose two sides agree shows ~1e-7 in fp32). Likely causes: "
+            f"weights the sync misses or the engine re-initialises (buffers, a tied head), a layer the engine or the "
+            f"trainer computes differently (attention features, packing, a custom kernel), or a dtype mismatch. "
+            f"This step's checkpoint is not written; the last one is kept. To go on regardless, relax "
+            f"--rollout.logp_diff_limit (a value, or -1 to only log it) and run the same command.")
+        run.stopped = "logp_mismatch"
+        return False
     if bad >= t.max_bad_steps:
         last = checkpoint.latest_step(run.path)
         where = f"{run.path}/checkpoints/step_{last}" if last is not None else "none (no checkpoint was written)"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import checkpoint, lora, multi_turn, toy
+from lib import checkpoint, lora, multi_turn, selfcheck, toy
 from lib.config import Config, Sizes, resolve, to_dict, validate
 from lib.data import PromptSet, Sampler, check_files, load_prompts
 from lib.dist import Topology, init_topology
@@ -211,6 +211,10 @@ def build_models(run: Run, with_ref: bool) -> None:
     lora_cfg = cfg.actor.lora if lora.enabled(cfg.actor.lora) else None
     model = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, packed=packed, lora_cfg=lora_cfg,
                                 seed=cfg.trainer.seed)
+    if model.dropout_off:
+        run.logger.print(f"dropout off in the trainer's forwards (the engine samples without it): "
+                         f"{', '.join(model.dropout_off)}")
+    prove_modes(run, model, packed)
     cfg.actor.optim.total_steps = cfg.actor.optim.total_steps or run.total_steps
     optimizer, scheduler = build_optimizer(model, cfg.actor.optim)
     run.actor = Trainee(model, optimizer, scheduler, topo)
@@ -227,6 +231,24 @@ def build_models(run: Run, with_ref: bool) -> None:
         run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, trainable=False, packed=packed,
                                       lora_cfg=lora_cfg)
     run.engine = build_engine(run)
+
+
+def prove_modes(run: Run, model: torch.nn.Module, packed: bool) -> None:
+    """The start-up self-check (lib/selfcheck.py): packing and SP against the padded forward on the user's model;
+    a mismatch stops every rank with one message, before step 1."""
+    cfg, topo = run.cfg, run.topo
+    dtype = torch.bfloat16 if topo.device.type == "cuda" and cfg.actor.fsdp.mixed_precision else torch.float32
+    try:
+        results = selfcheck.check_modes(model, topo, packed, dtype)
+    except ValueError as e:
+        if topo.is_main:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        run.logger.close()
+        dist.destroy_process_group()
+        raise SystemExit(2) from None
+    for r in results:
+        run.logger.print(f"self-check: {r['mode']} = padded forward (max |diff| of log-probs {r['max_diff']:.2g}, "
+                         f"tolerance {r['tolerance']:g}; {r['seconds']:.2f} s)")
 
 
 def engine_dtype(run: Run) -> torch.dtype:
@@ -312,7 +334,7 @@ def uses_vllm(cfg: Config) -> bool:
 
 def finish(run: Run) -> None:
     """Export the final policy (a run that completed), close the logger, the scorer's workers and the engine. A run
-    stopped by too many bad steps exits 3; one stopped by a signal exits 0 after its checkpoint."""
+    stopped by too many bad steps or by the canary (rollout.logp_diff_limit) exits 3; one stopped by a signal exits 0 after its checkpoint."""
     if not run.stopped:
         if run.lora is not None:  # the adapter (PEFT); a merged folder on request (python -m lib.export --merge)
             checkpoint.export_adapter(run.actor.model, run.cfg.actor.lora, run.cfg.actor.model.path,
@@ -328,5 +350,5 @@ def finish(run: Run) -> None:
     run.engine.close()  # vLLM tears its groups down (and the default one) now, not in an atexit hook
     if dist.is_initialized():
         dist.destroy_process_group()
-    if run.stopped == "bad_steps":
+    if run.stopped in ("bad_steps", "logp_mismatch"):
         raise SystemExit(3)

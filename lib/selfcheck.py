@@ -1,0 +1,97 @@
+"""The start-up self-check: the user's own model proves each mode it will train in, before step 1.
+
+Packing (remove padding) and Ulysses sequence parallelism compute the model's forward another way than the padded
+batch does: every layer that mixes along the sequence must keep to each packed sequence (lib/attention.py,
+lib/mixers.py) and see the whole sequence under SP. An architecture nobody has tested may have a layer that does
+not, and would then train another model without a word. So before the first step the packed forward (split over
+the SP group when sp_size > 1) is compared with the padded one on two short random sequences of the real model,
+and a difference beyond the dtype's tolerance stops the run naming the mode and the fix. Cost: two forwards of
+about 40 tokens (the log line gives the seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lib.dist import Topology
+from lib.forward import response_log_probs
+from lib.models import padded_attention
+from lib.protocol import DataProto
+
+# max |log p| difference allowed between the packed and the padded forward of the same tokens. fp32: the zoo's
+# architectures differ by < 1e-5 (tests/test_model_zoo.py); a sequence leaking into the next one differed by
+# 5.6e-4 to 2.6e-2. Half precision: the kernels' rounding differs between the two paths; not yet measured on a GPU.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 1e-1}
+
+
+def probe_rows(vocab_size: int, seed: int = 0) -> DataProto:
+    """Two rows of random tokens as the rollout lays them out: left-padded prompts (7 and 11 tokens), right-padded
+    responses (8 and 5). The same on every rank (a fixed generator), as SP and FSDP need."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens, response_lens, width, response_width = (7, 11), (8, 5), 11, 8
+    ids = torch.zeros(2, width + response_width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        ids[row, width - p:width + r] = torch.randint(1, vocab_size, (p + r,), generator=g)
+        mask[row, width - p:width + r] = 1
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    responses = ids[:, width:]
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids,
+                                "responses": responses, "response_mask": mask[:, width:]})
+
+
+def _set_attention(model: nn.Module, name: str) -> None:
+    """Every config of the model (the text config of a multimodal one too) attends through ``name``."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
+
+
+@torch.no_grad()
+def check_modes(model: nn.Module, topo: Topology, packed: bool, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Compare the packed forward of ``model`` (when ``packed``), then the packed forward split over the SP group
+    (when sp_size > 1), with its padded forward on ``probe_rows``. Returns one {mode, max_diff, tolerance, seconds}
+    per mode checked; raises ValueError naming the mode and the fix past the tolerance. Every rank of the world
+    calls it (FSDP's and SP's collectives)."""
+    modes = ([("packing", None)] if packed else []) + ([(f"Ulysses sp_size {topo.sp_size}", topo)]
+                                                         if topo.sp_size > 1 else [])
+    if not modes:
+        return []
+    config = model.config
+    rows = probe_rows(config.get_text_config().vocab_size).to(topo.device)
+    mask = rows.batch["response_mask"].bool()
+    tolerance = TOLERANCE.get(dtype, 1e-1)
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    packed_impl = config._attn_implementation
+    try:
+        _set_attention(model, padded_attention(config))
+        reference, _ = response_log_probs(model, rows, packed=False)
+    finally:
+        _set_attention(model, packed_impl)
+    results = []
+    try:
+        for mode, sp in modes:
+            logp, _ = response_log_probs(model, rows, packed=True, sp=sp)
+            diff = torch.tensor([(logp - reference)[mask].abs().max().item()], dtype=torch.float64)
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)  # world: every rank stops, or none
+            results.append({"mode": mode, "max_diff": float(diff), "tolerance": tolerance,
+                            "seconds": time.perf_counter() - t0})
+            if not float(diff) <= tolerance:
+                fix = "--trainer.sp_size 1" if sp is not None else "--actor.batching.no-use-remove-padding"
+                raise ValueError(
+                    f"self-check: {type(model).__name__} computes another model under {mode}: its log-probs differ "
+                    f"from the padded forward's by {float(diff):.3g} (tolerance {tolerance:g} in "
+                    f"{str(dtype).removeprefix('torch.')}); some layer of this architecture mixes tokens across "
+                    f"{'SP slices' if sp is not None else 'packed sequences'}. Train without that mode ({fix}), "
+                    f"and report the architecture.")
+    finally:
+        model.train(was_training)
+    return results
