@@ -127,6 +127,12 @@ def test_two_grpo_steps_train_the_model_that_samples(mode, zoo_root, tmp_path):
         trained = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         trained.load_state_dict({"lm_head.weight": state["model.embed_tokens.weight"], **state}, strict=True)
         exported = AutoModelForCausalLM.from_pretrained(run / "hf_final", dtype=torch.float32)
+        # the weights that are not parameters come back as the user's checkpoint holds them (off their init values:
+        # zoo.move_off_init), in the checkpoint and in the export
+        given = AutoModelForCausalLM.from_pretrained(os.path.join(zoo_root, name), dtype=torch.float32)
+        for buffer, value in persistent_buffers(given):
+            assert torch.equal(state[buffer], value), (name, mode, buffer)
+            assert torch.equal(exported.get_buffer(buffer), value), (name, mode, buffer)
         diff = (logits_of(trained.eval(), ids) - logits_of(exported.eval(), ids)).abs().max().item()
         assert diff < 1e-5, (name, mode, diff)
 
