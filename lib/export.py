@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from typing import Any
 
 import torch
+from torch import nn
 
 from lib import lora, models
 from lib.config import LoraConfig
@@ -56,9 +58,67 @@ def write_hf(state: dict[str, torch.Tensor], model_path: str, out_dir: str, kind
         except OSError:  # the model ships none: the one its config implies
             model.generation_config = GenerationConfig.from_model_config(config)
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    if whole_class(config) is None:
+        model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    else:
+        write_whole(model, config, model_path, out_dir, trust_remote_code, max_shard_size)
     # as the model ships it: not the trainer's runtime settings (left padding, pad = eos)
     AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+
+
+def whole_class(config: Any) -> str | None:
+    """The class a checkpoint ships as when it holds more than the language model the trainer trains (the
+    vision-language classes of Qwen3.5 and Gemma-4: a vision tower beside it), else None."""
+    if config.get_text_config() is config:
+        return None
+    return (getattr(config, "architectures", None) or [None])[0]
+
+
+def whole_names(language_model: nn.Module, whole: nn.Module) -> dict[str, str]:
+    """The language model's state names -> the names of the same tensors in the whole model: its decoder sits under
+    another prefix there (``model.language_model.`` for Qwen3.5 and Gemma-4), the head keeps its name."""
+    decoder = whole.get_decoder()
+    prefix = next(name for name, module in whole.named_modules() if module is decoder)
+    ours = language_model.get_decoder()
+    our_prefix = next(name for name, module in language_model.named_modules() if module is ours)
+    state = whole.state_dict()
+    names, unknown = {}, []
+    for name in language_model.state_dict():
+        mapped = prefix + name[len(our_prefix):] if name.startswith(our_prefix + ".") else name
+        if mapped in state:
+            names[name] = mapped
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"the trained language model's weights {unknown[:3]} have no place in {type(whole).__name__}")
+    return names
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json", "chat_template.jinja")
+
+
+def write_whole(language_model: nn.Module, config: Any, model_path: str, out_dir: str, trust_remote_code: bool,
+                max_shard_size: str) -> None:
+    """A whole checkpoint trained text-only, written as the class it came as: the checkpoint's own weights (the
+    vision tower bit for bit, in their stored dtypes) with the trained language model put in their place, under
+    the names transformers gives the language model in that layout, and the processor files as shipped."""
+    import transformers
+
+    cls = whole_class(config)
+    if not hasattr(transformers, cls):
+        raise ValueError(f"{model_path} is a {cls} checkpoint, a class this transformers lacks: upgrade transformers "
+                         f"to export it whole")
+    whole = getattr(transformers, cls).from_pretrained(model_path, dtype="auto", trust_remote_code=trust_remote_code)
+    state = whole.state_dict()
+    names = whole_names(language_model, whole)
+    with torch.no_grad():
+        for name, tensor in language_model.state_dict().items():
+            state[names[name]].copy_(tensor)
+    whole.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    for file in PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(model_path, file)):
+            shutil.copy(os.path.join(model_path, file), os.path.join(out_dir, file))
 
 
 def load_checkpoint(ckpt_dir: str, part: str, model_path: str, trust_remote_code: bool = False,

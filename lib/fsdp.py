@@ -200,8 +200,9 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     config, dropout_off = models.without_dropout(models.load_config(model_cfg.path, model_cfg.trust_remote_code))
     attn = models.attn_implementation(model_cfg.attn_implementation, packed, topo.sp_size, config)
     if topo.sp_size > 1:
-        ulysses.check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-                            or config.num_attention_heads, topo.sp_size)
+        text = config.get_text_config()  # a vision-language checkpoint trains its language model
+        ulysses.check_heads(text.num_attention_heads, getattr(text, "num_key_value_heads", None)
+                            or text.num_attention_heads, topo.sp_size)
     model = models.build_empty(config, kind, attn, model_cfg.trust_remote_code)
     pc = lora.peft_config(lora_cfg) if lora_cfg is not None and lora.enabled(lora_cfg) else None
     if pc is not None:

@@ -121,3 +121,47 @@ def test_dropout_in_the_config_is_off_where_the_trainer_scores_samples(tmp_path)
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-5, rows
     with open(tmp_path / "run" / "hf_final" / "config.json") as f:
         assert json.load(f)["attention_dropout"] == 0.5
+
+
+@pytest.mark.slow
+def test_a_vision_language_checkpoint_trained_text_only_comes_back_whole(tmp_path):
+    """Qwen3.5 and Gemma-4 ship as vision-language classes. Text RL on such a checkpoint trains its language model
+    (2 GRPO steps, 2 ranks, FSDP), and the export is the class it came as: the vision tower bit for bit the input's,
+    the language model the trained one (the class's text logits equal those of the checkpoint's weights)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from lib.export import load_checkpoint
+
+    root = str(tmp_path / "models")
+    names = sorted(zoo.WHOLE)
+    for name in names:
+        zoo.build_whole(name, root)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tests", "zoo_driver.py"), root, str(tmp_path), *names, "--",
+           "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    ids = torch.randint(3, zoo.VOCAB - 8, (2, 24), generator=torch.Generator().manual_seed(0))
+    for name in names:
+        given, run = os.path.join(root, name), tmp_path / name
+        rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+        assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-5, (name, rows)
+        with open(run / "hf_final" / "config.json") as f:
+            assert json.load(f)["architectures"] == json.load(open(os.path.join(given, "config.json")))["architectures"]
+        before, after = load_file(os.path.join(given, "model.safetensors")), load_file(run / "hf_final" / "model.safetensors")
+        assert sorted(before) == sorted(after), name
+        tower = [k for k in before if "language_model" not in k and not k.startswith("lm_head")]
+        assert tower and all(torch.equal(before[k], after[k]) for k in tower), name  # the vision tower untouched
+        assert any(not torch.equal(before[k], after[k]) for k in before if "language_model" in k), name  # trained
+        state = load_checkpoint(str(run / "checkpoints" / "step_2"), "actor", given)
+        trained = AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(given).config,
+                                                   dtype=torch.float32)
+        missing, unexpected = trained.load_state_dict(state, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (name, missing, unexpected)  # a tied head
+        trained.tie_weights()
+        exported = AutoModelForImageTextToText.from_pretrained(run / "hf_final", dtype=torch.float32)
+        with torch.no_grad():
+            diff = (trained.eval()(input_ids=ids).logits - exported.eval()(input_ids=ids).logits).abs().max().item()
+        assert diff < 1e-5, (name, diff)

@@ -132,6 +132,43 @@ def build(name: str, root: str, seed: int = 0) -> str:
     return path
 
 
+# whole vision-language checkpoints of the models above (the classes Qwen3.5 and Gemma-4 ship as), trained text-only
+WHOLE: dict[str, tuple[str, str, dict]] = {
+    "qwen3_5_vl": ("qwen3_5", "Qwen3_5Config", dict(
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=8, num_position_embeddings=64),
+        image_token_id=VOCAB - 4, video_token_id=VOCAB - 3, vision_start_token_id=VOCAB - 2,
+        vision_end_token_id=VOCAB - 1, tie_word_embeddings=True)),
+    "gemma4_vl": ("gemma4", "Gemma4Config", dict(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=8, position_embedding_size=64),
+        boi_token_id=VOCAB - 6, eoi_token_id=VOCAB - 5, image_token_id=VOCAB - 4, video_token_id=VOCAB - 3,
+        boa_token_id=VOCAB - 2, eoa_token_index=VOCAB - 1, audio_token_id=VOCAB - 7, tie_word_embeddings=True)),
+}
+
+
+def build_whole(name: str, root: str, seed: int = 0) -> str:
+    """The folder of a whole vision-language checkpoint (``WHOLE``): its language model is the zoo case's, its
+    vision tower random; saved in the class the config names, with the zoo's tokenizer and generation config."""
+    import transformers
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    path = os.path.join(root, name)
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        return path
+    text, cls, overrides = WHOLE[name]
+    whole = getattr(transformers, cls)(text_config=config(text).to_dict(), **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(whole, dtype=torch.float32)
+    move_off_init(model)
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp)
+    build_tokenizer(tmp)
+    GenerationConfig(eos_token_id=[2, 0], pad_token_id=0, bos_token_id=None).save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
 @torch.no_grad()
 def move_off_init(model: torch.nn.Module) -> None:
     """Persistent buffers as a trained checkpoint holds them, not at their init values (Gemma-4's per-layer
