@@ -507,6 +507,19 @@ class Sizes:
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
+def picks_vllm(cfg: Config) -> bool:
+    """rollout.engine vllm, or auto on a GPU machine with vllm installed (lib.startup.uses_vllm)."""
+    import importlib.util
+
+    import torch
+
+    r = cfg.rollout
+    if r.engine != "auto":
+        return r.engine == "vllm"
+    on_gpu = cfg.trainer.device in ("auto", "cuda") and torch.cuda.is_available()
+    return on_gpu and importlib.util.find_spec("vllm") is not None
+
+
 def _vllm_problems(model_config: Any) -> list[str]:
     import importlib.metadata
     import importlib.util
@@ -697,6 +710,11 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                         f"rollout.max_response_length={r.max_response_length}")
     if r.engine == "vllm":
         problems += _vllm_problems(model_config)
+    if model_config is not None and model_config.get_text_config() is not model_config and picks_vllm(cfg):
+        # vLLM would load the whole class and drop its vision tower at every level-2 sleep; our sync sends only the
+        # language model (names and the vision tower's keeping not done yet)
+        problems.append(f"{a.model.path} is a whole vision-language checkpoint ({model_config.model_type}) trained "
+                        f"text-only: the vLLM engine does not take it yet; use --rollout.engine hf")
     from lib import lora
 
     problems += lora.problems(a.lora, model_config, r.engine)

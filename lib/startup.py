@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lib import checkpoint, lora, multi_turn, selfcheck, toy
-from lib.config import Config, Sizes, resolve, to_dict, validate
+from lib.config import Config, Sizes, picks_vllm, resolve, to_dict, validate
 from lib.data import PromptSet, Sampler, check_files, load_prompts
 from lib.dist import Topology, init_topology
 from lib.engine import SamplingConfig, plan_kv_cache
@@ -323,13 +323,7 @@ def device_budget(run: Run, engine_dtype_: torch.dtype) -> int | None:
 
 def uses_vllm(cfg: Config) -> bool:
     """rollout.engine=vllm, or auto on a GPU machine with vllm installed."""
-    import importlib.util
-
-    r = cfg.rollout
-    if r.engine != "auto":
-        return r.engine == "vllm"
-    on_gpu = cfg.trainer.device in ("auto", "cuda") and torch.cuda.is_available()
-    return on_gpu and importlib.util.find_spec("vllm") is not None
+    return picks_vllm(cfg)
 
 
 def finish(run: Run) -> None:
