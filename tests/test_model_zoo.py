@@ -4,8 +4,8 @@
   transformers' eager forward (fp32, < 1e-4), with sequences longer than the sliding windows.
 - End to end: 2 GRPO steps of train_grpo.py on 2 gloo ranks with FSDP (shard_size 0), with the plain replica
   (shard_size 1), and with Ulysses sp_size 2; every step's rollout/logp_abs_diff < 1e-4, and the export's logits
-  equal those of the trained weights (tied embeddings stay one matrix). One torchrun launch per mode runs every
-  model (tests/zoo_driver.py), so the ranks start three times, not 3 x 13.
+  equal those of the trained weights (tied embeddings stay one matrix); persistent buffers come back as given. One torchrun launch per mode runs every
+  model (tests/zoo_driver.py), so the ranks start three times, not 3 x 21.
 """
 
 import json
