@@ -32,7 +32,7 @@ from lib import algos, config, kl_control, metrics as metric_log, resume, startu
 from lib.actor import update_policy
 from lib.balance import balance_groups
 from lib.dist import sum_over_ranks
-from lib.logging import stage
+from lib.runlog import stage
 from lib.protocol import DataProto
 from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
 from lib.scoring import score

@@ -28,7 +28,7 @@ from lib.balance import balance_groups
 from lib.critic import compute_values, update_critic
 from lib.dist import sum_over_ranks
 from lib.fsdp import build_sharded_model
-from lib.logging import stage
+from lib.runlog import stage
 from lib.optim import build_optimizer
 from lib.protocol import DataProto
 from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs

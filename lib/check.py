@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
         return 0  # the script prints the help
     preset, need_critic = SCRIPTS[os.path.basename(script)]
     from lib import config
-    from lib.logging import run_dir
+    from lib.runlog import run_dir
     from lib.startup import check_inputs, resolve_toy
 
     cfg = config.parse(args, default_preset=preset, prog=os.path.basename(script))  # a command-line error: tyro's message, exit 2

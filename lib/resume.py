@@ -14,13 +14,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from lib import checkpoint
-from lib.logging import stage
+from lib.runlog import stage
 from lib.startup import engine_dtype
 from lib.validation import validate_policy
 
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _requested: list[int] = []  # the signals received, in order
+PAUSE = "SPMD_RL_TEST_PAUSE"
+"""Test hook, ``STEP:FILE``: at the end of step STEP (its metrics logged, before the stop check) rank 0 creates FILE
+and every rank waits until a stop signal reaches it (a kill ends the wait too). A test that signals or kills a run
+waits for FILE first, so its signal can never come too late (after the last step) on a loaded machine."""
 
 
 def _on_signal(signum, _frame) -> None:
@@ -108,9 +113,22 @@ def logp_diff_limit(run: Run) -> float | None:
     return 1e-3 if engine_dtype(run) == torch.float32 else 1e-1
 
 
+def _pause_for_a_test(run: Run, step: int) -> None:
+    """The ``PAUSE`` hook (tests only; nothing happens without the variable)."""
+    at, _, marker = os.environ.get(PAUSE, "").partition(":")
+    if not at or int(at) != step:
+        return
+    if run.topo.is_main:
+        with open(marker, "w") as f:
+            f.write(f"{step}\n")
+    while not _requested:
+        time.sleep(0.05)
+
+
 def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metrics: dict) -> bool:
     """Validate every val_every steps and at the end; checkpoint every save_every steps, at the end and when a stop
     signal came. Returns False when the run must stop (a signal, or too many bad steps in a row)."""
+    _pause_for_a_test(run, step + 1)
     t, done = run.cfg.trainer, step + 1 == run.total_steps
     skipped = sum(v for k, v in metrics.items() if k.endswith("/skipped_steps"))
     run.bad_steps = run.bad_steps + 1 if skipped else 0

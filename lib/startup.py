@@ -28,7 +28,7 @@ from lib.data import PromptSet, Sampler, check_files, load_prompts
 from lib.dist import Topology, init_topology
 from lib.engine import SamplingConfig, plan_kv_cache
 from lib.fsdp import build_sharded_model
-from lib.logging import RunLogger, excepthook_rank, run_dir
+from lib.runlog import RunLogger, excepthook_rank, run_dir
 from lib.models import load_config, load_tokenizer, stop_token_ids
 from lib.multi_turn.loop import MultiTurn
 from lib.multi_turn.render import ObservationRenderer

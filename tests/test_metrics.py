@@ -2,7 +2,7 @@
 
 import torch
 
-from lib import logging as run_logging
+from lib import runlog as run_logging
 from lib.metrics import response_metrics
 from lib.protocol import DataProto
 

@@ -48,6 +48,23 @@ def wait_for_step(path, step, proc, limit=600):
     raise TimeoutError(path)
 
 
+def pause_at(step, marker):
+    """The environment that stops a run at the end of ``step`` until a signal comes (lib.resume.PAUSE): the state a
+    test signals or kills it in, whatever the machine's load."""
+    return {"SPMD_RL_TEST_PAUSE": f"{step}:{marker}"}
+
+
+def wait_for_pause(marker, proc, limit=600):
+    """Wait until the run is paused (``pause_at``); fail at once if it ended first."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if os.path.isfile(marker):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise TimeoutError(marker)
+
+
 def children(pid):
     found = []
     for entry in os.listdir("/proc"):
@@ -76,10 +93,12 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
     reference = subprocess.run(command(tmp_path, "--trainer.total_steps", "6", *args, name="whole"), cwd=ROOT,
                                env=env(), capture_output=True, text=True, timeout=900)
     assert reference.returncode == 0, reference.stderr[-4000:]
-    # the same run, with rank 1 killed by SIGKILL after step 3 was logged (checkpoint 2 written, step 4 in flight)
-    proc = subprocess.Popen(command(tmp_path, "--trainer.total_steps", "6", *args), cwd=ROOT, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_step(tmp_path / "run" / "metrics.jsonl", 3, proc)
+    # the same run, with rank 1 killed by SIGKILL at the end of step 3 (logged; checkpoint 2 written, 4 not)
+    marker = tmp_path / "paused"
+    proc = subprocess.Popen(command(tmp_path, "--trainer.total_steps", "6", *args), cwd=ROOT,
+                            env={**env(), **pause_at(3, marker)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    wait_for_pause(marker, proc)
     ranks = [p for p in children(proc.pid) if "train_grpo.py" in open(f"/proc/{p}/cmdline").read()]
     assert len(ranks) == 2, ranks
     os.kill(max(ranks), signal.SIGKILL)
@@ -88,7 +107,7 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
     again = subprocess.run(command(tmp_path, "--trainer.total_steps", "6", *args), cwd=ROOT, env=env(),
                            capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
-    assert "resumed from step" in again.stdout
+    assert "resumed from step 2" in again.stdout
     got, want = rows(tmp_path), rows(tmp_path, "whole")
     if extra is LORA:  # a fresh engine holds no base yet (its memory before the first wake), takes the base once
         # more and numbers adapter versions anew: transfers and engine memory, not training

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.test_resume import ROOT, TIMING, children, wait_for_step
+from tests.test_resume import ROOT, TIMING, children, pause_at, wait_for_pause
 
 ARGS = ("--trainer.total_steps", "6", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "64",
         "--trainer.save_every", "0", "--trainer.val_every", "0")
@@ -55,9 +55,10 @@ def cmdline(pid):
 @pytest.mark.parametrize("target,sig", [("torchrun", signal.SIGTERM), ("all", signal.SIGUSR1), ("all", signal.SIGTERM)],
                          ids=["TERM-to-torchrun", "USR1-to-all", "TERM-to-all"])
 def test_a_stop_reaching_any_process_ends_in_a_checkpoint(tmp_path, reference, target, sig):
-    proc = subprocess.Popen(launch(tmp_path, "run"), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    wait_for_step(tmp_path / "run" / "metrics.jsonl", 2, proc)
+    marker = tmp_path / "paused"
+    proc = subprocess.Popen(launch(tmp_path, "run"), cwd=ROOT, env={**env(), **pause_at(2, marker)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_pause(marker, proc)  # the run waits at the end of step 2 for the signal: it can never come too late
     everyone = [proc.pid] + descendants(proc.pid)
     torchrun = [p for p in everyone if "torchrun" in cmdline(p) and "train_grpo.py" in cmdline(p)
                 and not any(p in children(q) for q in everyone if "torchrun" in cmdline(q) and q != p)]
@@ -74,7 +75,7 @@ def test_a_stop_reaching_any_process_ends_in_a_checkpoint(tmp_path, reference, t
     if sig == signal.SIGUSR1:  # a pre-emption warning: the job must not end FAILED
         assert proc.returncode == 0, text[-4000:]
     step = int(open(tmp_path / "run" / "checkpoints" / "latest").read())
-    assert 2 <= step < 6 and "BrokenPipeError" not in text
+    assert step == 2 and "BrokenPipeError" not in text
     again = subprocess.run(launch(tmp_path, "run"), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     assert f"resumed from step {step}" in again.stdout

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from lib.logging import offline_wandb_steps, wandb_log_records
-from tests.test_resume import ROOT, children, command, env, wait_for_step
+from lib.runlog import offline_wandb_steps, wandb_log_records
+from tests.test_resume import ROOT, children, command, env, pause_at, wait_for_pause
 
 ARGS = ("--trainer.total_steps", "5", "--trainer.save_every", "2", "--trainer.val_every", "0",
         "--trainer.logger", "console", "jsonl", "wandb", "--trainer.train_batch_size", "16",
@@ -46,9 +46,10 @@ def test_wandb_offline_run_resumes_without_a_step_twice(tmp_path):
     """The logger crashed every run at start with wandb 0.31 (wandb.util.generate_id is gone)."""
     e = {**env(), "WANDB_MODE": "offline"}
     run = tmp_path / "run"
-    proc = subprocess.Popen(command(tmp_path, *ARGS), cwd=ROOT, env=e, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    wait_for_step(run / "metrics.jsonl", 3, proc)
+    marker = tmp_path / "paused"
+    proc = subprocess.Popen(command(tmp_path, *ARGS), cwd=ROOT, env={**e, **pause_at(3, marker)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_pause(marker, proc)  # at the end of step 3, whatever the load: it raced the run's end before
     for pid in children(proc.pid):  # kill -9 every rank: checkpoint 2 is the latest
         os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=300)
@@ -84,7 +85,7 @@ def test_a_wandb_logger_that_cannot_start_is_refused_up_front(tmp_path):
 def test_steps_wandb_already_holds_are_not_sent_again(tmp_path, monkeypatch):
     """A run stopped after wandb wrote steps 1-3 and resumed from checkpoint 2: step 3 comes again (equal to the bit)
     and must not reach wandb twice; a step wandb lost is sent again from metrics.jsonl."""
-    from lib.logging import RunLogger
+    from lib.runlog import RunLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     run = str(tmp_path / "run")

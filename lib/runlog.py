@@ -1,4 +1,5 @@
-"""Run output on rank 0: console progress, metrics.jsonl, wandb, the resolved config, sample responses.
+"""Run output on rank 0 (the run log: named apart from the standard library's logging): console progress,
+metrics.jsonl, wandb, the resolved config, sample responses.
 
 Per-stage wall time and peak memory come from ``stage(name, metrics)``, used around each RL stage.
 """
