@@ -26,7 +26,7 @@ from lib import checkpoint, lora, multi_turn, selfcheck, toy
 from lib.config import Config, Sizes, picks_vllm, resolve, to_dict, validate
 from lib.data import PromptSet, Sampler, check_files, load_prompts
 from lib.dist import Topology, init_topology
-from lib.engine import SamplingConfig, plan_kv_cache
+from lib.engine import RolloutEngine, SamplingConfig, plan_kv_cache
 from lib.fsdp import build_sharded_model
 from lib.runlog import RunLogger, excepthook_rank, run_dir
 from lib.models import load_config, load_tokenizer, stop_token_ids
@@ -52,7 +52,7 @@ class Run:
     total_steps: int
     logger: RunLogger
     scorer: Scorer
-    engine: Any = None
+    engine: RolloutEngine | None = None
     actor: Trainee | None = None
     ref: torch.nn.Module | None = None
     """The KL reference; the actor's own model (its LoRA adapter switched off) with actor.lora.reference base."""
@@ -328,7 +328,8 @@ def uses_vllm(cfg: Config) -> bool:
 
 def finish(run: Run) -> None:
     """Export the final policy (a run that completed), close the logger, the scorer's workers and the engine. A run
-    stopped by too many bad steps or by the canary (rollout.logp_diff_limit) exits 3; one stopped by a signal exits 0 after its checkpoint."""
+    stopped by too many bad steps or by the canary (rollout.logp_diff_limit) exits 3; one stopped by a signal exits
+    0 after its checkpoint."""
     if not run.stopped:
         if run.lora is not None:  # the adapter (PEFT); a merged folder on request (python -m lib.export --merge)
             checkpoint.export_adapter(run.actor.model, run.cfg.actor.lora, run.cfg.actor.model.path,

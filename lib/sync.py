@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lib import lora
+from lib.engine import RolloutEngine
 from lib.fsdp import iter_full_state, iter_persistent_buffers, load_model, offload_model
 
 
@@ -43,10 +44,10 @@ def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
         yield bucket
 
 
-def sync_weights(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
+def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
                  weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
-    """Stream the FSDP ``model``'s full parameters and persistent buffers (or ``weights``, full tensors in HF names: a LoRA model's base or
-    merged weights) into an awake ``engine``. Returns time, GB sent, peak extra GB."""
+    """Stream the FSDP ``model``'s full parameters and persistent buffers (or ``weights``, full tensors in HF names:
+    a LoRA model's base or merged weights) into an awake ``engine``. Returns time, GB sent, peak extra GB."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     if cuda:
@@ -75,7 +76,7 @@ def sync_weights(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes
             "sync/s_per_gb": elapsed / max(sent / 2**30, 1e-9)}
 
 
-def sync_adapter(model: nn.Module, engine: Any, adapter: lora.Sync) -> dict[str, float]:
+def sync_adapter(model: nn.Module, engine: RolloutEngine, adapter: lora.Sync) -> dict[str, float]:
     """Send the LoRA adapter's full tensors to the engine as a new version, then check that the engine holds exactly
     that version over every LoRA module of the trainer (verl #7495 synced zero adapter tensors for months)."""
     t0 = time.perf_counter()
@@ -93,7 +94,7 @@ def sync_adapter(model: nn.Module, engine: Any, adapter: lora.Sync) -> dict[str,
             "sync/adapter_tensors": float(len(tensors)), "sync/adapter_version": float(adapter.version)}
 
 
-def enter_rollout(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
+def enter_rollout(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
                   offload_params: bool = False, adapter: lora.Sync | None = None) -> dict[str, float]:
     """Training -> rollout: wake the engine's weights, stream ours in, optionally park the training shards on
     CPU, then wake the KV cache and drop any cached prefixes (computed with the old weights).
@@ -125,7 +126,7 @@ def enter_rollout(model: nn.Module, engine: Any, dtype: torch.dtype, bucket_byte
     return {**metrics, **getattr(engine, "metrics", {})}
 
 
-def exit_rollout(model: nn.Module, engine: Any, device: torch.device, level: int = 2,
+def exit_rollout(model: nn.Module, engine: RolloutEngine, device: torch.device, level: int = 2,
                  offload_params: bool = False) -> None:
     """Rollout -> training: the engine sleeps (level 2 drops its weights: the next sync sends all of them; level 1,
     a LoRA policy's, keeps the base)."""

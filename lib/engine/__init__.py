@@ -1,4 +1,4 @@
-"""Rollout engines with one interface (DESIGN.md "Contracts"):
+"""Rollout engines with one interface, ``RolloutEngine`` below (DESIGN.md "Contracts"):
 
 ``generate(DataProto, validate=False) -> DataProto``; ``generate_ids(prompts, max_tokens, validate, key) -> [Turn]``
 (token ids in, ids and log-probs out, one sample per request, each with its own token cap; the multi-turn loop's
@@ -21,8 +21,9 @@ engine's count of earlier calls. Rollout log-probs are those of the distribution
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -72,6 +73,67 @@ def turns_from(responses: list[list[int]], logps: list[list[float]], caps: list[
         ids, lp = ids[:cap], lp[:cap]
         out.append(Turn(ids, lp, bool(ids) and ids[-1] in stop))
     return out
+
+
+class RolloutEngine(Protocol):
+    """What the trainer asks of a rollout engine; ``hf.HFEngine`` and ``vllm.VLLMEngine`` both implement it.
+
+    Lifecycle (vLLM's sleep mode, mirrored by the HF replica): ``wake_up(["weights"])`` -> ``load_weights`` in
+    buckets -> ``finish_sync`` -> ``wake_up(["kv_cache"])`` -> ``reset_prefix_cache`` -> ``generate`` /
+    ``generate_ids`` -> ``sleep(level)``; a LoRA policy's adapter goes through ``load_adapter`` after the wake."""
+
+    metrics: dict[str, float]
+    """Memory before and after the last sleep and wake, GiB (``engine/mem_*``), logged with the step."""
+    base_loaded: bool
+    """The engine holds the synced base weights (a level-1 sleep keeps them; level 2 drops them)."""
+
+    def generate(self, data: DataProto, validate: bool = False) -> DataProto:
+        """Prompts in: ``input_ids``, ``attention_mask``, ``position_ids`` (B, P), left-padded, and non-tensors that
+        ride along; ``meta_info["seed_key"]`` picks the samples. Out: B x n rows, a prompt's n samples adjacent,
+        with ``prompts`` (B*n, P), ``responses``, ``response_mask``, ``rollout_log_probs`` (B*n, R) and
+        ``input_ids``, ``attention_mask``, ``position_ids`` (B*n, P + R). Images will enter here: a prompt's
+        ``multi_modal_data`` (a non-tensor column) handed to the engine with one placeholder per image."""
+        ...
+
+    def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any) -> list[Turn]:
+        """Token ids in (no padding), one sample per request, each cut at its own cap: a multi-turn loop's turn."""
+        ...
+
+    def any_active(self, active: bool) -> bool:
+        """Whether any rank of this engine's generation group (a vLLM TP group) still has requests."""
+        ...
+
+    def stop_ids(self, validate: bool = False) -> list[int]:
+        """Every token id that ends a response (eos ids and the sampling config's stop ids)."""
+        ...
+
+    def sleep(self, level: int = 2) -> None:
+        """Level 1: weights kept off the device; level 2: weights dropped (the next sync sends them all)."""
+        ...
+
+    def wake_up(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Full tensors under Hugging Face names: parameters, then persistent buffers (lib.fsdp.iter_full_state)."""
+        ...
+
+    def finish_sync(self) -> None:
+        """The sync is over: raises if any engine weight was not written since the weights woke."""
+        ...
+
+    def load_adapter(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """LoRA: adapter ``version`` (PEFT names -> full tensors) replaces the one held, over every LoRA module."""
+        ...
+
+    def adapter_state(self) -> tuple[int | None, int]:
+        """(the adapter version held, the number of LoRA modules it fills)."""
+        ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def close(self) -> None:
+        """At the end of a run, before the process group goes."""
+        ...
 
 
 def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positions: torch.Tensor,

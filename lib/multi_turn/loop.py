@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from lib.engine import build_output, expand_samples
+from lib.engine import RolloutEngine, build_output, expand_samples
 from lib.multi_turn.parsers import PARSERS, Parsed
 from lib.multi_turn.render import ObservationRenderer, tool_message
 from lib.multi_turn.tools import KINDS, bound_kwargs, failed, is_environment
@@ -78,7 +78,7 @@ class MultiTurn:
 
     # ---- one rollout
 
-    def rollout(self, engine: Any, data: DataProto, validate: bool = False) -> DataProto:
+    def rollout(self, engine: RolloutEngine, data: DataProto, validate: bool = False) -> DataProto:
         """Left-padded prompts -> the rollout fields of lib.engine.build_output (``response_mask`` on sampled tokens
         only, ``attention_mask`` on every token of the row), n episodes per prompt, and per row ``solution_str``
         (the last turn's text, what the scorer judges) and ``num_turns``. Metrics in ``meta_info["multi_turn"]``."""
