@@ -70,7 +70,7 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
             mini.batch["old_log_probs"] = _gathered_log_probs(model, rows, cfg.batching, topo, temperature)[0]
 
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
-    # unset (None) clip bounds leave the loss's own defaults (config.resolve fills them for a run)
+    # unset (None) clip bounds leave the loss's own defaults (preflight.resolve fills them for a run)
     clip = {k: v for k, v in (("clip_ratio_low", cfg.clip_ratio_low), ("clip_ratio_high", cfg.clip_ratio_high))
             if v is not None}
     sums: dict[str, list[float]] = defaultdict(list)

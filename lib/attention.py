@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lib import ulysses
+
 Tensor = torch.Tensor
 NAME = "spmd_packed"
 KWARG = "spmd_packing"
@@ -191,7 +193,6 @@ def packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, att
     """transformers attention interface: q (1, H, S_local, d), k/v (1, KV, S_local, d) -> (1, S_local, H, d).
     With ``Packing.group`` the row is split over that SP group: one all-to-all gathers the sequence and scatters
     the heads, attention runs over the whole row with H/sp heads, and one all-to-all swaps back."""
-    from lib import ulysses
 
     p: Packing | None = kwargs.get(KWARG)
     if p is None:

@@ -23,14 +23,15 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         return 0  # the script prints the help
     preset, need_critic = SCRIPTS[os.path.basename(script)]
-    from lib import config
-    from lib.runlog import run_dir
+    # deferred: a script that is not checked here (or --help) returns before torch and transformers load
+    from lib import config, preflight
+    from lib.runfolder import run_dir
     from lib.startup import check_inputs, resolve_toy
 
     cfg = config.parse(args, default_preset=preset, prog=os.path.basename(script))  # a command-line error: tyro's message, exit 2
     try:
         resolve_toy(cfg)
-        config.resolve(cfg, need_critic)
+        preflight.resolve(cfg, need_critic)
         path = run_dir(cfg.trainer.output_root, cfg.trainer.run_name, config.to_dict(cfg), script)
         check_inputs(cfg, world_size, need_critic, path)
     except (ValueError, OSError) as e:

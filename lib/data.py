@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lib.multi_turn.tools import row_tools
 from lib.protocol import DataProto
 
 TRUNCATION = ("filter", "left", "right", "error")
@@ -167,7 +168,6 @@ def _prompt_text(row: dict, tokenizer: Any, apply_chat_template: bool, tool_sche
     if apply_chat_template and isinstance(prompt, list):
         kwargs = {}
         if tool_schemas is not None:
-            from lib.multi_turn.tools import row_tools
 
             extra = row.get("extra_info")
             kwargs["tools"] = row_tools(row.get("tools"), extra.get("tools_kwargs") if isinstance(extra, dict)

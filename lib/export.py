@@ -18,10 +18,14 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lib import lora, models
 from lib.config import LoraConfig
+from lib.dist import Topology
+from lib.fsdp import full_state_dict_on_rank0
+from lib.runfolder import latest_step, step_dir
 
 KIND = {"actor": "causal_lm", "critic": "critic"}
 
@@ -152,10 +156,26 @@ def merged_state(model_path: str, lora_config: Any, adapter: dict[str, torch.Ten
     return dict(lora.iter_merged(full))
 
 
+def export_hf(model: nn.Module, model_path: str, out_dir: str, topo: Topology, trust_remote_code: bool = False,
+              kind: str = "causal_lm") -> None:
+    """The trained weights as a Hugging Face folder (``write_hf``) at the end of a run, gathered one tensor at a
+    time on every rank and written by rank 0."""
+    full = full_state_dict_on_rank0(model, topo)
+    if topo.is_main:
+        write_hf(full, model_path, out_dir, kind, trust_remote_code)
+    dist.barrier()
+
+def export_adapter(model: nn.Module, lora_cfg: Any, model_path: str, out_dir: str, topo: Topology) -> None:
+    """A LoRA policy's adapter as a PEFT folder (``PeftModel.from_pretrained(base, out_dir)``), gathered on every
+    rank and written by rank 0."""
+    tensors = {name: t.cpu() for name, t in lora.iter_adapter(model)}
+    if topo.is_main:
+        lora.save_adapter(out_dir, tensors, lora.peft_config(lora_cfg), model_path)
+    dist.barrier()
+
+
 def checkpoint_dir(path: str) -> str:
     """A checkpoint folder, or a run folder's latest one."""
-    from lib.checkpoint import latest_step, step_dir
-
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
     step = latest_step(path)

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any, Iterator
 
 import torch
@@ -23,8 +22,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lib import lora, models, ulysses
 from lib.dist import Topology
-from lib.models import persistent_buffers
+from lib.models import hf_name, persistent_buffers, retie, tied_aliases
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -87,8 +87,6 @@ def average_gradients(model: nn.Module) -> None:
 def load_from_rank0(model: nn.Module, full_model: nn.Module | None, topo: Topology) -> None:
     """Materialise the sharded meta ``model`` on the device and fill it from rank 0's ``full_model``
     (None on other ranks): parameters and persistent buffers through the state dict, every buffer by broadcast."""
-    from lib.models import retie, tied_aliases
-
     aliases = tied_aliases(model)
     model.to_empty(device=topo.device)
     # a plain replica's tied embeddings come back untied from to_empty (FSDP2 keeps its one sharded tensor):
@@ -139,13 +137,6 @@ def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str)
 
 # ---- full tensors, layer by layer, in HF names (weight sync and export)
 
-_WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_fsdp_wrapped_module\.|_orig_mod\.)")
-
-
-def hf_name(name: str) -> str:
-    return _WRAPPER_PARTS.sub("", name)
-
-
 def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) per parameter in registration order (embeddings, layer 0, layer 1, ...).
     Every rank must consume the iterator in step: each ``full_tensor()`` is an all-gather. The local shard is
@@ -195,8 +186,6 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     ``lora_cfg`` (actor.lora, when enabled): LoRA layers are injected before sharding; only the adapter trains, the
     frozen base is bf16 on GPU, a fresh adapter's init is seeded by ``seed``, and a trained model's ``base_hash``
     holds lib.lora.base_hash of the base weights (on every rank; checkpoints carry it)."""
-    from lib import lora, models, ulysses
-
     config, dropout_off = models.without_dropout(models.load_config(model_cfg.path, model_cfg.trust_remote_code))
     attn = models.attn_implementation(model_cfg.attn_implementation, packed, topo.sp_size, config)
     if topo.sp_size > 1:

@@ -27,6 +27,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lib import models
+from lib.models import hf_name
+
 ADAPTER = "default"  # PEFT's name for the one adapter a model holds
 PEFT_PREFIX = "base_model.model."
 # ranks vLLM's max_lora_rank takes (vllm.config.lora.MaxLoRARanks, 0.25 .. 0.33)
@@ -79,7 +82,7 @@ def peft_config(cfg: Any) -> Any:
 
 
 def problems(cfg: Any, model_config: Any, engine: str) -> list[str]:
-    """What a run with actor.lora ``cfg`` cannot do, each with its fix (lib.config.validate). ``engine``: the
+    """What a run with actor.lora ``cfg`` cannot do, each with its fix (lib.preflight.validate). ``engine``: the
     rollout.engine setting (vLLM's limits apply unless it is hf)."""
     out = []
     if cfg.rank < 0:
@@ -142,8 +145,6 @@ def _is_decoder_linear(name: str) -> bool:
 
 def target_names(model_config: Any, pc: Any) -> list[str]:
     """The module names the adapter wraps, resolved on a meta-device model (no memory)."""
-    from lib import models
-
     model = models.build_empty(model_config, "causal_lm", "sdpa")
     try:
         inject(model, pc)
@@ -234,15 +235,11 @@ def set_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], what: str = 
 
 def base_name(name: str) -> str:
     """Trainer name of a base parameter -> its HF name."""
-    from lib.fsdp import hf_name
-
     return hf_name(name).replace(".base_layer.", ".")
 
 
 def peft_name(name: str) -> str:
     """Trainer name of an adapter parameter -> its name in PEFT's adapter file."""
-    from lib.fsdp import hf_name
-
     name = hf_name(name).replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(f".lora_B.{ADAPTER}.", ".lora_B.")
     return PEFT_PREFIX + name
 

@@ -10,12 +10,13 @@ import copy
 import importlib.util
 import logging
 import os
+import re
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from lib import mixers
+from lib import attention, mixers
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,6 @@ def attn_implementation(requested: str = "auto", packed: bool = False, sp_size: 
     """The attention a trained model is built with. Packed rows go through lib/attention.py (varlen kernels: torch's
     own or flash-attn on CUDA; one padded causal sdpa elsewhere, or exact math where the model's attention has a
     feature sdpa lacks); padded rows use what ``padded_attention`` picks for ``config``."""
-    from lib import attention
 
     if sp_size > 1 or (packed and requested == "auto"):
         return attention.register()
@@ -42,7 +42,6 @@ def padded_attention(config: Any = None, requested: str = "auto") -> str:
     """The attention for padded rows (the HF engine, the padded trainer path): ``requested`` unless auto or the
     packed-only implementation; else sdpa where the model class takes it, eager where it does not (Gemma-2's
     soft-capping, GPT-OSS's sinks: transformers refuses sdpa for those)."""
-    from lib import attention
 
     if requested not in ("auto", attention.NAME):
         return requested
@@ -213,6 +212,15 @@ def stop_token_ids(path: str, tokenizer: Any, trust_remote_code: bool = False) -
         eos = getattr(load_config(path, trust_remote_code), "eos_token_id", None)
     ids += [eos] if isinstance(eos, int) else list(eos or [])
     return sorted(set(ids))
+
+
+_WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module\.|_fsdp_wrapped_module\.|_orig_mod\.)")
+
+
+def hf_name(name: str) -> str:
+    """A parameter's Hugging Face name, without the wrappers' parts (activation checkpointing, FSDP1,
+    torch.compile) that a wrapped model's ``named_parameters`` puts in it."""
+    return _WRAPPER_PARTS.sub("", name)
 
 
 def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lib import checkpoint
+from lib.runfolder import latest_step, step_dir
 from lib.runlog import stage
 from lib.startup import engine_dtype
 from lib.validation import validate_policy
@@ -59,7 +60,7 @@ def _parts(trainees: dict[str, Trainee]) -> dict:
 def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
     """Load the run folder's latest checkpoint (if resuming); validate first on a fresh start. Returns the step."""
     install_stop_handlers()
-    last = checkpoint.latest_step(run.path) if run.cfg.trainer.resume else None
+    last = latest_step(run.path) if run.cfg.trainer.resume else None
     if last is None:
         if run.val is not None:
             run.logger.log(0, timed_validation(run, 0))
@@ -68,7 +69,7 @@ def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
     now_hash = getattr(run.actor.model, "base_hash", None)
     if saved_hash != now_hash:  # every rank holds both: all stop together
         if run.topo.is_main:
-            print(f"error: the checkpoint {checkpoint.step_dir(run.path, last)} holds a LoRA adapter trained on "
+            print(f"error: the checkpoint {step_dir(run.path, last)} holds a LoRA adapter trained on "
                   f"another base model (base hash {saved_hash}, this one {now_hash}); point actor.model.path at the "
                   f"base it was trained on, or start a new run with another --trainer.run_name",
                   file=sys.stderr, flush=True)
@@ -149,7 +150,7 @@ def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metr
         run.stopped = "logp_mismatch"
         return False
     if bad >= t.max_bad_steps:
-        last = checkpoint.latest_step(run.path)
+        last = latest_step(run.path)
         where = f"{run.path}/checkpoints/step_{last}" if last is not None else "none (no checkpoint was written)"
         run.logger.print(f"error: {bad} steps in a row skipped their update (non-finite loss or grad norm; see "
                          f"actor/skipped_steps); last good checkpoint: {where}. Lower the learning rate or check the "

@@ -69,14 +69,6 @@ def _fold_peak() -> None:
         s["peak"] = max(s["peak"], peak)
 
 
-def run_dir(output_root: str, run_name: str, config: dict, script: str) -> str:
-    """output_root/run_name; without a run name, a name fixed by the script and the config
-    (lib.checkpoint.default_run_name), so that the same command finds its run again."""
-    from lib.checkpoint import default_run_name
-
-    return os.path.join(output_root, run_name or default_run_name(config, script))
-
-
 def start_wandb(path: str, project: str, config: dict) -> tuple[Any, int]:
     """A wandb run for the run folder: offline unless WANDB_API_KEY or WANDB_MODE is set; its id is kept in the run
     folder, so a resumed run continues the same wandb run. Returns (run, the last step wandb already holds: in the

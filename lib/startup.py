@@ -22,18 +22,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import checkpoint, lora, multi_turn, selfcheck, toy
-from lib.config import Config, Sizes, picks_vllm, resolve, to_dict, validate
+from lib import export, lora, multi_turn, selfcheck, toy
+from lib.config import Config, to_dict
 from lib.data import PromptSet, Sampler, check_files, load_prompts
 from lib.dist import Topology, init_topology
 from lib.engine import RolloutEngine, SamplingConfig, plan_kv_cache
+from lib.engine.hf import HFEngine
+from lib.engine.vllm import VLLMEngine, strip_expandable_segments
 from lib.fsdp import build_sharded_model
-from lib.runlog import RunLogger, excepthook_rank, run_dir
+from lib.runfolder import check_run_folder, run_dir
+from lib.runlog import RunLogger, excepthook_rank
 from lib.models import load_config, load_tokenizer, stop_token_ids
 from lib.multi_turn.loop import MultiTurn
 from lib.multi_turn.render import ObservationRenderer
 from lib.multi_turn.tools import is_environment, load_tools, schemas
 from lib.optim import build_optimizer
+from lib.preflight import Sizes, picks_vllm, resolve, validate
 from lib.rewards import RULES, check_truth_source, load_custom
 from lib.rewards.scorer import RewardModel, Scorer
 from lib.update import Trainee
@@ -76,7 +80,6 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     """Process group, toy assets, config checks, run folder, data and logger: everything that can fail on user
     input, before any model is loaded."""
     if uses_vllm(cfg):
-        from lib.engine.vllm import strip_expandable_segments
 
         strip_expandable_segments()  # before CUDA's allocator starts: it reads the setting once
     try:
@@ -164,7 +167,7 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     check_files(cfg.data.val_files, "val")
     if cfg.reward.custom_fn:
         load_custom(cfg.reward.custom_fn)
-    start_step = checkpoint.check_run_folder(path, to_dict(cfg), cfg.trainer.resume)
+    start_step = check_run_folder(path, to_dict(cfg), cfg.trainer.resume)
     tokenizer = load_tokenizer(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
     d = cfg.data
     known = None if cfg.reward.custom_fn or cfg.reward.reward_model else set(RULES)  # an RM scores any row
@@ -265,7 +268,6 @@ def build_engine(run: Run) -> Any:
     eos = stop_token_ids(cfg.actor.model.path, tok, cfg.actor.model.trust_remote_code)
     run.logger.print(f"stop tokens: {eos} ({', '.join(repr(tok.convert_ids_to_tokens(i)) for i in eos)})")
     if uses_vllm(cfg):
-        from lib.engine.vllm import VLLMEngine
 
         # a wave: the training samples of one generate call (a TP group generates its ranks' rows together), at
         # most max_num_seqs; validation runs in waves of the same size
@@ -285,7 +287,6 @@ def build_engine(run: Run) -> Any:
                           gpu_memory_utilization=r.gpu_memory_utilization,
                           dtype=str(engine_dtype(run)).removeprefix("torch."), enforce_eager=r.enforce_eager,
                           trust_remote_code=cfg.actor.model.trust_remote_code, lora=engine_lora(run))
-    from lib.engine.hf import HFEngine
 
     return HFEngine(load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code), topo.device,
                     tok.pad_token_id, eos, sampling, val, dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank,
@@ -332,10 +333,10 @@ def finish(run: Run) -> None:
     0 after its checkpoint."""
     if not run.stopped:
         if run.lora is not None:  # the adapter (PEFT); a merged folder on request (python -m lib.export --merge)
-            checkpoint.export_adapter(run.actor.model, run.cfg.actor.lora, run.cfg.actor.model.path,
+            export.export_adapter(run.actor.model, run.cfg.actor.lora, run.cfg.actor.model.path,
                                       f"{run.path}/adapter_final", run.topo)
         else:
-            checkpoint.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo,
+            export.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo,
                                  run.cfg.actor.model.trust_remote_code)
         run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
     run.logger.close()

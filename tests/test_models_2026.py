@@ -168,10 +168,10 @@ def test_a_vision_language_checkpoint_trained_text_only_comes_back_whole(tmp_pat
 
 
 def test_a_whole_checkpoint_with_the_vllm_engine_is_refused_before_any_model_loads(tmp_path):
-    from lib import config
+    from lib import config, preflight
     from lib.models import load_config
 
     path = zoo.build_whole("qwen3_5_vl", str(tmp_path))
     cfg = config.parse(["--actor.model.path", path, "--rollout.engine", "vllm"], default_preset="tiny_cpu_grpo")
     with pytest.raises(ValueError, match="whole vision-language checkpoint .* use --rollout.engine hf"):
-        config.validate(cfg, 2, load_config(path))
+        preflight.validate(cfg, 2, load_config(path))

@@ -161,13 +161,13 @@ def test_kv_cache_plan_for_the_long_context_preset():
     and says so."""
     from transformers import Qwen2Config
 
-    from lib import config
+    from lib import config, preflight
     from lib.engine import plan_kv_cache
 
     qwen15 = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          max_position_embeddings=32768)
     cfg = config.parse(["--config", "qwen2.5_1.5b_math_long_sp4"])
-    sizes = config.validate(cfg, 8, qwen15)
+    sizes = preflight.validate(cfg, 8, qwen15)
     wave = min(sizes.samples_per_rank, cfg.rollout.max_num_seqs)  # validation rows never enter
     length = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     size, line = plan_kv_cache(qwen15, wave, length, dtype_bytes=2)

@@ -17,7 +17,7 @@ import torch
 
 from lib.data import left_pad
 from lib.engine import SamplingConfig, Turn, build_output, call_seed, expand_samples, stop_ids, turns_from
-from lib.lora import base_name, check_engine_load, is_adapter_param, peft_name
+from lib.lora import base_name, check_engine_load, inject, is_adapter_param, peft_name
 from lib.models import padded_attention, persistent_buffers, retie, tied_aliases
 from lib.protocol import DataProto
 
@@ -83,7 +83,6 @@ class HFEngine:
         self.model.tie_weights()  # transformers skips the tie when building without weight init
         self.lora = lora
         if lora is not None:
-            from lib.lora import inject
 
             inject(self.model, lora)
             for name, param in self.model.named_parameters():

@@ -34,6 +34,7 @@ from lib.dist import Topology, all_gather
 from lib.engine import (SamplingConfig, Turn, build_output, call_seed, expand_samples, request_seeds, stop_ids,
                         turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
+from lib.lora import VLLM_LORA_RANKS, check_engine_load, save_adapter
 from lib.protocol import DataProto
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,6 @@ class VLLMEngine:
 
         from vllm.lora.request import LoRARequest
 
-        from lib.lora import check_engine_load, save_adapter
 
         check_engine_load(bool(self.asleep), self.lora, version, tensors)
         folder = os.path.join(self._adapter_root, f"v{version}")
@@ -380,7 +380,6 @@ def _lora_kwargs(lora: Any) -> dict:
     """One adapter slot, of the smallest rank vLLM takes that holds the adapter's."""
     if lora is None:
         return {}
-    from lib.lora import VLLM_LORA_RANKS
 
     rank = next(r for r in VLLM_LORA_RANKS if r >= lora.r)
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lib.multi_turn.parsers import PARSERS
+
 
 def enabled(cfg: Any) -> bool:
     """``cfg``: the whole Config."""
@@ -22,7 +24,6 @@ def config_problems(cfg: Any) -> list[str]:
     m, r = cfg.multi_turn, cfg.rollout
     if not enabled(cfg):
         return []
-    from lib.multi_turn.parsers import PARSERS
 
     problems = []
     if m.format not in PARSERS:

@@ -21,6 +21,7 @@ from lib.multi_turn.parsers import PARSERS, Parsed
 from lib.multi_turn.render import ObservationRenderer, tool_message
 from lib.multi_turn.tools import KINDS, bound_kwargs, failed, is_environment
 from lib.protocol import DataProto
+from lib.rewards.pool import RewardPool
 
 TRUNCATED = " [truncated]"
 """Marks a tool answer cut to multi_turn.tool_response_max_tokens."""
@@ -68,7 +69,6 @@ class MultiTurn:
         self.budget = cfg.max_response_tokens or max_response_length
         self.environment = is_environment(cfg.tools)
         if pool is None:
-            from lib.rewards.pool import RewardPool
 
             pool = RewardPool(cfg.tools, cfg.tool_timeout_s, cfg.tool_workers, mode="tools")
         self.pool = pool

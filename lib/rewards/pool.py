@@ -18,6 +18,8 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from lib.multi_turn.tools import failed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 Result = tuple[float, dict, Any, str, str]  # score, numeric extras, answer, failure kind, message
@@ -64,7 +66,6 @@ class RewardPool:
     def __init__(self, custom: str = "", timeout_s: float = 10.0, num_workers: int = 2, mode: str = "score"):
         self.custom, self.timeout_s, self.mode = custom, timeout_s, mode
         if mode == "tools":
-            from lib.multi_turn.tools import failed
 
             self.failed, self.what, self.limit = failed, "tool", "multi_turn.tool_timeout_s"
         else:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lib.models import load_tokenizer
 from lib.protocol import DataProto
 from lib.rewards import FAILURE_KINDS, RULES, load_custom, result_of
 from lib.rewards.pool import RewardPool
@@ -109,7 +110,6 @@ class RewardModel:
                  offload: bool = True):
         from transformers import AutoModelForSequenceClassification
 
-        from lib.models import load_tokenizer
 
         self.device, self.micro_batch_size = device, micro_batch_size
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

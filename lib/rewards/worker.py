@@ -12,6 +12,7 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
+from lib.multi_turn.tools import ToolHost
 from lib.rewards import keyword_columns, load_custom, result_of, rule_for
 
 
@@ -38,7 +39,6 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, signal.SIG_IGN)
     inbox, outbox = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
     if len(argv) > 3 and argv[3] == "tools":
-        from lib.multi_turn.tools import ToolHost
 
         handle = ToolHost(argv[2])
     else:

@@ -1,0 +1,88 @@
+"""The run folder's layout, in one place for checkpointing, export and the run log:
+
+    runs/<run>/config.yaml, metrics.jsonl, checkpoints/step_<k>/, checkpoints/latest, hf_final/ (adapter_final/)
+
+``run_dir`` names the folder (a name fixed by the script and the config when none is given), ``check_run_folder``
+decides before anything is written whether a run resumes there, ``step_dir`` / ``latest_step`` find checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import yaml
+
+
+def run_dir(output_root: str, run_name: str, config: dict, script: str) -> str:
+    """output_root/run_name; without a run name, a name fixed by the script and the config (``default_run_name``),
+    so that the same command finds its run again."""
+    return os.path.join(output_root, run_name or default_run_name(config, script))
+
+
+def step_dir(run_path: str, step: int) -> str:
+    return os.path.join(run_path, "checkpoints", f"step_{step}")
+
+
+def latest_step(run_path: str) -> int | None:
+    marker = os.path.join(run_path, "checkpoints", "latest")
+    if not os.path.isfile(marker):
+        return None
+    step = int(open(marker).read().strip())
+    return step if os.path.isdir(step_dir(run_path, step)) else None
+
+
+RUN_CONTROL = ("trainer.total_steps", "trainer.epochs", "trainer.val_every", "trainer.save_every", "trainer.keep_last",
+               "trainer.logger", "trainer.project", "trainer.log_samples", "trainer.resume", "trainer.max_bad_steps",
+               "trainer.collective_timeout_s", "reward.timeout_s", "reward.num_workers", "rollout.kv_cache_gb",
+               "rollout.max_num_seqs", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
+               "rollout.logp_diff_limit")
+"""Settings a resumed run may change: how long it runs and how it reports, not what it computes."""
+
+
+def default_run_name(config: dict, script: str) -> str:
+    """The run folder's name when trainer.run_name is not given: the script and a hash of the config, run-control
+    settings aside. The same command and config always name the same folder, so a re-submitted or requeued job
+    resumes its run; any change to what the run computes starts a new one."""
+    kept = {k: v for k, v in _flat(config).items()
+            if k not in RUN_CONTROL and k not in ("trainer.run_name", "trainer.output_root")}
+    digest = hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{os.path.splitext(os.path.basename(script))[0]}-{digest}"
+
+
+def check_run_folder(run_path: str, config: dict, resume: bool) -> int | None:
+    """Before anything is written: the step to resume from (None: a fresh start). Refuses (ValueError) a folder that
+    holds a run when resume is off, and a resume whose config differs from the saved one in anything but
+    ``RUN_CONTROL``, naming the differences."""
+    saved_path = os.path.join(run_path, "config.yaml")
+    holds_run = os.path.isfile(saved_path) or os.path.isdir(os.path.join(run_path, "checkpoints"))
+    if not holds_run:
+        return None
+    if not resume:
+        raise ValueError(f"run folder {run_path} already holds a run and trainer.resume is off: choose another "
+                         f"--trainer.run_name, remove the folder, or leave trainer.resume on to continue it")
+    step = latest_step(run_path)
+    if step is None or not os.path.isfile(saved_path):
+        return step
+    with open(saved_path) as f:
+        saved = _flat(yaml.safe_load(f) or {})
+    now = _flat(config)
+    # settings the saved config lacks (added to the code since) keep their defaults
+    diff = [f"{k}: {saved[k]!r} -> {now.get(k, '(absent)')!r}" for k in sorted(saved)
+            if k not in RUN_CONTROL and saved[k] != now.get(k)]
+    if diff:
+        raise ValueError(f"run folder {run_path} holds a run with another config ({'; '.join(diff[:8])}"
+                         f"{'; ...' if len(diff) > 8 else ''}): resume it with the saved settings, or start a new "
+                         f"run with another --trainer.run_name")
+    return step
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
