@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 import itertools
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn

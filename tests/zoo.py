@@ -115,13 +115,20 @@ def build_tokenizer(path: str):
 
 def build(name: str, root: str, seed: int = 0) -> str:
     """The model folder of one case under ``root`` (built once): weights, tokenizer, generation config."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     path = os.path.join(root, name)
     if os.path.exists(os.path.join(path, "generation_config.json")):
         return path
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(name), dtype=torch.float32)
+    return _save(AutoModelForCausalLM.from_config(config(name), dtype=torch.float32), path)
+
+
+def _save(model: torch.nn.Module, path: str) -> str:
+    """The model (its buffers moved off their init values), the tokenizer and the generation config, written to a
+    temporary folder renamed into place when complete."""
+    from transformers import GenerationConfig
+
     move_off_init(model)
     tmp = path + ".tmp"
     model.save_pretrained(tmp)
@@ -151,7 +158,7 @@ def build_whole(name: str, root: str, seed: int = 0) -> str:
     """The folder of a whole vision-language checkpoint (``WHOLE``): its language model is the zoo case's, its
     vision tower random; saved in the class the config names, with the zoo's tokenizer and generation config."""
     import transformers
-    from transformers import AutoModelForImageTextToText, GenerationConfig
+    from transformers import AutoModelForImageTextToText
 
     path = os.path.join(root, name)
     if os.path.exists(os.path.join(path, "generation_config.json")):
@@ -159,14 +166,7 @@ def build_whole(name: str, root: str, seed: int = 0) -> str:
     text, cls, overrides = WHOLE[name]
     whole = getattr(transformers, cls)(text_config=config(text).to_dict(), **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(whole, dtype=torch.float32)
-    move_off_init(model)
-    tmp = path + ".tmp"
-    model.save_pretrained(tmp)
-    build_tokenizer(tmp)
-    GenerationConfig(eos_token_id=[2, 0], pad_token_id=0, bos_token_id=None).save_pretrained(tmp)
-    os.replace(tmp, path)
-    return path
+    return _save(AutoModelForImageTextToText.from_config(whole, dtype=torch.float32), path)
 
 
 @torch.no_grad()
