@@ -42,13 +42,15 @@ def _selfcheck_on_two_ranks(model_path: str) -> dict:
     return {"passed": [(r["mode"], r["max_diff"]) for r in passed], "refused": refused}
 
 
-def test_the_self_check_refuses_packing_that_leaks_between_sequences(tmp_path):
-    path = zoo.build("qwen3_5", str(tmp_path))
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granite4"])  # linear attention, convolutions, Mamba-2
+def test_the_self_check_refuses_packing_that_leaks_between_sequences(tmp_path, name):
+    path = zoo.build(name, str(tmp_path))
     results = run_distributed(_selfcheck_on_two_ranks, path, world_size=2, timeout=300)
     for r in results:
         assert [mode for mode, _ in r["passed"]] == ["packing", "Ulysses sp_size 2"], r
         assert all(diff < 1e-5 for _, diff in r["passed"]), r
-        # before lib/mixers.py the Gated DeltaNet layers carried state from one packed sequence into the next
+        # before lib/mixers.py these layers carried state from one packed sequence into the next (LFM2's short
+        # convolutions by 6.5e-5 on the probe: a tolerance of 1e-4 let it through)
         assert "under packing" in r["refused"] and "--actor.batching.no-use-remove-padding" in r["refused"], r
 
 
