@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 import sys
 
+from lib import config, preflight
+from lib.runfolder import run_dir
+from lib.startup import check_inputs, resolve_toy
+
 SCRIPTS = {"train_grpo.py": ("tiny_cpu_grpo", False), "train_ppo.py": ("tiny_cpu_ppo", True)}
 """Script -> (its default preset, whether it trains a critic)."""
 
@@ -23,11 +27,6 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         return 0  # the script prints the help
     preset, need_critic = SCRIPTS[os.path.basename(script)]
-    # deferred: a script that is not checked here (or --help) returns before torch and transformers load
-    from lib import config, preflight
-    from lib.runfolder import run_dir
-    from lib.startup import check_inputs, resolve_toy
-
     cfg = config.parse(args, default_preset=preset, prog=os.path.basename(script))  # a command-line error: tyro's message, exit 2
     try:
         resolve_toy(cfg)

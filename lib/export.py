@@ -78,14 +78,13 @@ def whole_class(config: Any) -> str | None:
     return (getattr(config, "architectures", None) or [None])[0]
 
 
-def whole_names(language_model: nn.Module, whole: nn.Module) -> dict[str, str]:
+def whole_names(language_model: nn.Module, whole: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
     """The language model's state names -> the names of the same tensors in the whole model: its decoder sits under
     another prefix there (``model.language_model.`` for Qwen3.5 and Gemma-4), the head keeps its name."""
     decoder = whole.get_decoder()
     prefix = next(name for name, module in whole.named_modules() if module is decoder)
     ours = language_model.get_decoder()
     our_prefix = next(name for name, module in language_model.named_modules() if module is ours)
-    state = whole.state_dict()
     names, unknown = {}, []
     for name in language_model.state_dict():
         mapped = prefix + name[len(our_prefix):] if name.startswith(our_prefix + ".") else name
@@ -115,7 +114,7 @@ def write_whole(language_model: nn.Module, config: Any, model_path: str, out_dir
                          f"to export it whole")
     whole = getattr(transformers, cls).from_pretrained(model_path, dtype="auto", trust_remote_code=trust_remote_code)
     state = whole.state_dict()
-    names = whole_names(language_model, whole)
+    names = whole_names(language_model, whole, state)
     with torch.no_grad():
         for name, tensor in language_model.state_dict().items():
             state[names[name]].copy_(tensor)

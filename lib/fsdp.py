@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator
 
 import torch
@@ -160,17 +161,11 @@ def iter_persistent_buffers(model: nn.Module, dtype: torch.dtype | None = None) 
         yield hf_name(name), tensor
 
 
-def iter_full_state(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of the model, full: the parameters (``iter_full_params``), then the persistent buffers."""
-    yield from iter_full_params(model, dtype)
-    yield from iter_persistent_buffers(model, dtype)
-
-
 def full_state_dict_on_rank0(model: nn.Module, topo: Topology) -> dict[str, torch.Tensor]:
     """The full weights (parameters and persistent buffers) on CPU on rank 0 (empty elsewhere), one tensor
     gathered at a time."""
     out: dict[str, Any] = {}
-    for name, tensor in iter_full_state(model):
+    for name, tensor in itertools.chain(iter_full_params(model), iter_persistent_buffers(model)):
         if topo.is_main:
             out[name] = tensor.cpu()
         del tensor

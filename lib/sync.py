@@ -26,7 +26,7 @@ from torch import nn
 
 from lib import lora
 from lib.engine import RolloutEngine
-from lib.fsdp import iter_full_state, iter_persistent_buffers, load_model, offload_model
+from lib.fsdp import iter_full_params, iter_persistent_buffers, load_model, offload_model
 
 
 def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -46,8 +46,8 @@ def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
 
 def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
                  weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
-    """Stream the FSDP ``model``'s full parameters and persistent buffers (or ``weights``, full tensors in HF names:
-    a LoRA model's base or merged weights) into an awake ``engine``. Returns time, GB sent, peak extra GB."""
+    """Stream the FSDP ``model``'s full parameters (or ``weights``, full tensors in HF names: a LoRA model's base or
+    merged weights), then its persistent buffers, into an awake ``engine``. Returns time, GB sent, peak extra GB."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     if cuda:
@@ -57,9 +57,9 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bu
     t0 = time.perf_counter()
     sent = 0
     largest_bucket = 0
-    if weights is None:
-        weights = iter_full_state(model, dtype)
-    for bucket in buckets(weights, bucket_bytes):
+    params = weights if weights is not None else iter_full_params(model, dtype)
+    # the weights that are not parameters go after the parameters, whatever sent those (full, base or merged)
+    for bucket in buckets(itertools.chain(params, iter_persistent_buffers(model, dtype)), bucket_bytes):
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
         sent += nbytes
         largest_bucket = max(largest_bucket, nbytes)
@@ -108,11 +108,9 @@ def enter_rollout(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, b
     if adapter is None:
         metrics = sync_weights(model, engine, dtype, bucket_bytes)
     elif adapter.merge:
-        metrics = sync_weights(model, engine, dtype, bucket_bytes,
-                               itertools.chain(lora.iter_merged(model, dtype), iter_persistent_buffers(model, dtype)))
+        metrics = sync_weights(model, engine, dtype, bucket_bytes, lora.iter_merged(model, dtype))
     elif not engine.base_loaded:
-        metrics = sync_weights(model, engine, dtype, bucket_bytes,
-                               itertools.chain(lora.iter_base(model, dtype), iter_persistent_buffers(model, dtype)))
+        metrics = sync_weights(model, engine, dtype, bucket_bytes, lora.iter_base(model, dtype))
     else:
         metrics = {"sync/seconds": 0.0, "sync/gb": 0.0}
     if offload_params:

@@ -1,15 +1,10 @@
-"""The layers of lib/ read from the imports alone: no circle, and no import of lib inside a function except where
-it defers a heavy start (named below with its reason). A reader can then draw the layers; ``layers()`` does."""
+"""The layers of lib/ read from the imports alone: no circle, and no import of lib inside a function (one there
+hides an order the layers should settle). A reader can then draw the layers; ``layers()`` does."""
 
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFERRED = {
-    # module: (lib modules it imports inside a function, why)
-    "lib.check": ({"lib.config", "lib.preflight", "lib.runfolder", "lib.startup"},
-                  "launch.sh runs it for every command: a script it does not check returns before torch loads"),
-}
 
 
 def modules() -> dict[str, str]:
@@ -82,9 +77,9 @@ def test_no_import_circle_in_lib():
     layers({name: top[name] | inner[name] for name in top})
 
 
-def test_no_import_of_lib_inside_a_function_but_the_deferred_ones():
+def test_no_import_of_lib_inside_a_function():
     _, inner = graph()
-    hidden = {name: deps for name, deps in inner.items() if deps and deps != DEFERRED.get(name, (set(),))[0]}
+    hidden = {name: deps for name, deps in inner.items() if deps}
     assert not hidden, hidden
 
 

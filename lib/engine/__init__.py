@@ -114,7 +114,7 @@ class RolloutEngine(Protocol):
     def wake_up(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Full tensors under Hugging Face names: parameters, then persistent buffers (lib.fsdp.iter_full_state)."""
+        """Full tensors under Hugging Face names: parameters, then persistent buffers (lib.sync.sync_weights)."""
         ...
 
     def finish_sync(self) -> None:
