@@ -29,6 +29,10 @@ from lib.engine import RolloutEngine
 from lib.fsdp import iter_full_params, iter_persistent_buffers, load_model, offload_model
 
 
+WEIGHTS = {"full": iter_full_params, "merged": lora.iter_merged, "base": lora.iter_base}
+"""The full tensors a sync can stream, in Hugging Face names, each an iterator over (model, dtype)."""
+
+
 def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
     bucket: list[tuple[str, torch.Tensor]] = []
@@ -45,9 +49,9 @@ def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
 
 
 def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
-                 weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
-    """Stream the FSDP ``model``'s full parameters (or ``weights``, full tensors in HF names: a LoRA model's base or
-    merged weights), then its persistent buffers, into an awake ``engine``. Returns time, GB sent, peak extra GB."""
+                 weights: str = "full") -> dict[str, float]:
+    """Stream the FSDP ``model``'s full weights (``weights``, a key of WEIGHTS: its parameters, or a LoRA model's base
+    or merged weights), then its persistent buffers, into an awake ``engine``. Returns time, GB sent, peak extra GB."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     if cuda:
@@ -57,7 +61,7 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bu
     t0 = time.perf_counter()
     sent = 0
     largest_bucket = 0
-    params = weights if weights is not None else iter_full_params(model, dtype)
+    params = WEIGHTS[weights](model, dtype)
     # the weights that are not parameters go after the parameters, whatever sent those (full, base or merged)
     for bucket in buckets(itertools.chain(params, iter_persistent_buffers(model, dtype)), bucket_bytes):
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
@@ -94,31 +98,37 @@ def sync_adapter(model: nn.Module, engine: RolloutEngine, adapter: lora.Sync) ->
             "sync/adapter_tensors": float(len(tensors)), "sync/adapter_version": float(adapter.version)}
 
 
+def plan(engine: RolloutEngine, adapter: lora.Sync | None) -> tuple[str | None, bool]:
+    """What one sync sends, decided here alone: the full weights streamed (a key of WEIGHTS, or None for none), and
+    whether the LoRA adapter follows. A full model: its parameters. A LoRA policy in merge mode: W + s*BA. A LoRA
+    policy served as an adapter: the base only while the engine lacks it (its first wake, or after a level-2 sleep),
+    then the adapter every step."""
+    if adapter is None:
+        return "full", False
+    if adapter.merge:
+        return "merged", False
+    return (None if engine.base_loaded else "base"), True
+
+
 def enter_rollout(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
                   offload_params: bool = False, adapter: lora.Sync | None = None) -> dict[str, float]:
-    """Training -> rollout: wake the engine's weights, stream ours in, optionally park the training shards on
-    CPU, then wake the KV cache and drop any cached prefixes (computed with the old weights).
-    ``adapter`` (a LoRA policy): in merge mode the weights streamed are W + s*BA; else the base is streamed only
-    when the engine lacks it (its first wake, or after a level-2 sleep) and the adapter goes after the wake."""
+    """Training -> rollout: wake the engine's weights, stream in what ``plan`` says, optionally park the training
+    shards on CPU, then wake the KV cache, send the adapter (into the engine's finished base; vLLM: after its
+    reload) and drop any cached prefixes (computed with the old weights)."""
+    weights, send_adapter = plan(engine, adapter)
     cuda = torch.cuda.is_available()
     if cuda:
         gc.collect()  # tensors only Python's cycle collector still holds keep their blocks in the cache
         torch.cuda.empty_cache()
     engine.wake_up(["weights"])
-    if adapter is None:
-        metrics = sync_weights(model, engine, dtype, bucket_bytes)
-    elif adapter.merge:
-        metrics = sync_weights(model, engine, dtype, bucket_bytes, lora.iter_merged(model, dtype))
-    elif not engine.base_loaded:
-        metrics = sync_weights(model, engine, dtype, bucket_bytes, lora.iter_base(model, dtype))
-    else:
-        metrics = {"sync/seconds": 0.0, "sync/gb": 0.0}
+    metrics = sync_weights(model, engine, dtype, bucket_bytes, weights) if weights else {"sync/seconds": 0.0,
+                                                                                          "sync/gb": 0.0}
     if offload_params:
         offload_model(model)
     if cuda:
         torch.cuda.empty_cache()  # the sync's buckets and gathered tensors
     engine.wake_up(["kv_cache"])
-    if adapter is not None and not adapter.merge:  # into the engine's finished base (vLLM: after its reload)
+    if send_adapter:
         metrics.update(sync_adapter(model, engine, adapter))
     engine.reset_prefix_cache()
     return {**metrics, **getattr(engine, "metrics", {})}
