@@ -9,10 +9,15 @@ ground, it imports nothing of lib but its own sections.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
+
+import tyro
+import yaml
 
 from lib.config_trained import (ActorConfig, BatchingConfig, CriticConfig, FSDPConfig, LoraConfig,  # noqa: F401
                                  ModelConfig, OptimConfig, TrainedModelConfig)
@@ -237,8 +242,6 @@ def apply_delta(obj: Any, delta: dict, where: str = "") -> None:
 
 
 def load_preset(name_or_path: str) -> dict:
-    import yaml
-
     path = name_or_path if os.path.isfile(name_or_path) else os.path.join(PRESET_DIR, f"{name_or_path}.yaml")
     if not os.path.isfile(path):
         raise ValueError(f"no config file or preset {name_or_path!r}; presets: {presets()}")
@@ -278,11 +281,6 @@ def parse(argv: list[str], default_preset: str = "", prog: str | None = None) ->
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    import contextlib
-    import io
-
-    import tyro
-
     quiet = os.environ.get("RANK", "0") != "0"  # tyro's message once, from rank 0
     with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
         return tyro.cli(Config, default=base, args=argv, description=__doc__, prog=prog)

@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import transformers
+import yaml
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoTokenizer, GenerationConfig
 
 from lib import lora, models
 from lib.config import LoraConfig
@@ -34,8 +39,6 @@ def write_hf(state: dict[str, torch.Tensor], model_path: str, out_dir: str, kind
              trust_remote_code: bool = False, max_shard_size: str = "5GB") -> None:
     """Write full weights ``state`` (HF names) as a folder ``from_pretrained`` and vLLM load, in the dtype of the
     model at ``model_path``."""
-    from transformers import AutoTokenizer, GenerationConfig
-
     config = models.load_config(model_path, trust_remote_code)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -106,8 +109,6 @@ def write_whole(language_model: nn.Module, config: Any, model_path: str, out_dir
     """A whole checkpoint trained text-only, written as the class it came as: the checkpoint's own weights (the
     vision tower bit for bit, in their stored dtypes) with the trained language model put in their place, under
     the names transformers gives the language model in that layout, and the processor files as shipped."""
-    import transformers
-
     cls = whole_class(config)
     if not hasattr(transformers, cls):
         raise ValueError(f"{model_path} is a {cls} checkpoint, a class this transformers lacks: upgrade transformers "
@@ -128,9 +129,6 @@ def load_checkpoint(ckpt_dir: str, part: str, model_path: str, trust_remote_code
                     lora_config: Any = None) -> dict[str, Any]:
     """One part's full weights from a DCP checkpoint, read in this process (no process group). ``lora_config`` (a
     PEFT LoraConfig): the checkpoint holds an adapter; its tensors are returned under PEFT's names."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     config = models.load_config(model_path, trust_remote_code)
     model = models.build_empty(config, KIND[part], models.padded_attention(config), trust_remote_code)
     options = None
@@ -184,8 +182,6 @@ def checkpoint_dir(path: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    import yaml
-
     p = argparse.ArgumentParser(prog="python -m lib.export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint")
     p.add_argument("out_dir")

@@ -16,7 +16,7 @@ GROUPS = {
 
 
 def plot(run: str) -> list[str]:
-    import matplotlib
+    import matplotlib  # deferred: an optional package, needed only to draw
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -25,6 +25,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 _FORMAT_KEY = "dataproto"
 _FORMAT_VERSION = 1
@@ -340,8 +342,6 @@ class DataProto:
     def save(self, path: str | Path, allow_pickle: bool = False) -> None:
         """Tensors to a safetensors file; non-tensors and meta_info as JSON in its header.
         Values JSON cannot hold need ``allow_pickle=True`` (and the same flag to load)."""
-        from safetensors.torch import save_file
-
         header = {"version": _FORMAT_VERSION, "length": len(self),
                   "non_tensor": {k: _encode(list(v.ravel()), v.shape, f"non_tensor_batch[{k!r}]", allow_pickle)
                                  for k, v in self.non_tensor_batch.items()},
@@ -354,8 +354,6 @@ class DataProto:
 
     @classmethod
     def load(cls, path: str | Path, allow_pickle: bool = False, device: str | torch.device = "cpu") -> DataProto:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             metadata = f.metadata() or {}
             if _FORMAT_KEY not in metadata:

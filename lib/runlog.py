@@ -2,14 +2,29 @@
 metrics.jsonl, wandb, the resolved config, sample responses.
 
 Per-stage wall time and peak memory come from ``stage(name, metrics)``, used around each RL stage.
+
+wandb and the no-step-twice guarantee. A resumed run replays, bit for bit, the steps a killed run made past its last
+checkpoint; wandb must hold each step once. An online run asks wandb itself: ``run.starting_step`` after
+``wandb.init(id=..., resume="allow")`` is the server's next step, and rows of metrics.jsonl up to the checkpoint that
+the server lacks are sent again. (wandb's rewind, ``resume_from=f"{id}?_step={step}"``, would discard and resend the
+replayed steps; it needs the server, and the replay is identical, so skipping them is the same record.) An offline
+run has no server to ask, and wandb offers no public reader of its offline files (``wandb.Api`` reads synced runs
+only), so the steps it holds are read from its transaction log here: LevelDB's log format (documented and stable)
+around wandb's ``Record`` protobuf, of which only the ``_step`` of history records is read. The simpler designs lose
+the guarantee: counting what was handed to ``wandb.log`` misses what a killed wandb process never wrote (those steps
+would be lost), and a fresh offline run per launch puts the replayed steps in twice once synced. tests/test_wandb.py
+runs against the installed wandb, so a change of its format fails there, not in a user's run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import resource
+import secrets
+import struct
 import sys
 import time
 from typing import Any, Iterator
@@ -74,9 +89,7 @@ def start_wandb(path: str, project: str, config: dict) -> tuple[Any, int]:
     folder, so a resumed run continues the same wandb run. Returns (run, the last step wandb already holds: in the
     folder's offline files, or the server's for an online run). A killed run's steps past its checkpoint come again,
     equal to the bit: those wandb holds are not sent twice, and rows it lost are sent again from metrics.jsonl."""
-    import secrets
-
-    import wandb
+    import wandb  # deferred: a heavy optional package, imported only when the wandb logger is asked for
 
     if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
         os.environ["WANDB_MODE"] = "offline"  # no key: keep the run on disk (wandb sync later)
@@ -94,9 +107,7 @@ def start_wandb(path: str, project: str, config: dict) -> tuple[Any, int]:
 
 def offline_wandb_steps(path: str, run_id: str) -> list[int]:
     """The steps of every history record in the run folder's offline wandb files of ``run_id``."""
-    import glob
-
-    from wandb.proto import wandb_internal_pb2
+    from wandb.proto import wandb_internal_pb2  # deferred with wandb itself (above)
 
     steps = []
     for name in glob.glob(os.path.join(path, "wandb", f"offline-run-*-{run_id}", f"run-{run_id}.wandb")):
@@ -116,8 +127,6 @@ def wandb_log_records(path: str) -> Iterator[bytes]:
     """The records of a wandb transaction log (``run-<id>.wandb``): LevelDB's log format after a 7-byte file
     header (":W&B", version), 32 KiB blocks of records, each a 7-byte header (crc32, length, type: 1 whole,
     2 first, 3 middle, 4 last piece) and its payload. A file cut short by a kill ends at its last whole record."""
-    import struct
-
     with open(path, "rb") as f:
         data = f.read()
     if data[:4] != b":W&B":

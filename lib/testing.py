@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args
             backend: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
+    try:  # torch comes in after the rank's environment is set, in the spawned child only
         import torch
         import torch.distributed as dist
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache, cache_utils
 
 from lib.data import left_pad
 from lib.engine import SamplingConfig, Turn, build_output, call_seed, expand_samples, stop_ids, turns_from
@@ -23,7 +24,7 @@ from lib.protocol import DataProto
 
 
 def _no_init():
-    try:
+    try:  # the module moved in transformers 5: the import tries both homes
         from transformers.initialization import no_init_weights
     except ImportError:  # older transformers
         from transformers.modeling_utils import no_init_weights
@@ -36,8 +37,6 @@ def copyable(cache: Any) -> bool:
     convolutions, Mamba-2) hold states that method does not copy (transformers 5 gives some none, and a layer that
     mixes both kinds inherits the key/value one, which leaves the states of the first sample alone), and a cache
     whose layers are made lazily cannot be judged before the prefill: for those the engine prefills per sample."""
-    from transformers import cache_utils
-
     states = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
     layers = getattr(cache, "layers", None)
     return bool(layers) and all(hasattr(layer, "batch_repeat_interleave") and not isinstance(layer, states)
@@ -69,8 +68,6 @@ class HFEngine:
         ``batch_tokens``: prompt + response tokens generated together (see ``generate``). ``lora``: a PEFT
         LoraConfig: the replica carries the same LoRA layers as the trainer, the adapter in fp32, filled by
         ``load_adapter`` and never merged into the base."""
-        from transformers import AutoModelForCausalLM
-
         self.device, self.pad_id, self.eos_ids = device, pad_token_id, list(eos_token_ids)
         self.sampling, self.val_sampling = sampling, val_sampling or SamplingConfig(temperature=0.0,
                                                                                     max_new_tokens=sampling.max_new_tokens)
@@ -270,8 +267,6 @@ class HFEngine:
     def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
                         gen: torch.Generator, stop: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
         """Prompts (b, P) -> b * n responses (eos included) and their log-probs, samples of a prompt adjacent."""
-        from transformers import DynamicCache
-
         keep = mask.bool().any(0)  # columns where every prompt of the chunk is padding carry nothing
         first = int(keep.float().argmax()) if bool(keep.any()) else 0
         ids, mask, pos = ids[:, first:], mask[:, first:], pos[:, first:]

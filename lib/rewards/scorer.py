@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoModelForSequenceClassification
 
 from lib.models import load_tokenizer
 from lib.protocol import DataProto
@@ -108,8 +109,6 @@ class RewardModel:
 
     def __init__(self, path: str, device: torch.device, policy_tokenizer: Any, micro_batch_size: int = 8,
                  offload: bool = True):
-        from transformers import AutoModelForSequenceClassification
-
 
         self.device, self.micro_batch_size = device, micro_batch_size
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
