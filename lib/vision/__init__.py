@@ -1,0 +1,57 @@
+"""Vision-language models: which ones train with images, and what the trainer needs to know of each.
+
+A vision-language checkpoint is recognised by its config (a ``vision_config``). The families listed in FAMILIES train
+with their images; another vision model is refused at start-up with the list. Each family names the rule of its
+rope positions (lib/vision/rope.py) and the token its processor expands per image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    rope: str
+    """The positions rule: "mrope" (Qwen-VL's 3-D rope: temporal, height, width rows)."""
+    image_token: str
+    """The placeholder a prompt holds once per image, which the processor expands to the image's tokens."""
+
+
+QWEN = Family(rope="mrope", image_token="<|image_pad|>")
+FAMILIES: dict[str, Family] = {"qwen2_vl": QWEN, "qwen2_5_vl": QWEN, "qwen3_vl": QWEN, "qwen3_5": QWEN,
+                               "qwen3_5_moe": QWEN}
+
+
+def has_vision(config: Any) -> bool:
+    """Whether the checkpoint carries a vision tower."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def family(config: Any) -> Family | None:
+    return FAMILIES.get(getattr(config, "model_type", ""))
+
+
+def problem(config: Any) -> str:
+    """Why images cannot be trained with this model ("" if they can)."""
+    if not has_vision(config):
+        return (f"the model ({getattr(config, 'model_type', '?')}) has no vision tower: image rows need a "
+                f"vision-language model")
+    if family(config) is None:
+        return (f"vision-language training supports {sorted(FAMILIES)}; this model is a "
+                f"{getattr(config, 'model_type', '?')}")
+    return ""
+
+
+def merge_size(config: Any) -> int:
+    """Patches merged per side into one language-model token."""
+    return int(config.vision_config.spatial_merge_size)
+
+
+def attn_implementations(config: Any, text: str, vision: str = "sdpa") -> dict[str, str]:
+    """``attn_implementation`` per sub-config: the decoder's (packed or padded) for the language model, sdpa for the
+    vision tower (which bounds its own images through ``cu_seqlens``)."""
+    names = {key: vision if key == "vision_config" else text for key, value in vars(config).items()
+             if hasattr(value, "model_type") and hasattr(value, "to_dict")}
+    return {"": text, **names}

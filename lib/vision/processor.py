@@ -1,0 +1,121 @@
+"""The model's own image processing: its image processor, tokenizer and chat template, without torchvision.
+
+transformers 5 builds a Qwen-VL ``AutoProcessor`` only with a video processor, which needs torchvision (PyPI has no
+CPU build of it for recent torch). Images need none of that: ``AutoImageProcessor`` gives the PIL image processor
+where torchvision is absent, and the one step the processor adds (each image's placeholder expanded into as many
+tokens as the image has after merging) is done here, on token ids. So a prompt exists in two forms:
+
+- engine ids: the chat template's rendering, ONE placeholder per image; vLLM takes these with the images and
+  expands them itself (sending expanded ids with the images expands them twice: trl#6294, trl#6401);
+- model ids: each placeholder expanded to t * h * w / merge^2 tokens; the trainer and the HF engine use these, with
+  ``pixel_values`` and ``image_grid_thw`` from the image processor.
+
+The k-th ``<image>`` of a prompt's text is its k-th image (verl's layout); a count mismatch is a bad row.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor
+
+from lib.vision import family, merge_size
+
+PLACEHOLDER = "<image>"
+"""Where an image sits in a prompt's text (verl's geo3k layout; TRL's image columns are placed before the text)."""
+
+
+def image_parts(content: str) -> list[dict]:
+    """A message's text with ``<image>`` placeholders -> chat content parts, images in order."""
+    parts: list[dict] = []
+    for k, piece in enumerate(content.split(PLACEHOLDER)):
+        if k:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def count_placeholders(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return prompt.count(PLACEHOLDER)
+    return sum(m["content"].count(PLACEHOLDER) for m in prompt if isinstance(m.get("content"), str))
+
+
+def with_image_parts(messages: list[dict]) -> list[dict]:
+    """Chat messages whose string contents hold ``<image>`` -> contents as parts the VL chat templates render."""
+    return [{**m, "content": image_parts(m["content"])} if PLACEHOLDER in m.get("content", "") else m
+            for m in messages]
+
+
+def load_image(entry: Any, base_dir: str = "") -> Image.Image:
+    """An image of a data row, as RGB: a ``{"bytes", "path"}`` struct (verl's and ``datasets``' Image layout: PNG or
+    JPEG bytes, else a path relative to the data file), a path, raw bytes, or a PIL image. An unreadable one is a
+    ValueError saying what it was."""
+    if isinstance(entry, Image.Image):
+        return entry.convert("RGB")
+    data, path = None, None
+    if isinstance(entry, dict):
+        data, path = entry.get("bytes"), entry.get("path")
+    elif isinstance(entry, (bytes, bytearray)):
+        data = entry
+    elif isinstance(entry, str):
+        path = entry
+    else:
+        raise ValueError(f"an image must be a {{'bytes', 'path'}} struct, a path or bytes, not {type(entry).__name__}")
+    try:
+        if data:
+            image = Image.open(io.BytesIO(data))
+        elif path:
+            image = Image.open(path if os.path.isabs(path) or not base_dir else os.path.join(base_dir, path))
+        else:
+            raise ValueError("an image entry with neither bytes nor a path")
+        image.load()
+    except (OSError, Image.DecompressionBombError) as e:
+        what = f"path {path!r}" if path and not data else f"{len(data)} bytes" if data else "an empty entry"
+        raise ValueError(f"image ({what}) cannot be read: {e}") from None
+    return image.convert("RGB")
+
+
+class VisionProcessor:
+    """The image side of a vision-language model: pixel bounds as configured (the same for rollout and training)."""
+
+    def __init__(self, path: str, config: Any, tokenizer: Any, min_pixels: int = 0, max_pixels: int = 0,
+                 trust_remote_code: bool = False):
+        kwargs = {}
+        if min_pixels or max_pixels:
+            probe = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+            size = dict(probe.size) if isinstance(getattr(probe, "size", None), dict) else {
+                "shortest_edge": probe.size.shortest_edge, "longest_edge": probe.size.longest_edge}
+            kwargs["size"] = {"shortest_edge": min_pixels or size["shortest_edge"],
+                              "longest_edge": max_pixels or size["longest_edge"]}
+        self.image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                                  **kwargs)
+        self.tokenizer = tokenizer
+        self.merge = merge_size(config)
+        self.image_token = family(config).image_token
+        self.image_token_id = int(config.image_token_id)
+        if tokenizer.convert_tokens_to_ids(self.image_token) != self.image_token_id:
+            raise ValueError(f"the tokenizer at {path} maps {self.image_token!r} to "
+                             f"{tokenizer.convert_tokens_to_ids(self.image_token)}, the model's config to "
+                             f"{self.image_token_id}: tokenizer and model do not belong together")
+
+    def images(self, images: list[Image.Image]) -> dict[str, torch.Tensor]:
+        """``pixel_values`` (patches, patch features) and ``image_grid_thw`` (images, 3) of a prompt's images."""
+        out = self.image_processor(images=images, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
+
+    def tokens_per_image(self, grid_thw: torch.Tensor) -> list[int]:
+        return (grid_thw.prod(-1) // self.merge ** 2).tolist()
+
+    def expand(self, ids: list[int], grid_thw: torch.Tensor) -> list[int]:
+        """Engine ids (one placeholder per image) -> model ids (each placeholder as many tokens as its image)."""
+        counts = iter(self.tokens_per_image(grid_thw))
+        out: list[int] = []
+        for token in ids:
+            out.extend([token] * next(counts) if token == self.image_token_id else [token])
+        return out
