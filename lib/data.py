@@ -7,48 +7,111 @@ Prompts longer than ``max_prompt_length`` are filtered out, truncated (left or r
 
 Sampling is deterministic in (seed, epoch): epoch e visits the rows in ``permutation(seed + e)``; the batch of
 step s is the s-th slice of that stream, so a resumed run only needs the step number.
+
+Images (vision-language models, lib/vision): an ``images`` column (verl's: a list of ``{"bytes", "path"}`` structs,
+the k-th ``<image>`` of the prompt's text being the k-th image) or TRL's ``image`` / ``images`` column (no
+placeholder in the text: the images go before the first user message's text). Parquet files and ``save_to_disk``
+folders are read through ``datasets``: the image column stays in its memory-mapped Arrow table and a row's images
+are decoded when a batch takes the row, never all held on every rank. JSON lines are read as text (their images are
+paths, relative to the file).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import datasets
 import numpy as np
 import torch
+from PIL import Image
 
 from lib.multi_turn.tools import row_tools
 from lib.protocol import DataProto
+from lib.vision import rope
+from lib.vision.processor import (PLACEHOLDER, VisionProcessor, count_placeholders, image_size, load_image,
+                                  with_image_parts)
 
 TRUNCATION = ("filter", "left", "right", "error")
 STANDARD_COLUMNS = ("prompt", "data_source", "reward_model", "extra_info")
+IMAGE_COLUMNS = ("images", "image")
+
+
+def is_saved_dataset(path: str) -> bool:
+    """A folder written by ``datasets``' ``save_to_disk``."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json"))
 
 
 def check_files(files: list[str], what: str) -> None:
     for f in files:
+        if is_saved_dataset(f):
+            continue
         if not os.path.isfile(f):
-            raise ValueError(f"{what} file {f!r} does not exist; point --data.{what}_files at parquet or jsonl files")
+            raise ValueError(f"{what} file {f!r} does not exist; point --data.{what}_files at parquet or jsonl files "
+                             f"(or a folder made by datasets' save_to_disk)")
         if not f.endswith((".parquet", ".jsonl", ".json")):
             raise ValueError(f"{what} file {f!r} is neither .parquet nor .jsonl/.json")
 
 
-def _read(path: str) -> list[Any]:
-    """The rows of one parquet / jsonl / json (array or lines) file; a file that is not one is a ValueError naming it."""
-    try:
-        if path.endswith(".parquet"):
-            import pyarrow.parquet as pq
+@dataclass
+class ImageColumn:
+    """The images of one file's rows: a memory-mapped ``datasets`` column (parquet, save_to_disk) or, for JSON
+    lines, the entries themselves (paths); ``base_dir`` resolves relative paths."""
 
-            return pq.read_table(path).to_pylist()
+    table: Any
+    name: str
+    base_dir: str
+
+    def entries(self, row: int) -> list:
+        value = self.table[row][self.name] if isinstance(self.table, datasets.Dataset) else self.table[row]
+        if value is None:
+            return []
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _undecoded(table: datasets.Dataset, name: str) -> datasets.Dataset:
+    """The column with ``datasets.Image`` features left as ``{"bytes", "path"}`` (decoded per batch, by us)."""
+    feature = table.features[name]
+    inner = getattr(feature, "feature", feature)
+    if isinstance(inner, datasets.Image):
+        image = datasets.Image(decode=False)
+        return table.cast_column(name, image if feature is inner else datasets.List(image))
+    return table
+
+
+def _read_table(path: str) -> tuple[list[Any], ImageColumn | None]:
+    """The rows of a parquet file or a save_to_disk folder (through ``datasets``), the image column kept apart."""
+    datasets.disable_progress_bars()
+    table = datasets.load_from_disk(path) if is_saved_dataset(path) else datasets.Dataset.from_parquet(path)
+    name = next((c for c in IMAGE_COLUMNS if c in table.column_names), None)
+    if name is None:
+        return table.to_list(), None
+    images = ImageColumn(_undecoded(table.select_columns([name]), name), name, os.path.dirname(os.path.abspath(path)))
+    return table.remove_columns([name]).to_list(), images
+
+
+def _read(path: str) -> tuple[list[Any], ImageColumn | None]:
+    """The rows of one parquet / jsonl / json (array or lines) file or save_to_disk folder, and its image column
+    (None without one); a file that is not one is a ValueError naming it."""
+    try:
+        if path.endswith(".parquet") or is_saved_dataset(path):
+            return _read_table(path)
         with open(path, encoding="utf-8") as f:
             text = f.read()
         if path.endswith(".json") and text.lstrip().startswith("["):
-            return json.loads(text)
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+            rows = json.loads(text)
+        else:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     except (OSError, ValueError, UnicodeDecodeError) as e:  # pyarrow's errors are ValueErrors too
-        kind = "parquet" if path.endswith(".parquet") else "JSON lines"
+        kind = "parquet" if path.endswith(".parquet") else "a saved dataset" if os.path.isdir(path) else "JSON lines"
         raise ValueError(f"{path} cannot be read as {kind}: {type(e).__name__}: {str(e)[:200]}") from None
+    name = next((c for c in IMAGE_COLUMNS if any(isinstance(r, dict) and c in r for r in rows)), None)
+    if name is None:
+        return rows, None
+    entries = [r.pop(name, None) if isinstance(r, dict) else None for r in rows]
+    return rows, ImageColumn(entries, name, os.path.dirname(os.path.abspath(path)))
 
 
 def row_problem(row: Any, known_sources: set[str] | None) -> str:
@@ -97,6 +160,19 @@ class PromptSet:
     messages: np.ndarray | None = None
     """Per row, the prompt as chat messages (a string prompt is one user message): a reward model with its own
     tokenizer renders prompt and response with its own chat template."""
+    images: np.ndarray | None = None
+    """Per row, where its images are: (index into image_columns, row of that file), or None for a row without."""
+    image_columns: list[ImageColumn] = field(default_factory=list)
+    vision: VisionProcessor | None = None
+    """The model's image processing, set when the model has a vision tower."""
+
+    def row_images(self, row: int) -> list[Image.Image]:
+        """The row's images, decoded now."""
+        where = None if self.images is None else self.images[row]
+        if where is None:
+            return []
+        column = self.image_columns[where[0]]
+        return [load_image(e, column.base_dir) for e in column.entries(where[1])]
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -104,29 +180,45 @@ class PromptSet:
 
 def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, truncation: str = "filter",
                  apply_chat_template: bool = True, limit: int = 0, known_sources: set[str] | None = None,
-                 bad_rows: str = "error", tool_schemas: dict[str, dict] | None = None) -> PromptSet:
+                 bad_rows: str = "error", tool_schemas: dict[str, dict] | None = None,
+                 vision: VisionProcessor | None = None) -> PromptSet:
     """Every row is checked (``row_problem``, and a prompt must tokenize to something): ``bad_rows="error"`` refuses
     the first bad row naming its file and row number; ``"skip"`` drops bad rows and counts them in ``stats``.
     ``tool_schemas`` (multi-turn rollouts, by tool name): the chat template shows each row the tools it offers (its
-    ``tools`` column, else those its ``extra_info.tools_kwargs`` names, else all; lib.multi_turn.tools.row_tools)."""
+    ``tools`` column, else those its ``extra_info.tools_kwargs`` names, else all; lib.multi_turn.tools.row_tools).
+    ``vision`` (a vision-language model): rows with images are checked (placeholders, readable headers) and their
+    length counts each image's tokens; image rows without it are refused."""
     if truncation not in TRUNCATION:
         raise ValueError(f"data.truncation must be one of {TRUNCATION}, got {truncation!r}")
-    ids, texts, sources, truths, extras, others, messages = [], [], [], [], [], [], []
+    ids, texts, sources, truths, extras, others, messages, image_refs = [], [], [], [], [], [], [], []
     stats = {"prompts": 0, "filtered": 0, "truncated": 0, "bad_rows": 0}
     first_bad = ""
+    columns: list[ImageColumn] = []
     for path in files:
-        rows = _read(path)
+        rows, column = _read(path)
         if not rows:
             raise ValueError(f"{path} holds no rows")
+        if column is not None:
+            if vision is None:
+                raise ValueError(f"{path} has images (its {column.name!r} column) but the model has no vision tower: "
+                                 f"train a vision-language model (lib/vision.FAMILIES) on it, or drop the column")
+            columns.append(column)
         for number, row in enumerate(rows[:limit] if limit else rows):
             problem = row_problem(row, known_sources)
+            entries = column.entries(number) if column is not None and not problem else []
+            image_tokens = 0
+            if entries:
+                row, image_tokens, problem = _with_images(row, entries, column.base_dir, vision)
             if not problem:
                 try:
-                    text = _prompt_text(row, tokenizer, apply_chat_template, tool_schemas)
+                    text = _prompt_text(row, tokenizer, apply_chat_template, tool_schemas, bool(entries))
                 except ValueError as e:  # a row that offers tools nobody defined
                     text, problem = "", str(e)
                 tokens = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
                 problem = problem or ("" if tokens else "the prompt tokenizes to nothing")
+                if entries and not problem and tokens.count(vision.image_token_id) != len(entries):
+                    problem = (f"the chat template rendered {tokens.count(vision.image_token_id)} image placeholders "
+                               f"for {len(entries)} images (a template without image parts?)")
             if problem:
                 if bad_rows == "error":
                     raise ValueError(f"{path} row {number}: {problem} (fix the row, or set --data.bad_rows skip to "
@@ -135,6 +227,14 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
                 first_bad = first_bad or f"{path} row {number}: {problem}"
                 continue
             stats["prompts"] += 1
+            if len(tokens) + image_tokens > max_prompt_length:
+                if truncation == "filter" or (entries and truncation != "error"):  # an image is never cut
+                    stats["filtered"] += 1
+                    continue
+                if truncation == "error":
+                    raise ValueError(f"{path} row {number}: a prompt of {len(tokens) + image_tokens} tokens (images "
+                                     f"included) exceeds data.max_prompt_length={max_prompt_length}; raise it or set "
+                                     f"data.truncation to filter")
             if len(tokens) > max_prompt_length:
                 if truncation == "filter":
                     stats["filtered"] += 1
@@ -154,17 +254,51 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
             others.append({k: v for k, v in row.items() if k not in STANDARD_COLUMNS})
             prompt = row["prompt"]
             messages.append([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
+            image_refs.append((len(columns) - 1, number) if entries else None)
     if first_bad:
         stats["first_bad_row"] = first_bad
     if not ids:
         raise ValueError(f"no usable prompt in {files} (max_prompt_length={max_prompt_length}, "
                          f"{stats['bad_rows']} bad rows{': ' + first_bad if first_bad else ''})")
     obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731 - keeps dicts/lists as objects
-    return PromptSet(ids, texts, obj(sources), obj(truths), obj(extras), stats, obj(others), obj(messages))
+    images = obj(image_refs) if any(r is not None for r in image_refs) else None
+    return PromptSet(ids, texts, obj(sources), obj(truths), obj(extras), stats, obj(others), obj(messages), images,
+                     columns, vision)
 
 
-def _prompt_text(row: dict, tokenizer: Any, apply_chat_template: bool, tool_schemas: dict | None) -> str:
+def _with_images(row: dict, entries: list, base_dir: str, vision: VisionProcessor) -> tuple[dict, int, str]:
+    """(the row with one ``<image>`` per image in its prompt, the tokens its images add beyond one placeholder each,
+    the problem ("" if none)). TRL's layout (no placeholder in the text) puts the images before the first user
+    message's text."""
     prompt = row["prompt"]
+    found = count_placeholders(prompt)
+    if found == 0:
+        marks = PLACEHOLDER * len(entries)
+        if isinstance(prompt, str):
+            prompt = marks + prompt
+        else:
+            first = next((i for i, m in enumerate(prompt) if m.get("role") == "user"), 0)
+            prompt = [{**m, "content": marks + m["content"]} if i == first else m for i, m in enumerate(prompt)]
+        row = {**row, "prompt": prompt}
+    elif found != len(entries):
+        return row, 0, f"the prompt holds {found} {PLACEHOLDER} placeholders for {len(entries)} images"
+    extra = 0
+    for k, entry in enumerate(entries):
+        try:
+            width, height = image_size(entry, base_dir)
+        except ValueError as e:
+            return row, 0, f"image {k}: {e}"
+        extra += vision.tokens_for_size(width, height) - 1
+    return row, extra, ""
+
+
+def _prompt_text(row: dict, tokenizer: Any, apply_chat_template: bool, tool_schemas: dict | None,
+                 images: bool = False) -> str:
+    prompt = row["prompt"]
+    if images:  # the chat template renders each image part as the model's placeholder
+        if not apply_chat_template:
+            raise ValueError("rows with images need the chat template (data.apply_chat_template)")
+        prompt = with_image_parts([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
     if apply_chat_template and isinstance(prompt, list):
         kwargs = {}
         if tool_schemas is not None:
@@ -187,14 +321,43 @@ def left_pad(token_lists: list[list[int]], width: int, pad_id: int) -> tuple[tor
 
 
 def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> DataProto:
-    """Left-pad the rows' prompts to ``width`` (fixed, so every rank's prompts line up)."""
-    input_ids, mask, position_ids = left_pad([prompts.prompt_ids[r] for r in rows], width, pad_id)
-    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids},
+    """Left-pad the rows' prompts to ``width`` (fixed, so every rank's prompts line up). With a vision-language
+    model the rows' images are decoded and processed here: ``multi_modal`` (per row, its ``pixel_values`` and
+    ``image_grid_thw``, or None), the prompt ids with each image's placeholder expanded, ``rope_position_ids``
+    (B, 3, width; 0 on padding) and ``engine_prompt_ids`` (one placeholder per image, for vLLM)."""
+    token_lists = [prompts.prompt_ids[r] for r in rows]
+    extra: dict[str, np.ndarray] = {}
+    rope_rows = None
+    if prompts.vision is not None:
+        vision = prompts.vision
+        features = [vision.images(images) if (images := prompts.row_images(r)) else None for r in rows]
+        engine_ids = token_lists
+        token_lists = [vision.expand(ids, f["image_grid_thw"]) if f else ids for ids, f in zip(engine_ids, features)]
+        rope_rows = torch.zeros(len(rows), 3, width, dtype=torch.long)
+        for b, (ids, f) in enumerate(zip(token_lists, features)):
+            grid = f["image_grid_thw"] if f else torch.zeros(0, 3, dtype=torch.long)
+            rope_rows[b, :, width - len(ids):] = rope.prompt_positions(torch.tensor(ids), vision.image_token_id,
+                                                                       grid, vision.merge)
+        extra = {"multi_modal": _objects(features), "engine_prompt_ids": _objects(engine_ids)}
+    input_ids, mask, position_ids = left_pad(token_lists, width, pad_id)
+    batch = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
+    if rope_rows is not None:
+        batch["rope_position_ids"] = rope_rows
+    return DataProto.from_dict(batch,
                                {"data_source": prompts.data_source[rows], "ground_truth": prompts.ground_truth[rows],
                                 "extra_info": prompts.extra_info[rows], "columns": prompts.columns[rows],
                                 "raw_prompt": np.array([prompts.texts[r] for r in rows] + [None], dtype=object)[:-1],
                                 "messages": prompts.messages[rows],
-                                "row": rows.astype(object)})
+                                "row": rows.astype(object), **extra})
+
+
+def _objects(values: list) -> np.ndarray:
+    """A 1-D object array of ``values`` (lists and dicts kept whole)."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = [None] * len(values)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
 
 
 class Sampler:

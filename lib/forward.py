@@ -28,6 +28,7 @@ from torch import nn
 from lib import attention, ulysses
 from lib.logprobs import log_probs_from_logits
 from lib.protocol import DataProto
+from lib.vision import concat_features
 
 Tensor = torch.Tensor
 
@@ -66,12 +67,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, respon
 
 def vision_inputs(micro: DataProto) -> dict[str, Tensor]:
     """The micro-batch's image features, rows in order (empty when no row has images)."""
-    rows = micro.non_tensor_batch.get("multi_modal")
-    rows = [] if rows is None else [r for r in rows if r]
-    if not rows:
-        return {}
-    device = micro.batch["input_ids"].device
-    return {key: torch.cat([r[key] for r in rows]).to(device) for key in ("pixel_values", "image_grid_thw")}
+    return concat_features(micro.non_tensor_batch.get("multi_modal"), micro.batch["input_ids"].device)
 
 
 def padded_positions(batch: dict[str, Tensor]) -> Tensor:

@@ -1,7 +1,9 @@
 """Vision-language RL: the trainer's forward on image prompts equals the model's own (tests/zoo.py VISION cases)."""
 
-import os
+import io
+import json
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -9,8 +11,11 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from lib import attention, mixers
+from lib.data import collate, load_prompts
+from lib.engine import SamplingConfig
+from lib.engine.hf import HFEngine
 from lib.forward import response_log_probs
-from lib.models import load_config, load_tokenizer
+from lib.models import load_config, load_tokenizer, persistent_buffers, stop_token_ids
 from lib.protocol import DataProto
 from lib.vision import attn_implementations, rope
 from lib.vision.processor import VisionProcessor, with_image_parts
@@ -109,3 +114,115 @@ def test_the_image_changes_the_log_probs(name, vision_root):
     with torch.no_grad():
         (a, _), (b, _) = (response_log_probs(model, micro_batch(path, rows)[0], packed=True) for rows in (red, green))
     assert (a - b).abs().max().item() > 1e-3
+
+
+# ---- data, rollout
+
+
+def png(colour: tuple[int, int, int], size: tuple[int, int] = (56, 56)) -> bytes:
+    buffer = io.BytesIO()
+    square(size, colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def geo3k_rows(num: int = 4) -> list[dict]:
+    """verl's geo3k layout: <image> in the prompt text, an images column of {bytes, path} structs."""
+    colours = [((255, 0, 0), "red"), ((0, 255, 0), "green"), ((0, 0, 255), "blue")]
+    rows = []
+    for i in range(num):
+        colour, name = colours[i % 3]
+        images = [{"bytes": png(colour, (56 + 28 * (i % 2), 56)), "path": None}]
+        text = "<image>What colour is the square?"
+        if i % 2:
+            images.append({"bytes": png(colours[(i + 1) % 3][0]), "path": None})
+            text = "<image> and <image>: the colour of the first square?"
+        rows.append({"prompt": [{"role": "user", "content": text}], "images": images, "data_source": "colour",
+                     "reward_model": {"ground_truth": name}, "extra_info": {"index": i}})
+    return rows
+
+
+def write_parquet(rows: list[dict], path: str) -> str:
+    datasets.Dataset.from_list(rows).to_parquet(path)
+    return path
+
+
+def load_set(path: str, model: str, **kw):
+    config = load_config(model)
+    tok = load_tokenizer(model)
+    return load_prompts([path], tok, 256, known_sources=None, vision=VisionProcessor(model, config, tok), **kw), tok
+
+
+def test_geo3k_and_trl_layouts_load_with_their_images(vision_root, tmp_path):
+    model = zoo.build_vision("qwen2_vl", vision_root)
+    prompts, tok = load_set(write_parquet(geo3k_rows(), str(tmp_path / "geo3k.parquet")), model)
+    assert len(prompts) == 4 and prompts.images is not None
+    assert [len(prompts.row_images(r)) for r in range(4)] == [1, 2, 1, 2]
+    batch = collate(prompts, np.arange(4), 256, tok.pad_token_id)
+    image_id = zoo.VISION_IDS["image_token_id"]
+    engine_counts = [list(ids).count(image_id) for ids in batch.non_tensor_batch["engine_prompt_ids"]]
+    assert engine_counts == [1, 2, 1, 2]  # one placeholder per image for vLLM
+    # the model's ids hold each image's tokens: 56x56 -> 2x2 merged tokens, 84x56 -> 2x3
+    assert (batch.batch["input_ids"] == image_id).sum(1).tolist() == [4, 6 + 4, 4, 6 + 4]
+    # TRL's layout: an image column, no placeholder (the image goes before the text), paths relative to the file
+    (tmp_path / "red.png").write_bytes(png((255, 0, 0)))
+    with open(tmp_path / "trl.jsonl", "w") as f:
+        f.write(json.dumps({"prompt": [{"role": "user", "content": "Colour?"}], "image": "red.png",
+                            "data_source": "colour", "reward_model": {"ground_truth": "red"}}) + "\n")
+    trl, _ = load_set(str(tmp_path / "trl.jsonl"), model)
+    assert trl.texts[0].index("<|image_pad|>") < trl.texts[0].index("Colour?")
+    assert np.array_equal(np.asarray(trl.row_images(0)[0]), np.asarray(prompts.row_images(0)[0]))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("count", "placeholders for"),
+    ("unreadable", "cannot be read"),
+])
+def test_a_bad_image_row_is_named(bad, message, vision_root, tmp_path):
+    model = zoo.build_vision("qwen2_vl", vision_root)
+    rows = geo3k_rows(2)
+    if bad == "count":
+        rows[1]["images"] = rows[1]["images"][:1]  # two <image> placeholders, one image
+    else:
+        rows[1]["images"][0]["bytes"] = b"not an image"
+    with pytest.raises(ValueError, match=message) as e:
+        load_set(write_parquet(rows, str(tmp_path / "bad.parquet")), model)
+    assert "row 1" in str(e.value)
+
+
+def test_image_rows_with_a_text_only_model_are_refused(zoo_text_model, tmp_path):
+    tok = load_tokenizer(zoo_text_model)
+    path = write_parquet(geo3k_rows(2), str(tmp_path / "geo3k.parquet"))
+    with pytest.raises(ValueError, match="no vision tower"):
+        load_prompts([path], tok, 256, known_sources=None)
+
+
+@pytest.fixture(scope="module")
+def zoo_text_model(tmp_path_factory):
+    return zoo.build("qwen2_tied", str(tmp_path_factory.mktemp("text_zoo")))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_engine_log_probs_equal_the_trainers_on_image_prompts(name, vision_root, tmp_path):
+    """The HF engine samples with the images; the trainer's packed forward of the same rows gives the same
+    log-probs (the canary at the fp32 level)."""
+    model = zoo.build_vision(name, vision_root)
+    prompts, tok = load_set(write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet")), model)
+    batch = collate(prompts, np.arange(4), 256, tok.pad_token_id)
+    config = load_config(model)
+    own = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+    engine = HFEngine(config, torch.device("cpu"), tok.pad_token_id, stop_token_ids(model, tok),
+                      SamplingConfig(temperature=1.0, max_new_tokens=10, n=2, seed=3), vision=True)
+    engine.wake_up(["weights"])
+    engine.load_weights([*own.named_parameters(), *persistent_buffers(own)])
+    engine.finish_sync()
+    engine.wake_up(["kv_cache"])
+    rollout = engine.generate(batch)
+    assert rollout.batch["rope_position_ids"].shape == (8, 3, rollout.batch["input_ids"].shape[1])
+    packed_model = AutoModelForImageTextToText.from_pretrained(
+        model, dtype=torch.float32, attn_implementation=attn_implementations(config, attention.register())).eval()
+    mixers.bound(packed_model)
+    with torch.no_grad():
+        trainer, _ = response_log_probs(packed_model, rollout, packed=True)
+    mask = rollout.batch["response_mask"].bool()
+    diff = (trainer - rollout.batch["rollout_log_probs"])[mask].abs().max().item()
+    assert diff < 1e-5, (name, diff)

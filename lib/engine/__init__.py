@@ -139,13 +139,16 @@ class RolloutEngine(Protocol):
 def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positions: torch.Tensor,
                  responses: list[list[int]], log_probs: list[list[float]] | None, pad_id: int,
                  response_width: int | None = None,
-                 sampled_masks: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
+                 sampled_masks: list[list[int]] | None = None,
+                 prompt_rope: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The rollout fields from left-padded prompts and each row's generated ids (eos included).
 
     responses (B, R) right-padded with pad_id; response_mask 1 on generated tokens (``sampled_masks``: 1 on the
     tokens sampled, 0 on the observations between a multi-turn row's turns); input_ids = prompts +
     responses; attention_mask likewise; position_ids continue each prompt's last position through R
-    (padding too, as the reference does); rollout_log_probs (B, R) with 0 on padding."""
+    (padding too, as the reference does); rollout_log_probs (B, R) with 0 on padding. ``prompt_rope`` (B, 3, P): a
+    vision-language prompt's 3-D rope rows; the response continues from their largest value on all three
+    (lib/vision/rope.py), as ``rope_position_ids`` (B, 3, P + R)."""
     # prompts, prompt_mask, prompt_positions: (B, P)
     batch = prompts.shape[0]
     width = response_width if response_width is not None else max((len(r) for r in responses), default=0)
@@ -171,7 +174,17 @@ def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positi
               "position_ids": torch.cat([prompt_positions, positions], 1)}
     if log_probs is not None:
         fields["rollout_log_probs"] = logp
+    if prompt_rope is not None:
+        fields["rope_position_ids"] = torch.cat([prompt_rope, continue_rope(prompt_rope, width)], 2)
     return fields
+
+
+def continue_rope(prompt_rope: torch.Tensor, width: int, offset: int = 0) -> torch.Tensor:
+    """(B, 3, width) rope rows of the ``width`` tokens after ``offset`` generated ones, for prompts whose rows are
+    ``prompt_rope`` (B, 3, P): each row's largest position + 1 + offset + r on all three."""
+    start = prompt_rope.amax(dim=(1, 2)) + 1 + offset  # (B,)
+    steps = torch.arange(width, device=prompt_rope.device)
+    return (start[:, None] + steps[None, :])[:, None, :].expand(-1, 3, -1).clone()
 
 
 def call_seed(seed: int, group: int, validate: bool, call: int) -> int:

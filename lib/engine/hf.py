@@ -14,13 +14,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, cache_utils
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, cache_utils
 
 from lib.data import left_pad
-from lib.engine import SamplingConfig, Turn, build_output, call_seed, expand_samples, stop_ids, turns_from
+from lib.engine import (SamplingConfig, Turn, build_output, call_seed, continue_rope, expand_samples, stop_ids,
+                        turns_from)
 from lib.lora import base_name, check_engine_load, inject, is_adapter_param, peft_name
 from lib.models import padded_attention, persistent_buffers, retie, tied_aliases
 from lib.protocol import DataProto
+from lib.vision import attn_implementations, concat_features
 
 
 def _no_init():
@@ -29,6 +31,11 @@ def _no_init():
     except ImportError:  # older transformers
         from transformers.modeling_utils import no_init_weights
     return no_init_weights()
+
+
+def with_rope(pos: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    """The text positions (b, L), with a vision-language prompt's rope rows (b, 3, L) after them: (4, b, L)."""
+    return pos if rope is None else torch.cat([pos[None], rope.transpose(0, 1)])
 
 
 def copyable(cache: Any) -> bool:
@@ -62,21 +69,27 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 class HFEngine:
     def __init__(self, config: Any, device: torch.device, pad_token_id: int, eos_token_ids: list[int],
                  sampling: SamplingConfig, val_sampling: SamplingConfig | None = None, dtype: torch.dtype | None = None,
-                 rank_seed: int = 0, attn_implementation: str = "auto", batch_tokens: int = 65536, lora: Any = None):
+                 rank_seed: int = 0, attn_implementation: str = "auto", batch_tokens: int = 65536, lora: Any = None,
+                 vision: bool = False):
         """``eos_token_ids``: every id that ends a response (lib.models.stop_token_ids). ``attn_implementation``:
         auto picks sdpa, or eager for models transformers runs only that way (lib.models.padded_attention).
         ``batch_tokens``: prompt + response tokens generated together (see ``generate``). ``lora``: a PEFT
         LoraConfig: the replica carries the same LoRA layers as the trainer, the adapter in fp32, filled by
-        ``load_adapter`` and never merged into the base."""
+        ``load_adapter`` and never merged into the base. ``vision``: the replica is the vision-language class (the
+        prompts' images go to its generate); else a vision-language checkpoint's language model alone."""
         self.device, self.pad_id, self.eos_ids = device, pad_token_id, list(eos_token_ids)
         self.sampling, self.val_sampling = sampling, val_sampling or SamplingConfig(temperature=0.0,
                                                                                     max_new_tokens=sampling.max_new_tokens)
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.rank_seed, self.batch_tokens = rank_seed, batch_tokens
         self.calls = {False: 0, True: 0}  # per kind: validating never shifts the training samples
+        attn = padded_attention(config, attn_implementation)
         with torch.device("cpu"), _no_init():
-            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=padded_attention(
-                config, attn_implementation), dtype=self.dtype)
+            if vision:
+                self.model = AutoModelForImageTextToText.from_config(
+                    config, attn_implementation=attn_implementations(config, attn), dtype=self.dtype)
+            else:
+                self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=self.dtype)
         self.model.tie_weights()  # transformers skips the tie when building without weight init
         self.lora = lora
         if lora is not None:
@@ -217,12 +230,16 @@ class HFEngine:
         ids = data.batch["input_ids"].to(self.device)
         mask = data.batch["attention_mask"].to(self.device)
         pos = data.batch["position_ids"].to(self.device)
+        rope = data.batch.get("rope_position_ids")
+        images = data.non_tensor_batch.get("multi_modal")
         responses, logprob_lists = self._generate_chunks(ids, mask, pos, sp, self._generator(sp.seed, validate, key),
-                                                         self.stop_ids(validate))
+                                                         self.stop_ids(validate), rope, images)
         self.calls[validate] += 1
         data = expand_samples(data, sp.n)
+        rope = data.batch.get("rope_position_ids")
         fields = build_output(data.batch["input_ids"].to(self.device), data.batch["attention_mask"].to(self.device),
-                              data.batch["position_ids"].to(self.device), responses, logprob_lists, self.pad_id)
+                              data.batch["position_ids"].to(self.device), responses, logprob_lists, self.pad_id,
+                              prompt_rope=None if rope is None else rope.to(self.device))
         elapsed = time.perf_counter() - t0
         num_tokens = sum(len(r) for r in responses)
         meta = {"generate_s": elapsed, "generated_tokens": num_tokens, "tokens_per_s": num_tokens / max(elapsed, 1e-9)}
@@ -252,35 +269,45 @@ class HFEngine:
         return active
 
     def _generate_chunks(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
-                         gen: torch.Generator, stop_ids: list[int]) -> tuple[list[list[int]], list[list[float]]]:
-        """Left-padded prompts in chunks of at most ``batch_tokens`` prompt + response tokens (n samples each)."""
+                         gen: torch.Generator, stop_ids: list[int], rope: torch.Tensor | None = None,
+                         images: Any = None) -> tuple[list[list[int]], list[list[float]]]:
+        """Left-padded prompts in chunks of at most ``batch_tokens`` prompt + response tokens (n samples each).
+        ``rope`` (B, 3, P) and ``images`` (per row, its image features or None): a vision-language prompt's."""
         stop = torch.tensor(stop_ids, device=self.device)
         per_chunk = max(1, self.batch_tokens // ((ids.shape[1] + sp.max_new_tokens) * sp.n))
         responses, logps = [], []
         for start in range(0, ids.shape[0], per_chunk):
             rows = slice(start, start + per_chunk)
-            r, lp = self._generate_chunk(ids[rows], mask[rows], pos[rows], sp, gen, stop)
+            r, lp = self._generate_chunk(ids[rows], mask[rows], pos[rows], sp, gen, stop,
+                                         None if rope is None else rope[rows].to(self.device),
+                                         None if images is None else images[rows])
             responses += r
             logps += lp
         return responses, logps
 
     def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
-                        gen: torch.Generator, stop: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
-        """Prompts (b, P) -> b * n responses (eos included) and their log-probs, samples of a prompt adjacent."""
+                        gen: torch.Generator, stop: torch.Tensor, rope: torch.Tensor | None = None,
+                        images: Any = None) -> tuple[list[list[int]], list[list[float]]]:
+        """Prompts (b, P) -> b * n responses (eos included) and their log-probs, samples of a prompt adjacent.
+        A vision-language prompt's images go in with the prefill, its rope rows beside the text positions."""
         keep = mask.bool().any(0)  # columns where every prompt of the chunk is padding carry nothing
         first = int(keep.float().argmax()) if bool(keep.any()) else 0
         ids, mask, pos = ids[:, first:], mask[:, first:], pos[:, first:]
+        rope = None if rope is None else rope[:, :, first:]
         # the model's own cache layers: sliding-window layers keep only their window, linear-attention and
         # convolution layers their state
         cache = DynamicCache(config=self.model.config)
         copy = sp.n > 1 and copyable(cache)
         if sp.n > 1 and not copy:  # a cache that cannot be copied exactly: each sample prefills its own
             ids, mask, pos = (x.repeat_interleave(sp.n, 0) for x in (ids, mask, pos))
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            rope = None if rope is None else rope.repeat_interleave(sp.n, 0)
+            images = None if images is None else [row for row in images for _ in range(sp.n)]
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=with_rope(pos, rope), past_key_values=cache,
+                            use_cache=True, logits_to_keep=1, **concat_features(images, self.device)).logits[:, -1].float()
         if copy:  # one prefill per prompt, its cache copied to the n samples
             cache.batch_repeat_interleave(sp.n)
             logits, mask, pos = (x.repeat_interleave(sp.n, 0) for x in (logits, mask, pos))
+            rope = None if rope is None else rope.repeat_interleave(sp.n, 0)
         batch = logits.shape[0]
         out_tokens, out_logp = [], []
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
@@ -289,8 +316,10 @@ class HFEngine:
             if step:
                 step_pos = step_pos + 1
                 full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)
-                logits = self.model(input_ids=token[:, None], attention_mask=full_mask, position_ids=step_pos,
-                                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+                step_rope = None if rope is None else continue_rope(rope, 1, step - 1)
+                logits = self.model(input_ids=token[:, None], attention_mask=full_mask,
+                                    position_ids=with_rope(step_pos, step_rope), past_key_values=cache, use_cache=True,
+                                    logits_to_keep=1).logits[:, -1].float()
             if sp.temperature > 0:
                 scaled = filter_logits(logits / sp.temperature, sp.top_k, sp.top_p)
                 token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen).squeeze(-1)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class Family:
@@ -55,3 +57,12 @@ def attn_implementations(config: Any, text: str, vision: str = "sdpa") -> dict[s
     names = {key: vision if key == "vision_config" else text for key, value in vars(config).items()
              if hasattr(value, "model_type") and hasattr(value, "to_dict")}
     return {"": text, **names}
+
+
+def concat_features(rows: Any, device: Any = None) -> dict:
+    """The image features of several rows (each a dict of ``pixel_values`` and ``image_grid_thw``, or None), in row
+    order, as one model call takes them; empty when no row has images."""
+    rows = [] if rows is None else [r for r in rows if r]
+    if not rows:
+        return {}
+    return {key: torch.cat([r[key] for r in rows]).to(device) for key in ("pixel_values", "image_grid_thw")}

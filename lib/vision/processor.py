@@ -52,12 +52,10 @@ def with_image_parts(messages: list[dict]) -> list[dict]:
             for m in messages]
 
 
-def load_image(entry: Any, base_dir: str = "") -> Image.Image:
-    """An image of a data row, as RGB: a ``{"bytes", "path"}`` struct (verl's and ``datasets``' Image layout: PNG or
-    JPEG bytes, else a path relative to the data file), a path, raw bytes, or a PIL image. An unreadable one is a
-    ValueError saying what it was."""
+def _open(entry: Any, base_dir: str) -> Image.Image:
+    """An image entry opened (its header read, its pixels not yet): see ``load_image``."""
     if isinstance(entry, Image.Image):
-        return entry.convert("RGB")
+        return entry
     data, path = None, None
     if isinstance(entry, dict):
         data, path = entry.get("bytes"), entry.get("path")
@@ -67,18 +65,32 @@ def load_image(entry: Any, base_dir: str = "") -> Image.Image:
         path = entry
     else:
         raise ValueError(f"an image must be a {{'bytes', 'path'}} struct, a path or bytes, not {type(entry).__name__}")
+    if not data and not path:
+        raise ValueError("an image entry with neither bytes nor a path")
     try:
         if data:
-            image = Image.open(io.BytesIO(data))
-        elif path:
-            image = Image.open(path if os.path.isabs(path) or not base_dir else os.path.join(base_dir, path))
-        else:
-            raise ValueError("an image entry with neither bytes nor a path")
+            return Image.open(io.BytesIO(data))
+        return Image.open(path if os.path.isabs(path) or not base_dir else os.path.join(base_dir, path))
+    except (OSError, Image.DecompressionBombError) as e:
+        what = f"{len(data)} bytes" if data else f"path {path!r}"
+        raise ValueError(f"image ({what}) cannot be read: {e}") from None
+
+
+def load_image(entry: Any, base_dir: str = "") -> Image.Image:
+    """An image of a data row, as RGB: a ``{"bytes", "path"}`` struct (verl's and ``datasets``' Image layout: PNG or
+    JPEG bytes, else a path relative to the data file), a path, raw bytes, or a PIL image. An unreadable one is a
+    ValueError saying what it was."""
+    image = _open(entry, base_dir)
+    try:
         image.load()
     except (OSError, Image.DecompressionBombError) as e:
-        what = f"path {path!r}" if path and not data else f"{len(data)} bytes" if data else "an empty entry"
-        raise ValueError(f"image ({what}) cannot be read: {e}") from None
+        raise ValueError(f"image cannot be decoded: {e}") from None
     return image.convert("RGB")
+
+
+def image_size(entry: Any, base_dir: str = "") -> tuple[int, int]:
+    """(width, height) from the image's header alone."""
+    return _open(entry, base_dir).size
 
 
 class VisionProcessor:
@@ -108,6 +120,10 @@ class VisionProcessor:
         """``pixel_values`` (patches, patch features) and ``image_grid_thw`` (images, 3) of a prompt's images."""
         out = self.image_processor(images=images, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
+
+    def tokens_for_size(self, width: int, height: int) -> int:
+        """Language-model tokens of an image of this size, after resizing within the pixel bounds and merging."""
+        return self.image_processor.get_number_of_image_patches(height, width, {}) // self.merge ** 2
 
     def tokens_per_image(self, grid_thw: torch.Tensor) -> list[int]:
         return (grid_thw.prod(-1) // self.merge ** 2).tolist()
