@@ -18,7 +18,7 @@ from torch import nn
 from lib import algos
 from lib.config import ActorConfig, BatchingConfig
 from lib.dist import Topology
-from lib.forward import response_log_probs
+from lib.forward import model_rows, response_log_probs
 from lib.protocol import DataProto
 from lib.update import (Trainee, accumulation_steps, split_micro, finish_update, gather_sp, loss_scale,
                         step_and_record)
@@ -30,7 +30,7 @@ __all__ = ["Trainee", "compute_log_probs", "update_policy"]
 def compute_log_probs(model: nn.Module, data: DataProto, batching: BatchingConfig, topo: Topology,
                       temperature: float = 1.0, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response log-probs (B, R) (and entropy) for every row of ``data``, in the rows' order."""
-    data, mine = gather_sp(data.select(["input_ids", "attention_mask", "position_ids", "responses"]), topo)
+    data, mine = gather_sp(model_rows(data), topo)
     logp, entropy = _gathered_log_probs(model, data, batching, topo, temperature, with_entropy)
     return logp[mine], (entropy[mine] if entropy is not None else None)
 
@@ -66,7 +66,7 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
 
     def old_log_probs_after_the_first(minis: list[DataProto]) -> None:
         for mini in minis[1:]:
-            rows = mini.select(["input_ids", "attention_mask", "position_ids", "responses"])
+            rows = model_rows(mini)
             mini.batch["old_log_probs"] = _gathered_log_probs(model, rows, cfg.batching, topo, temperature)[0]
 
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]

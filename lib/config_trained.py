@@ -19,6 +19,14 @@ class ModelConfig:
     """auto: flash_attention_2 on GPU when installed, else sdpa. Or any transformers attention name."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
+    min_pixels: int = 0
+    """Vision-language models: the fewest pixels an image is resized to (0: the model's image processor's own). The
+    same for rollout and training."""
+    max_pixels: int = 0
+    """Vision-language models: the most pixels an image is resized to (0: the processor's own); bounds the image
+    tokens per image (pixels / (patch x merge)^2)."""
+    freeze_vision_tower: bool = False
+    """Vision-language models trained with images: the vision tower (and its merger) stays as loaded."""
 
 
 @dataclass

@@ -19,15 +19,14 @@ from lib.update import (Trainee, accumulation_steps, split_micro, finish_update,
                         step_and_record)
 from lib.config import BatchingConfig, CriticConfig
 from lib.dist import Topology
-from lib.forward import response_values
+from lib.forward import model_rows, response_values
 from lib.protocol import DataProto
 
 
 @torch.no_grad()
 def compute_values(critic: nn.Module, data: DataProto, batching: BatchingConfig, topo: Topology) -> torch.Tensor:
     """V (B, R) for every row of ``data``, in the rows' order; zero outside the response mask."""
-    data, mine = gather_sp(data.select(["input_ids", "attention_mask", "position_ids", "responses",
-                                        "response_mask"]), topo)
+    data, mine = gather_sp(model_rows(data, "response_mask"), topo)
     pieces, restore = split_micro(data, batching, topo)
     values = torch.cat([response_values(critic, m.to(topo.device), batching.use_remove_padding, sp=topo)
                         for m in pieces])

@@ -181,13 +181,13 @@ class PromptSet:
 def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, truncation: str = "filter",
                  apply_chat_template: bool = True, limit: int = 0, known_sources: set[str] | None = None,
                  bad_rows: str = "error", tool_schemas: dict[str, dict] | None = None,
-                 vision: VisionProcessor | None = None) -> PromptSet:
+                 vision: VisionProcessor | None = None, vision_refusal: str = "") -> PromptSet:
     """Every row is checked (``row_problem``, and a prompt must tokenize to something): ``bad_rows="error"`` refuses
     the first bad row naming its file and row number; ``"skip"`` drops bad rows and counts them in ``stats``.
     ``tool_schemas`` (multi-turn rollouts, by tool name): the chat template shows each row the tools it offers (its
     ``tools`` column, else those its ``extra_info.tools_kwargs`` names, else all; lib.multi_turn.tools.row_tools).
     ``vision`` (a vision-language model): rows with images are checked (placeholders, readable headers) and their
-    length counts each image's tokens; image rows without it are refused."""
+    length counts each image's tokens; image rows without it are refused, with ``vision_refusal`` saying why."""
     if truncation not in TRUNCATION:
         raise ValueError(f"data.truncation must be one of {TRUNCATION}, got {truncation!r}")
     ids, texts, sources, truths, extras, others, messages, image_refs = [], [], [], [], [], [], [], []
@@ -200,8 +200,8 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
             raise ValueError(f"{path} holds no rows")
         if column is not None:
             if vision is None:
-                raise ValueError(f"{path} has images (its {column.name!r} column) but the model has no vision tower: "
-                                 f"train a vision-language model (lib/vision.FAMILIES) on it, or drop the column")
+                raise ValueError(f"{path} has images (its {column.name!r} column), but "
+                                 f"{vision_refusal or 'the model has no vision tower'}")
             columns.append(column)
         for number, row in enumerate(rows[:limit] if limit else rows):
             problem = row_problem(row, known_sources)
@@ -263,7 +263,7 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
     obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731 - keeps dicts/lists as objects
     images = obj(image_refs) if any(r is not None for r in image_refs) else None
     return PromptSet(ids, texts, obj(sources), obj(truths), obj(extras), stats, obj(others), obj(messages), images,
-                     columns, vision)
+                     columns, vision if images is not None else None)
 
 
 def _with_images(row: dict, entries: list, base_dir: str, vision: VisionProcessor) -> tuple[dict, int, str]:

@@ -59,13 +59,16 @@ def write_hf(state: dict[str, torch.Tensor], model_path: str, out_dir: str, kind
     if missing:
         raise ValueError(f"the weights lack {missing[:5]}: not a checkpoint of this model ({model_path})")
     model.config.dtype = dtype
-    if kind == "causal_lm":
+    if kind in ("causal_lm", "vision_lm"):
         try:
             model.generation_config = GenerationConfig.from_pretrained(model_path)
         except OSError:  # the model ships none: the one its config implies
             model.generation_config = GenerationConfig.from_model_config(config)
     os.makedirs(out_dir, exist_ok=True)
-    if whole_class(config) is None:
+    if kind == "vision_lm":  # trained whole, with its images: written whole, with its image processor
+        model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+        copy_processor_files(model_path, out_dir)
+    elif whole_class(config) is None:
         model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     else:
         write_whole(model, config, model_path, out_dir, trust_remote_code, max_shard_size)
@@ -120,6 +123,11 @@ def write_whole(language_model: nn.Module, config: Any, model_path: str, out_dir
         for name, tensor in language_model.state_dict().items():
             state[names[name]].copy_(tensor)
     whole.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    copy_processor_files(model_path, out_dir)
+
+
+def copy_processor_files(model_path: str, out_dir: str) -> None:
+    """The image processor and chat template files as the model ships them."""
     for file in PROCESSOR_FILES:
         if os.path.isfile(os.path.join(model_path, file)):
             shutil.copy(os.path.join(model_path, file), os.path.join(out_dir, file))

@@ -28,7 +28,10 @@ from torch import nn
 from lib import attention, ulysses
 from lib.logprobs import log_probs_from_logits
 from lib.protocol import DataProto
-from lib.vision import concat_features
+from lib.vision import ban, concat_features
+
+BANNED_ATTR = "banned_token_ids"
+"""A model's attribute listing the token ids it never samples (lib.vision.placeholder_ids), set where it is built."""
 
 Tensor = torch.Tensor
 
@@ -63,6 +66,17 @@ def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, respon
         rope = rope_position_ids.transpose(0, 1).reshape(3, -1)[:, flat_valid][:, None]
     return Packed(input_ids.reshape(-1)[flat_valid][None], position_ids.reshape(-1)[flat_valid][None],
                   packed_index[flat_pos] - 1, response_valid, rope)
+
+
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+"""The batch keys a forward reads, besides the optional ones a model may have (``rope_position_ids``)."""
+
+
+def model_rows(data: DataProto, *more: str) -> DataProto:
+    """The part of ``data`` a forward reads (``more`` keys too): the rows' ids, masks and positions, a vision-language
+    model's rope rows, and every non-tensor (the rows' images among them)."""
+    keys = [*MODEL_KEYS, *more] + [k for k in ("rope_position_ids",) if k in data.batch]
+    return data.select(keys)
 
 
 def vision_inputs(micro: DataProto) -> dict[str, Tensor]:
@@ -118,6 +132,7 @@ def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 
     if packed or (sp is not None and sp.sp_size > 1):
         p = pack(b["input_ids"], b["attention_mask"], b["position_ids"], response_len, b.get("rope_position_ids"))
         logits, sel = _run_packed(model, p, sp, lm_head=True, vision=vision)  # (k, V)
+        logits = ban(logits, getattr(model, BANNED_ATTR, None))
         labels = responses[p.response_valid][sel]
         logp_k, ent_k = log_probs_from_logits(logits, labels, temperature, with_entropy)
         if sp is not None and sp.sp_size > 1:
@@ -131,6 +146,7 @@ def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 
         return logp, entropy
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=padded_positions(b),
                    use_cache=False, logits_to_keep=response_len + 1, **vision).logits[:, :-1]  # (B, R, V)
+    logits = ban(logits, getattr(model, BANNED_ATTR, None))
     logp, entropy = log_probs_from_logits(logits, responses, temperature, with_entropy)
     valid = b["attention_mask"][:, -response_len:].to(logp.dtype)
     return logp * valid, (entropy * valid if with_entropy else None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -15,12 +16,16 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoModelForTokenClassification, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast)
 
 from lib import attention, mixers
+from lib.vision import attn_implementations
 
 log = logging.getLogger(__name__)
 
-KINDS = ("causal_lm", "critic")
+KINDS = ("causal_lm", "critic", "vision_lm")
+"""vision_lm: a vision-language model trained with its images (lib/vision); its language model alone is a causal_lm."""
 
 
 def attn_implementation(requested: str = "auto", packed: bool = False, sp_size: int = 1, config: Any = None) -> str:
@@ -47,8 +52,6 @@ def padded_attention(config: Any = None, requested: str = "auto") -> str:
         return requested
     if config is None:
         return "sdpa"
-    from transformers import AutoModelForCausalLM
-
     mapping = AutoModelForCausalLM._model_mapping
     cls = mapping[type(config)] if type(config) in mapping else None
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
@@ -69,16 +72,12 @@ def check_model_path(path: str) -> None:
 
 
 def load_config(path: str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoConfig
-
     check_model_path(path)
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     """The model's tokenizer; a missing pad token is set to eos (with a warning), left padding for prompts."""
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tok = _as_saved(tok, path)
     if tok.pad_token_id is None:
@@ -96,8 +95,6 @@ def _as_saved(tok: Any, path: str) -> Any:
     maps to (Qwen2Tokenizer for any qwen2 model) and that class puts its own pre-tokenizer and normaliser in place of
     the file's: a character-level tokenizer saved beside a Qwen2 model then silently drops newlines and spaces.
     Where the pipelines differ, the file's wins (loaded without the model-type class)."""
-    import json
-
     file = os.path.join(path, "tokenizer.json")
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None or not os.path.isfile(file):
@@ -107,21 +104,19 @@ def _as_saved(tok: Any, path: str) -> Any:
     loaded = json.loads(backend.to_str())
     if all(saved.get(k) == loaded.get(k) for k in ("pre_tokenizer", "normalizer")):
         return tok
-    from transformers import PreTrainedTokenizerFast
-
     log.warning("tokenizer at %s: %s replaces the pre-tokenizer or normaliser of its tokenizer.json; loading the "
                 "file's own", path, type(tok).__name__)
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def _auto_class(kind: str) -> Any:
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
     if kind == "causal_lm":
         return AutoModelForCausalLM
     if kind == "critic":
         # Qwen2/Qwen3/Llama ...ForTokenClassification: the base model + a Linear(hidden, 1) "score" head
         return AutoModelForTokenClassification
+    if kind == "vision_lm":
+        return AutoModelForImageTextToText
     raise ValueError(f"model kind must be one of {KINDS}, got {kind!r}")
 
 
@@ -156,9 +151,15 @@ def without_dropout(config: Any) -> tuple[Any, list[str]]:
     return config, changed
 
 
+def _attn(config: Any, kind: str, attn_impl: str) -> Any:
+    """A vision-language model takes one implementation per sub-config (its vision tower keeps sdpa)."""
+    return attn_implementations(config, attn_impl) if kind == "vision_lm" else attn_impl
+
+
 def build_empty(config: Any, kind: str, attn_impl: str, trust_remote_code: bool = False) -> nn.Module:
     """The model on the meta device (no memory), ready for fully_shard + to_empty + broadcast."""
     cls = _auto_class(kind)
+    attn_impl = _attn(config, kind, attn_impl)
     with torch.device("meta"):
         model = cls.from_config(_model_config(config, kind), attn_implementation=attn_impl, trust_remote_code=trust_remote_code,
                                 dtype=torch.float32)
@@ -172,7 +173,7 @@ def load_full(path: str, kind: str, attn_impl: str, trust_remote_code: bool = Fa
     about it)."""
     cls = _auto_class(kind)
     config = _model_config(config if config is not None else load_config(path, trust_remote_code), kind)
-    return cls.from_pretrained(path, config=config, attn_implementation=attn_impl,
+    return cls.from_pretrained(path, config=config, attn_implementation=_attn(config, kind, attn_impl),
                                trust_remote_code=trust_remote_code, dtype=torch.float32)
 
 
@@ -203,8 +204,6 @@ def stop_token_ids(path: str, tokenizer: Any, trust_remote_code: bool = False) -
     """The ids that end a response: the tokenizer's eos and every eos id of the model's generation_config.json
     (Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>; Llama-3.x-Instruct ends a turn with <|eot_id|>), as
     transformers' generate and vLLM stop on them."""
-    from transformers import GenerationConfig
-
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     try:
         eos = GenerationConfig.from_pretrained(path, trust_remote_code=trust_remote_code).eos_token_id

@@ -48,12 +48,15 @@ def probe_rows(vocab_size: int, seed: int = 0) -> DataProto:
                                 "responses": responses, "response_mask": mask[:, width:]})
 
 
-def _set_attention(model: nn.Module, name: str) -> None:
-    """Every config of the model (the text config of a multimodal one too) attends through ``name``."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = name
+def _swap_attention(model: nn.Module, old: str, new: str) -> list[Any]:
+    """Every config of the model that attends through ``old`` (the text config of a multimodal one too; not its
+    vision tower's, which keeps its own) attends through ``new``; returns those configs. Each is set alone:
+    transformers' setter of a composite config passes the value on to every sub-config, the vision tower's too."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "_attn_implementation", None) == old}
+    for config in configs.values():
+        config._attn_implementation_internal = new
+    return list(configs.values())
 
 
 @torch.no_grad()
@@ -73,12 +76,13 @@ def check_modes(model: nn.Module, topo: Topology, packed: bool, dtype: torch.dty
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    packed_impl = config._attn_implementation
+    packed_impl = config.get_text_config()._attn_implementation
+    swapped = _swap_attention(model, packed_impl, padded_attention(config))
     try:
-        _set_attention(model, padded_attention(config))
         reference, _ = response_log_probs(model, rows, packed=False)
     finally:
-        _set_attention(model, packed_impl)
+        for c in swapped:
+            c._attn_implementation_internal = packed_impl
     results = []
     try:
         for mode, sp in modes:

@@ -40,6 +40,10 @@ from lib.optim import build_optimizer
 from lib.preflight import Sizes, picks_vllm, resolve, validate
 from lib.rewards import RULES, check_truth_source, load_custom
 from lib.rewards.scorer import RewardModel, Scorer
+from lib.vision import FAMILIES, has_vision
+from lib.vision import problem as vision_problem
+from lib.vision import toy as vision_toy
+from lib.vision.processor import VisionProcessor
 from lib.update import Trainee
 
 
@@ -74,6 +78,13 @@ class Run:
     """Reward failure kinds whose first message was printed."""
     carried_metrics: dict[str, float] = field(default_factory=dict)
     """Metrics of work done after a step's row was logged (the checkpoint save's stage), logged with the next row."""
+    vision: bool = False
+    """The prompts have images: the policy (and reference) are the vision-language class, trained with them."""
+
+    @property
+    def kind(self) -> str:
+        """The policy's model kind (lib.models.KINDS)."""
+        return "vision_lm" if self.vision else "causal_lm"
 
 
 def start(cfg: Config, need_critic: bool = False) -> Run:
@@ -113,6 +124,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         dist.destroy_process_group()
         raise SystemExit(2)
     sizes, tokenizer, train, val, sampler = inputs.sizes, inputs.tokenizer, inputs.train, inputs.val, inputs.sampler
+    vision = inputs.vision
     start_step = inputs.start_step
     total = cfg.trainer.total_steps or cfg.trainer.epochs * sampler.steps_per_epoch
     failed = [""]
@@ -139,7 +151,8 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         logger.print(rm.describe())
     scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers)
     tools = MultiTurn(cfg.multi_turn, tokenizer, cfg.rollout.max_response_length) if multi_turn.enabled(cfg) else None
-    return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer, multi_turn=tools)
+    return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer, multi_turn=tools,
+               vision=vision)
 
 
 @dataclass
@@ -150,6 +163,8 @@ class Inputs:
     train: PromptSet
     val: PromptSet | None
     sampler: Sampler
+    vision: bool = False
+    """The data has images: the policy is its vision-language class, trained with them (lib/vision)."""
 
 
 def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> Inputs:
@@ -180,20 +195,62 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
                 raise ValueError(f"multi_turn.tools {cfg.multi_turn.tools} is an environment: its reward() scores the "
                                  f"episodes; drop --reward.custom_fn")
             known = None  # rows need no rule scorer
+    processor, refusal = vision_processor(cfg, model_config, tokenizer)
     load = lambda files: load_prompts(files, tokenizer, d.max_prompt_length, d.truncation,  # noqa: E731
-                                      d.apply_chat_template, d.limit, known, d.bad_rows, tool_schemas)
+                                      d.apply_chat_template, d.limit, known, d.bad_rows, tool_schemas,
+                                      processor, refusal)
     train = load(d.train_files)
     val = load(d.val_files) if d.val_files and cfg.trainer.val_every else None
     if cfg.reward.custom_fn:
         check_truth_source(load_custom(cfg.reward.custom_fn), cfg.reward.custom_fn, train.ground_truth, train.columns)
     sampler = Sampler(len(train), cfg.trainer.train_batch_size, cfg.trainer.seed, d.shuffle)
-    return Inputs(sizes, start_step, tokenizer, train, val, sampler)
+    images = train.images is not None or (val is not None and val.images is not None)
+    if images:
+        check_vision_modes(cfg, train, val, need_critic)
+    return Inputs(sizes, start_step, tokenizer, train, val, sampler, images)
+
+
+def vision_processor(cfg: Config, model_config: Any, tokenizer: Any) -> tuple[VisionProcessor | None, str]:
+    """The model's image processing, or why image rows cannot be trained with this model (said only if the data
+    has images: a vision-language checkpoint trains text-only on text rows without its processor)."""
+    m = cfg.actor.model
+    if not has_vision(model_config):
+        return None, (f"the model ({model_config.model_type}) has no vision tower: train a vision-language model "
+                      f"({', '.join(sorted(FAMILIES))}) on it, or drop the column")
+    refusal = vision_problem(model_config)
+    if refusal:
+        return None, refusal
+    try:
+        return VisionProcessor(m.path, model_config, tokenizer, m.min_pixels, m.max_pixels, m.trust_remote_code), ""
+    except (OSError, ValueError) as e:
+        return None, (f"the model's image processor cannot be loaded from {m.path} ({type(e).__name__}: "
+                      f"{str(e)[:200]}); a vision-language model folder needs its preprocessor_config.json")
+
+
+def check_vision_modes(cfg: Config, train: PromptSet, val: PromptSet | None, need_critic: bool) -> None:
+    """What image training does not do yet is refused here, naming the setting, never run as something else."""
+    if need_critic:
+        raise ValueError("PPO's critic with image prompts is not built yet; train with train_grpo.py (no critic)")
+    if cfg.trainer.sp_size > 1:
+        raise ValueError("trainer.sp_size > 1 with image prompts is not built yet (Ulysses must slice after the "
+                         "image features are merged); set --trainer.sp_size 1")
+    if uses_vllm(cfg):
+        raise ValueError("the vLLM engine with image prompts is not built yet; set --rollout.engine hf")
+    if multi_turn.enabled(cfg):
+        raise ValueError("multi-turn rollouts with image prompts are not built yet; drop --multi_turn.tools")
+    if lora.enabled(cfg.actor.lora):
+        raise ValueError("LoRA with image prompts is not built yet; set --actor.lora.rank 0")
+    for name, prompts in (("train", train), ("val", val)):
+        if prompts is not None and (prompts.images is None or any(r is None for r in prompts.images)):
+            # a micro-batch without images on one rank would skip the vision tower's sharded blocks the others run
+            raise ValueError(f"data.{name}_files mix rows with and without images; every row of an image set needs "
+                             f"at least one image (rows without images are not supported yet)")
 
 
 def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:
-    """``toy`` (``toy_tool``: the tool variant) in the model path or data files means the embedded task: rank 0
+    """``toy`` (``toy_tool``: the tool variant; ``toy_vision``: the visual task) in the model path or data files means the embedded task: rank 0
     builds it once (``topo`` None: a single process, lib/check.py)."""
-    for name, build in (("toy", toy.prepare), ("toy_tool", toy.prepare_tool)):
+    for name, build in (("toy", toy.prepare), ("toy_tool", toy.prepare_tool), ("toy_vision", vision_toy.prepare)):
         if not (cfg.actor.model.path == name or name in cfg.data.train_files or name in cfg.data.val_files):
             continue
         assets = os.path.join(cfg.trainer.output_root, f"{name}_assets")
@@ -212,8 +269,8 @@ def build_models(run: Run, with_ref: bool) -> None:
     cfg, topo = run.cfg, run.topo
     packed = cfg.actor.batching.use_remove_padding
     lora_cfg = cfg.actor.lora if lora.enabled(cfg.actor.lora) else None
-    model = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, packed=packed, lora_cfg=lora_cfg,
-                                seed=cfg.trainer.seed)
+    model = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, kind=run.kind, packed=packed,
+                                lora_cfg=lora_cfg, seed=cfg.trainer.seed)
     if model.dropout_off:
         run.logger.print(f"dropout off in the trainer's forwards (the engine samples without it): "
                          f"{', '.join(model.dropout_off)}")
@@ -231,8 +288,8 @@ def build_models(run: Run, with_ref: bool) -> None:
     if with_ref and lora_cfg is not None and lora_cfg.reference == "base":
         run.ref = model  # the same model with its adapter off (lib.rollout.policy_log_probs): no second copy
     elif with_ref:  # the frozen start policy; never a second rollout engine
-        run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, trainable=False, packed=packed,
-                                      lora_cfg=lora_cfg)
+        run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, kind=run.kind, trainable=False,
+                                      packed=packed, lora_cfg=lora_cfg)
     run.engine = build_engine(run)
 
 
@@ -291,7 +348,7 @@ def build_engine(run: Run) -> Any:
     return HFEngine(load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code), topo.device,
                     tok.pad_token_id, eos, sampling, val, dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank,
                     attn_implementation=cfg.actor.model.attn_implementation, batch_tokens=r.hf_batch_tokens,
-                    lora=engine_lora(run))
+                    lora=engine_lora(run), vision=run.vision)
 
 
 def engine_lora(run: Run) -> Any:
@@ -337,7 +394,7 @@ def finish(run: Run) -> None:
                                       f"{run.path}/adapter_final", run.topo)
         else:
             export.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo,
-                                 run.cfg.actor.model.trust_remote_code)
+                             run.cfg.actor.model.trust_remote_code, run.kind)
         run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
     run.logger.close()
     run.scorer.close()

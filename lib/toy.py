@@ -20,6 +20,7 @@ import random
 import shutil
 import socket
 import string
+from typing import Any
 
 from lib.multi_turn.render import ObservationRenderer, tool_message
 
@@ -83,9 +84,11 @@ def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
     fit(model, examples, steps, seed, tokenizer.pad_token_id)
 
 
-def fit(model, examples: list[tuple[list[int], list[int]]], steps: int, seed: int, pad_id: int) -> None:
+def fit(model, examples: list[tuple[list[int], list[int]]], steps: int, seed: int, pad_id: int,
+        extra: Any = None, image_token_id: int | None = None) -> None:
     """Supervised steps (AdamW, lr 3e-3) on batches of 32 examples (ids, labels with -100 off the loss) drawn with
-    replacement, right-padded where their lengths differ."""
+    replacement, right-padded where their lengths differ. ``extra(rows)``: more inputs of a batch (a vision model's
+    images, whose placeholders are ``image_token_id``)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -97,7 +100,8 @@ def fit(model, examples: list[tuple[list[int], list[int]]], steps: int, seed: in
         ids = torch.tensor([r + [pad_id] * (width - len(r)) for r, _ in rows])
         labels = torch.tensor([x + [-100] * (width - len(x)) for _, x in rows])
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])
-        loss = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask, labels=labels).loss
+        more = {} if extra is None else {**extra(len(rows)), "mm_token_type_ids": (ids == image_token_id).int()}
+        loss = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask, labels=labels, **more).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -122,9 +126,9 @@ def build_policy(tokenizer, train_pairs, seed: int = 0, warm_steps: int = 60, he
     return model
 
 
-def _complete(path: str) -> bool:
+def _complete(path: str, data: str = "jsonl") -> bool:
     return (os.path.exists(os.path.join(path, "model", "model.safetensors"))
-            and os.path.exists(os.path.join(path, "data", "val.jsonl")))
+            and os.path.exists(os.path.join(path, "data", f"val.{data}")))
 
 
 def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60,
@@ -140,15 +144,16 @@ def prepare(path: str = "runs/toy_assets", seed: int = 0, warm_steps: int = 60,
         model = build_policy(tokenizer, train_pairs, seed, warm_steps, max_positions=max(64, 4 * digits[1] + 16))
         model.save_pretrained(os.path.join(tmp, "model"))
 
-    return _build_once(path, build)
+    return build_once(path, build)
 
 
-def _build_once(path: str, build) -> dict[str, str]:
-    """The paths of a toy build under ``path``; ``build(folder)`` writes one (model/ and data/) the first time."""
+def build_once(path: str, build, data: str = "jsonl") -> dict[str, str]:
+    """The paths of a toy build under ``path``; ``build(folder)`` writes one (model/ and data/, its files
+    ``train.<data>`` and ``val.<data>``) the first time."""
     model_dir, data_dir = os.path.join(path, "model"), os.path.join(path, "data")
-    out = {"model": model_dir, "train": os.path.join(data_dir, "train.jsonl"),
-           "val": os.path.join(data_dir, "val.jsonl")}
-    if _complete(path):
+    out = {"model": model_dir, "train": os.path.join(data_dir, f"train.{data}"),
+           "val": os.path.join(data_dir, f"val.{data}")}
+    if _complete(path, data):
         return out
     # built in a folder of this process's own and renamed into place: nodes that share the output folder may build
     # at once, and the first rename wins (a folder is renamed onto an empty one or not at all)
@@ -160,7 +165,7 @@ def _build_once(path: str, build) -> dict[str, str]:
         os.rename(tmp, path)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not _complete(path):
+        if not _complete(path, data):
             raise ValueError(f"{path} holds an incomplete toy build; remove the folder and run again") from None
     return out
 
@@ -283,4 +288,4 @@ def prepare_tool(path: str = "runs/toy_tool_assets", seed: int = 0, warm_steps: 
         model.generation_config.eos_token_id = eos
         model.save_pretrained(os.path.join(tmp, "model"))
 
-    return _build_once(path, build)
+    return build_once(path, build)

@@ -22,7 +22,7 @@ from lib.engine import (SamplingConfig, Turn, build_output, call_seed, continue_
 from lib.lora import base_name, check_engine_load, inject, is_adapter_param, peft_name
 from lib.models import padded_attention, persistent_buffers, retie, tied_aliases
 from lib.protocol import DataProto
-from lib.vision import attn_implementations, concat_features
+from lib.vision import attn_implementations, ban, concat_features, placeholder_ids
 
 
 def _no_init():
@@ -99,6 +99,7 @@ class HFEngine:
                 if is_adapter_param(name):  # the adapter in fp32 whatever the base's dtype (PEFT casts x to it)
                     param.data = param.data.float()
         self.model.eval().requires_grad_(False)
+        self.banned = placeholder_ids(config) if vision else []  # never sampled (lib.vision.placeholder_ids)
         # tied embeddings: lm_head.weight is embed_tokens.weight. Moving to and from meta unties them; they are
         # tied again at every wake, and a sync writes the one tensor under its listed name
         self.aliases = tied_aliases(self.model)
@@ -303,7 +304,8 @@ class HFEngine:
             rope = None if rope is None else rope.repeat_interleave(sp.n, 0)
             images = None if images is None else [row for row in images for _ in range(sp.n)]
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=with_rope(pos, rope), past_key_values=cache,
-                            use_cache=True, logits_to_keep=1, **concat_features(images, self.device)).logits[:, -1].float()
+                            use_cache=True, logits_to_keep=1, **concat_features(images, self.device)).logits[:, -1]
+        logits = ban(logits, self.banned).float()
         if copy:  # one prefill per prompt, its cache copied to the n samples
             cache.batch_repeat_interleave(sp.n)
             logits, mask, pos = (x.repeat_interleave(sp.n, 0) for x in (logits, mask, pos))
@@ -319,7 +321,8 @@ class HFEngine:
                 step_rope = None if rope is None else continue_rope(rope, 1, step - 1)
                 logits = self.model(input_ids=token[:, None], attention_mask=full_mask,
                                     position_ids=with_rope(step_pos, step_rope), past_key_values=cache, use_cache=True,
-                                    logits_to_keep=1).logits[:, -1].float()
+                                    logits_to_keep=1).logits[:, -1]
+                logits = ban(logits, self.banned).float()
             if sp.temperature > 0:
                 scaled = filter_logits(logits / sp.temperature, sp.top_k, sp.top_p)
                 token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen).squeeze(-1)

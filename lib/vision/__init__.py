@@ -7,6 +7,7 @@ rope positions (lib/vision/rope.py) and the token its processor expands per imag
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,34 @@ def problem(config: Any) -> str:
         return (f"vision-language training supports {sorted(FAMILIES)}; this model is a "
                 f"{getattr(config, 'model_type', '?')}")
     return ""
+
+
+VISION_MODULES = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector)\.")
+
+
+def is_vision_param(name: str) -> bool:
+    """A parameter of the vision tower or its merger / projector (Qwen-VL: ``model.visual.*``)."""
+    return VISION_MODULES.search(name) is not None
+
+
+BANNED_LOGIT = -1e9
+"""The logit a placeholder token gets: its probability is 0 in fp32 and bf16, and at any temperature the scaled value
+stays finite (so the entropy's p * log p is 0, not nan)."""
+
+
+def placeholder_ids(config: Any) -> list[int]:
+    """The ids that stand for image (and video) features. A response must never hold one: the model's forward
+    would take it for an image slot. The engines never sample them and the trainer's log-probs are of the same
+    distribution (their logits set to BANNED_LOGIT on both sides)."""
+    return sorted({int(i) for key in ("image_token_id", "video_token_id")
+                   if (i := getattr(config, key, None)) is not None})
+
+
+def ban(logits: torch.Tensor, ids: list[int] | None) -> torch.Tensor:
+    """``logits`` (..., V) with the columns ``ids`` set to BANNED_LOGIT (a new tensor; the input unchanged)."""
+    if not ids:
+        return logits
+    return logits.index_fill(-1, torch.tensor(ids, device=logits.device), BANNED_LOGIT)
 
 
 def merge_size(config: Any) -> int:
