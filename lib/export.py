@@ -31,6 +31,7 @@ from lib.config import LoraConfig
 from lib.dist import Topology
 from lib.fsdp import full_state_dict_on_rank0
 from lib.runfolder import latest_step, step_dir
+from lib.vision import is_vision_param
 
 KIND = {"actor": "causal_lm", "critic": "critic"}
 
@@ -133,12 +134,23 @@ def copy_processor_files(model_path: str, out_dir: str) -> None:
             shutil.copy(os.path.join(model_path, file), os.path.join(out_dir, file))
 
 
+def checkpoint_kind(ckpt_dir: str, part: str) -> str:
+    """The model kind a checkpoint's part was trained as: a vision-language policy trained with its images holds
+    its vision tower (lib.models.KINDS)."""
+    prefix = f"{part}.model."
+    names = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    if any(name.startswith(prefix) and is_vision_param(name[len(prefix):]) for name in names):
+        return "vision_lm"
+    return KIND[part]
+
+
 def load_checkpoint(ckpt_dir: str, part: str, model_path: str, trust_remote_code: bool = False,
                     lora_config: Any = None) -> dict[str, Any]:
     """One part's full weights from a DCP checkpoint, read in this process (no process group). ``lora_config`` (a
     PEFT LoraConfig): the checkpoint holds an adapter; its tensors are returned under PEFT's names."""
     config = models.load_config(model_path, trust_remote_code)
-    model = models.build_empty(config, KIND[part], models.padded_attention(config), trust_remote_code)
+    model = models.build_empty(config, checkpoint_kind(ckpt_dir, part), models.padded_attention(config),
+                               trust_remote_code)
     options = None
     if lora_config is not None:
         lora.inject(model, lora_config)
@@ -220,7 +232,8 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--merge: the run at {run} trained no LoRA adapter (actor.lora is off); leave --merge out")
         else:
             state = load_checkpoint(ckpt, args.part, model_cfg["path"], trust)
-            write_hf(state, model_cfg["path"], args.out_dir, KIND[args.part], trust, args.max_shard_size)
+            write_hf(state, model_cfg["path"], args.out_dir, checkpoint_kind(ckpt, args.part), trust,
+                     args.max_shard_size)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {type(e).__name__ + ': ' if isinstance(e, KeyError) else ''}{e}", file=sys.stderr)
         return 2

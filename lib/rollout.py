@@ -15,6 +15,7 @@ from lib.lora import adapters_off
 from lib.protocol import DataProto
 from lib.startup import Run, engine_dtype
 from lib.sync import enter_rollout, exit_rollout
+from lib.vision import batch_metrics
 
 
 def next_batch(run: Run) -> DataProto:
@@ -46,6 +47,9 @@ def generate(run: Run, prompts: DataProto, validate: bool = False) -> tuple[Data
     if cfg.actor.fsdp.optimizer_offload:
         move_optimizer(run.actor.optimizer, run.topo.device)
     metrics["perf/rollout_tokens_per_s"] = out.meta_info.get("tokens_per_s", 0.0)
+    if run.vision and not validate:
+        metrics.update(batch_metrics(out.non_tensor_batch["multi_modal"], out.batch["input_ids"],
+                                     run.train.vision.image_token_id))
     return out, metrics
 
 

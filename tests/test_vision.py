@@ -2,25 +2,32 @@
 
 import io
 import json
+import os
+import subprocess
+import sys
 
 import datasets
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from lib import attention, mixers
 from lib.data import collate, load_prompts
 from lib.engine import SamplingConfig
 from lib.engine.hf import HFEngine
+from lib.export import load_checkpoint
 from lib.forward import response_log_probs
 from lib.models import load_config, load_tokenizer, persistent_buffers, stop_token_ids
 from lib.protocol import DataProto
+from lib.testing import run_distributed
 from lib.vision import attn_implementations, rope
+from lib.vision import toy as vision_toy
 from lib.vision.processor import VisionProcessor, with_image_parts
 from tests import zoo
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [name for name in zoo.VISION if hasattr(__import__("transformers"), zoo.VISION[name][0])]
 
 
@@ -226,3 +233,88 @@ def test_engine_log_probs_equal_the_trainers_on_image_prompts(name, vision_root,
     mask = rollout.batch["response_mask"].bool()
     diff = (trainer - rollout.batch["rollout_log_probs"])[mask].abs().max().item()
     assert diff < 1e-5, (name, diff)
+
+
+# ---- training: sharded, on one and two ranks; end to end
+
+
+def _update_body(path: str, rows: int):
+    from lib.actor import Trainee, update_policy
+    from lib.config import ActorConfig, BatchingConfig, FSDPConfig, ModelConfig, OptimConfig
+    from lib.dist import init_topology
+    from lib.fsdp import build_sharded_model, iter_full_params
+    from lib.optim import build_optimizer
+
+    topo = init_topology(device="cpu")
+    cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0),
+                      fsdp=FSDPConfig(shard_size=0), batching=BatchingConfig(micro_batch_size_per_rank=2))
+    data, _ = micro_batch(path, ROWS[:2] * (rows // 2))
+    mask = data.batch["response_mask"].float()
+    data.batch["advantages"] = torch.linspace(-1, 1, rows)[:, None] * mask
+    per_rank = rows // topo.world_size
+    local = data[topo.rank * per_rank:(topo.rank + 1) * per_rank]
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo, kind="vision_lm")
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    metrics = update_policy(Trainee(model, optimizer, scheduler, topo), local, cfg)
+    weights = {n: t.clone() for n, t in iter_full_params(model)}
+    return {"metrics": metrics, "weights": weights if topo.is_main else None}
+
+
+def test_an_update_on_image_rows_is_the_same_on_one_and_two_ranks(vision_root):
+    """FSDP over decoder layers and vision blocks: the vision tower's gradients reduce like the rest."""
+    path = zoo.build_vision("qwen2_vl", vision_root)
+    (one,) = run_distributed(_update_body, path, 8, world_size=1)
+    two, _ = run_distributed(_update_body, path, 8, world_size=2)
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), key  # as for text
+    assert any("visual" in name for name in one["weights"])
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], tensor, rtol=1e-5, atol=2e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def visual_root(tmp_path_factory):
+    """An output root holding the visual task's assets, built once (runs of the preset find them there)."""
+    root = tmp_path_factory.mktemp("visual")
+    vision_toy.prepare(str(root / "toy_vision_assets"))
+    return root
+
+
+def run_preset(root, name: str, *flags: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(nproc), os.path.join(ROOT, "train_grpo.py"), "--config", "configs/tiny_cpu_grpo_vision.yaml",
+           "--trainer.output_root", str(root), "--trainer.run_name", name, *flags]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+
+
+def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(visual_root):
+    """Two steps of the preset on 2 ranks: every step's engine and trainer log-probs agree at the fp32 level, and
+    the export (weights, tokenizer, image processor) reloads through transformers' classes to the trained logits on
+    an image prompt."""
+    out = run_preset(visual_root, "e2e", "--trainer.total_steps", "2", "--trainer.val_every", "0")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    run = visual_root / "e2e"
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
+    assert all(r["vision/images_per_sample"] == 1.0 and r["vision/image_tokens_mean"] == 4.0 for r in rows)
+    model_path = str(visual_root / "toy_vision_assets" / "model")
+    exported = AutoModelForImageTextToText.from_pretrained(run / "hf_final", dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(run / "hf_final")
+    tok = AutoTokenizer.from_pretrained(run / "hf_final")
+    state = load_checkpoint(str(run / "checkpoints" / "step_2"), "actor", model_path)
+    trained = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32).eval()
+    trained.load_state_dict(state, strict=False)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+                                   tokenize=False)
+    features = processor(images=[square((56, 56), (255, 0, 0))], return_tensors="pt")
+    per_image = int(features["image_grid_thw"].prod() // 4)
+    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * per_image), return_tensors="pt",
+              add_special_tokens=False)["input_ids"]
+    kw = dict(input_ids=ids, mm_token_type_ids=(ids == exported.config.image_token_id).int(), **features)
+    with torch.no_grad():
+        diff = (exported(**kw).logits - trained(**kw).logits).abs().max().item()
+        moved = (exported(**kw).logits - AutoModelForImageTextToText.from_pretrained(
+            model_path, dtype=torch.float32).eval()(**kw).logits).abs().max().item()
+    assert diff < 1e-5 and moved > 1e-4, (diff, moved)

@@ -88,6 +88,14 @@ def attn_implementations(config: Any, text: str, vision: str = "sdpa") -> dict[s
     return {"": text, **names}
 
 
+def batch_metrics(images: Any, input_ids: torch.Tensor, image_token_id: int) -> dict[str, float]:
+    """Images per sample and image tokens per sample of a rollout batch (``images``: per row, its features or None)."""
+    counts = [len(f["image_grid_thw"]) if f else 0 for f in images]
+    tokens = (input_ids == image_token_id).sum(1).float()
+    return {"vision/images_per_sample": sum(counts) / max(len(counts), 1),
+            "vision/image_tokens_mean": float(tokens.mean()) if tokens.numel() else 0.0}
+
+
 def concat_features(rows: Any, device: Any = None) -> dict:
     """The image features of several rows (each a dict of ``pixel_values`` and ``image_grid_thw``, or None), in row
     order, as one model call takes them; empty when no row has images."""

@@ -37,8 +37,8 @@ SIZE, PATCH, MERGE = 56, 14, 2
 
 
 def image(colour: str, rng: random.Random) -> Image.Image:
-    """A black image with one square of ``colour``, its side 12 to 28 pixels, anywhere inside."""
-    side = rng.randint(12, 28)
+    """A black image with one square of ``colour``, its side 24 to 40 pixels, anywhere inside."""
+    side = rng.randint(24, 40)
     x, y = rng.randint(0, SIZE - side), rng.randint(0, SIZE - side)
     img = Image.new("RGB", (SIZE, SIZE))
     img.paste(COLOURS[colour], (x, y, x + side, y + side))
