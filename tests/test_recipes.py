@@ -100,12 +100,17 @@ def _preset_args(name):
     n = preset.get("rollout", {}).get("n", 8)
     prompts = 16
     mini = prompts * n // 2  # two optimizer steps per RL step
-    args = ["--config", name, "--actor.model.path", "toy", "--data.train_files", "toy", "--data.val_files", "toy",
-            "--data.max_prompt_length", "10", "--rollout.max_response_length", "10", "--rollout.engine", "hf",
+    # a vision-language preset shrinks to the visual task (lib/vision/toy.py), the others to the digit task
+    toy, width = ("toy_vision", "16") if preset.get("actor", {}).get("model", {}).get("max_pixels") \
+        or "vision" in name else ("toy", "10")
+    args = ["--config", name, "--actor.model.path", toy, "--data.train_files", toy, "--data.val_files", toy,
+            "--data.max_prompt_length", width, "--rollout.max_response_length", "10", "--rollout.engine", "hf",
             "--trainer.train_batch_size", str(prompts), "--actor.mini_batch_size", str(mini),
             "--critic.mini_batch_size", str(mini), "--actor.batching.max_tokens_per_rank", "64",
             "--critic.batching.max_tokens_per_rank", "64", "--trainer.logger", "console", "jsonl",
             "--actor.optim.lr", "1e-4", *STEPS]
+    if toy == "toy_vision":  # the toy's own 56 x 56 images (the preset's pixel bounds are a real model's)
+        args += ["--actor.model.min_pixels", "0", "--actor.model.max_pixels", "0"]
     if preset.get("trainer", {}).get("sp_size", 1) > 1:
         args += ["--trainer.sp_size", "2"]
     if preset.get("algorithm", {}).get("overlong_buffer"):

@@ -28,6 +28,7 @@ RULES: dict[str, ScoreFn] = {
     "openai/gsm8k": builtin.gsm8k, "gsm8k": builtin.gsm8k,
     "lighteval/MATH": builtin.math_answer, "DigitalLearningGmbH/MATH-lighteval": builtin.math_answer,
     "math": builtin.math_answer, "HuggingFaceH4/MATH-500": builtin.math_answer,
+    "hiyouga/geometry3k": builtin.math_answer,
     "toy": builtin.toy,
 }
 
