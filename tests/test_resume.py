@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from tests.conftest import link_toy_vision
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cosine schedule with warm-up, dynamic sampling, several mini-batches: every piece of resumable state matters
 ARGS = ("--trainer.val_every", "3", "--trainer.save_every", "2", "--actor.optim.warmup_steps", "2",
@@ -86,10 +88,16 @@ LORA = ("--actor.lora.rank", "8", "--actor.lora.alpha", "16", "--actor.optim.lr"
 TOOLS = ("--config", "tiny_cpu_grpo_tools", "--rollout.n", "4")
 
 
+# image prompts (the visual task): the policy's vision tower and the rows' images through checkpoint and resume
+VISION = ("--config", "tiny_cpu_grpo_vision", "--rollout.n", "4")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), LORA, TOOLS], ids=["full", "lora", "tools"])
-def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
+@pytest.mark.parametrize("extra", [(), LORA, TOOLS, VISION], ids=["full", "lora", "tools", "vision"])
+def test_killed_rank_resumes_to_the_bit(tmp_path, extra, request):
     args = (*ARGS, *extra)
+    if extra is VISION:
+        link_toy_vision(request.getfixturevalue("toy_vision_assets"), tmp_path)
     reference = subprocess.run(command(tmp_path, "--trainer.total_steps", "6", *args, name="whole"), cwd=ROOT,
                                env=env(), capture_output=True, text=True, timeout=900)
     assert reference.returncode == 0, reference.stderr[-4000:]
@@ -116,6 +124,8 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
         assert any(r.get("actor/kl_loss", 0) > 0 for r in got)
     if extra is TOOLS:
         assert all(r["multi_turn/tool_calls_mean"] > 0.5 for r in got if "multi_turn/tool_calls_mean" in r)
+    if extra is VISION:
+        assert all(r["vision/images_per_sample"] == 1.0 for r in got if "vision/images_per_sample" in r)
     assert [r["step"] for r in got] == [r["step"] for r in want]  # no step twice, none missing
     for a, b in zip(got, want):
         assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}

@@ -23,9 +23,9 @@ from lib.models import load_config, load_tokenizer, persistent_buffers, stop_tok
 from lib.protocol import DataProto
 from lib.testing import run_distributed
 from lib.vision import attn_implementations, rope
-from lib.vision import toy as vision_toy
 from lib.vision.processor import VisionProcessor, with_image_parts
 from tests import zoo
+from tests.conftest import link_toy_vision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [name for name in zoo.VISION if hasattr(__import__("transformers"), zoo.VISION[name][0])]
@@ -273,10 +273,10 @@ def test_an_update_on_image_rows_is_the_same_on_one_and_two_ranks(vision_root):
 
 
 @pytest.fixture(scope="module")
-def visual_root(tmp_path_factory):
-    """An output root holding the visual task's assets, built once (runs of the preset find them there)."""
+def visual_root(tmp_path_factory, toy_vision_assets):
+    """An output root where runs of the preset find the session's visual task."""
     root = tmp_path_factory.mktemp("visual")
-    vision_toy.prepare(str(root / "toy_vision_assets"))
+    link_toy_vision(toy_vision_assets, root)
     return root
 
 
