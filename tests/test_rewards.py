@@ -157,3 +157,18 @@ def test_workers_outlive_stop_signals_and_lost_workers_are_replaced(faulty):
         assert lost not in pool.workers
     finally:
         pool.close()
+
+
+def test_a_workers_start_up_is_no_samples_time(tmp_path):
+    """A scorer whose import takes longer than the time limit (a slow start on a loaded machine, a heavy module):
+    the limit counts from the worker's ready report, so its first samples score. Before the fix the clock started
+    at the spawn and the first sample of every fresh worker timed out."""
+    path = tmp_path / "slow_import.py"
+    path.write_text("import time\ntime.sleep(2.5)\n\ndef score(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    return 1.0\n")
+    pool = RewardPool(f"{path}:score", timeout_s=1.0, num_workers=2)
+    try:
+        results = pool.score([("x", str(i), "gt", None) for i in range(4)])
+        assert [(r[0], r[3]) for r in results] == [(1.0, "")] * 4, results
+    finally:
+        pool.close()

@@ -21,8 +21,6 @@ import inspect
 import json
 from typing import Any, Callable
 
-from transformers.utils import get_json_schema
-
 from lib.rewards import load_object
 
 KINDS = ("errors", "invalid", "timeouts", "crashes")
@@ -72,6 +70,9 @@ def is_environment(spec: str) -> bool:
 
 def schemas(tools: dict[str, Callable], spec: str = "") -> dict[str, dict]:
     """OpenAI function schemas of the tools, by name, from their signatures and docstrings."""
+    # deferred: transformers is heavy, and every reward and tool worker process imports this module at its start
+    from transformers.utils import get_json_schema
+
     out = {}
     for name, fn in tools.items():
         try:

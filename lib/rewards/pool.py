@@ -1,7 +1,9 @@
 """A pool of reward worker processes with a per-sample time limit.
 
 Samples go out in chunks; each worker reports every sample as it finishes it, so the pool knows which sample a
-worker is on. A worker that runs past ``timeout_s`` on one sample (Python or C code alike) is killed, the sample
+worker is on. A worker's clock starts when it reports itself ready (started, scorer or tools loaded): a fresh
+worker's start-up, slow on a loaded machine, is no sample's time. A worker that runs past ``timeout_s`` on one
+sample (Python or C code alike) is killed, the sample
 counts as a timeout, the rest of its chunk goes back to the queue and a fresh worker takes its place. A worker that
 dies (``os._exit``, a segfault) costs its current sample the same way ("crashes"); one found dead when a chunk
 is sent to it is replaced and the chunk goes to the queue again. Workers ignore the stop signals (SIGTERM, SIGUSR1,
@@ -38,7 +40,8 @@ class _Worker:
         self.inbox = Connection(parent_read, writable=False)
         self.outbox = Connection(parent_write, readable=False)
         self.chunk: deque = deque()  # indices sent and not yet reported, in order
-        self.since = 0.0  # when the current sample started (the last report, or the send)
+        self.since = 0.0  # when the current sample started (the last report, the send, or the ready report)
+        self.ready = False  # the worker said it has started (its first message)
 
     def send(self, items: list) -> None:
         self.chunk.extend(item[0] for item in items)
@@ -104,11 +107,16 @@ class RewardPool:
             if not busy:
                 continue
             now = time.monotonic()
-            deadline = min(w.since for w in busy.values()) + self.timeout_s
-            for conn in wait(list(busy), timeout=max(0.0, deadline - now)):
+            started = [w.since for w in busy.values() if w.ready]
+            timeout = max(0.0, min(started) + self.timeout_s - now) if started else None
+            for conn in wait(list(busy), timeout=timeout):
                 worker = busy[conn]
                 try:
-                    index, *result = conn.recv()
+                    message = conn.recv()
+                    if message is None:  # ready: its current sample's clock starts now
+                        worker.ready, worker.since = True, time.monotonic()
+                        continue
+                    index, *result = message
                 except (EOFError, OSError):  # the worker died on its current sample
                     try:
                         code = worker.proc.wait(timeout=5)
@@ -124,7 +132,7 @@ class RewardPool:
                     del busy[conn]
                     idle.append(worker)
             now = time.monotonic()
-            for worker in [w for w in busy.values() if now - w.since > self.timeout_s]:
+            for worker in [w for w in busy.values() if w.ready and now - w.since > self.timeout_s]:
                 self._replace(worker, busy, idle, queues, results, items, "timeouts",
                               f"the {self.what} ran past {self.limit}={self.timeout_s:g} s")
         return results  # type: ignore[return-value]

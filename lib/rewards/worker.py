@@ -3,7 +3,9 @@
 
 Receives chunks of samples ``[(index, data_source, text, ground_truth, extra_info, columns), ...]`` and sends one result
 per sample, ``(index, score, extras, answer, kind, message)``, as soon as it is scored, so the pool can tell
-which sample a worker is on when it runs past the time limit. Exits when the pool closes its end.
+which sample a worker is on when it runs past the time limit. Before its first chunk it sends ``None``, once: it
+has started and loaded the scorer (or the tools), so the pool starts the time limit of its samples from then, not
+from its spawn (Python's start-up and a slow import are no sample's time). Exits when the pool closes its end.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def main(argv: list[str]) -> None:
     else:
         custom = load_custom(argv[2]) if len(argv) > 2 and argv[2] else None
         handle = lambda *sample: score_one(custom, *sample)  # noqa: E731
+    outbox.send(None)  # ready
     while True:
         try:
             chunk = inbox.recv()
