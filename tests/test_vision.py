@@ -320,9 +320,10 @@ def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(visual_r
     assert diff < 1e-5 and moved > 1e-4, (diff, moved)
 
 
-# Held-out greedy reward of the visual preset (2 ranks, 100 steps), step 0 -> 100. Measured on a 2-core machine
-# (seeds x threads per rank): see VISION_MIN_GAIN's line. The threshold sits at half the worst gain measured.
-VISION_MIN_GAIN = None
+# Held-out greedy reward of the visual preset (2 ranks, 100 steps), step 0 -> 100; an unchanged policy scores exactly
+# the start value, 0.438 (validation is greedy). Measured on a 2-core machine: seeds 1-4 with 1 thread per rank
+# +0.51, +0.27, +0.43, +0.45; seed 1 with 2 threads per rank +0.51. The threshold sits at half the worst gain.
+VISION_MIN_GAIN = 0.13
 
 
 @pytest.mark.slow
