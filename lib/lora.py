@@ -129,7 +129,7 @@ def problems(cfg: Any, model_config: Any, engine: str) -> list[str]:
         try:
             names = target_names(model_config, pc)
         except ValueError as e:
-            out.append(str(e))
+            out.append(str(e) if str(e).startswith("actor.lora") else f"actor.lora: {e}")
         else:
             bad = [n for n in names if not _is_decoder_linear(n)]
             if bad:

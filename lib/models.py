@@ -20,7 +20,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTex
                           AutoModelForTokenClassification, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast)
 
 from lib import attention, mixers
-from lib.vision import attn_implementations
+from lib.vision import attn_implementations, has_vision
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +160,16 @@ def build_empty(config: Any, kind: str, attn_impl: str, trust_remote_code: bool 
     """The model on the meta device (no memory), ready for fully_shard + to_empty + broadcast."""
     cls = _auto_class(kind)
     attn_impl = _attn(config, kind, attn_impl)
-    with torch.device("meta"):
-        model = cls.from_config(_model_config(config, kind), attn_implementation=attn_impl, trust_remote_code=trust_remote_code,
-                                dtype=torch.float32)
+    try:
+        with torch.device("meta"):
+            model = cls.from_config(_model_config(config, kind), attn_implementation=attn_impl,
+                                    trust_remote_code=trust_remote_code, dtype=torch.float32)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        hint = (": a vision-language model whose language model has no class of its own trains with image prompts "
+                "(an images column in the data; lib/vision)") if has_vision(config) else ""
+        raise ValueError(f"transformers builds no {cls.__name__} for a {config.model_type} model{hint}") from None
     mixers.bound(model)  # linear attention, convolutions, Mamba: packed rows keep to their sequences there too
     return model
 

@@ -231,6 +231,12 @@ def check_vision_modes(cfg: Config, train: PromptSet, val: PromptSet | None, nee
     """What image training does not do yet is refused here, naming the setting, never run as something else."""
     if need_critic:
         raise ValueError("PPO's critic with image prompts is not built yet; train with train_grpo.py (no critic)")
+    if cfg.actor.batching.use_remove_padding and cfg.actor.model.attn_implementation != "auto":
+        # transformers' own kernels on a packed row with the 3-D rope rows beside the text row attend across the
+        # packed sequences (measured on Qwen2-VL: log-probs 0.63 off); lib/attention.py's packed kernel keeps them apart
+        raise ValueError(f"actor.model.attn_implementation={cfg.actor.model.attn_implementation} with packed image "
+                         f"prompts would attend across the packed sequences; set it to auto (the packed attention) or "
+                         f"turn packing off (--actor.batching.no-use-remove-padding)")
     if cfg.trainer.sp_size > 1:
         raise ValueError("trainer.sp_size > 1 with image prompts is not built yet (Ulysses must slice after the "
                          "image features are merged); set --trainer.sp_size 1")

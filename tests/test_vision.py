@@ -337,3 +337,27 @@ def test_the_visual_task_is_learned(visual_root):
     assert curve[0][0] == 0 and curve[-1][0] == 100, curve
     assert curve[-1][1] > curve[0][1] + VISION_MIN_GAIN, curve
     assert max(r["rollout/logp_abs_diff"] for r in rows if "rollout/logp_abs_diff" in r) < 1e-4
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"attn": "sdpa"}, "attend across the packed sequences"),
+    ({"sp": 2}, "sp_size > 1 with image prompts"),
+    ({"engine": "vllm"}, "vLLM engine"),
+    ({"lora": 8}, "actor.lora: transformers builds no AutoModelForCausalLM for a qwen2_vl model"),
+])
+def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, message, vision_root, tmp_path):
+    from lib.config import Config
+    from lib.startup import check_inputs
+
+    model = zoo.build_vision("qwen2_vl", vision_root)
+    data = write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet"))
+    cfg = Config()
+    cfg.actor.model.path, cfg.data.train_files, cfg.data.val_files = model, [data], [data]
+    cfg.data.max_prompt_length, cfg.rollout.n, cfg.trainer.train_batch_size = 256, 2, 2
+    cfg.reward.custom_fn = os.path.join(ROOT, "tests", "zoo.py") + ":reward"
+    cfg.actor.model.attn_implementation = flags.get("attn", "auto")
+    cfg.trainer.sp_size = flags.get("sp", 1)
+    cfg.rollout.engine = flags.get("engine", "hf")
+    cfg.actor.lora.rank = flags.get("lora", 0)
+    with pytest.raises(ValueError, match=message):
+        check_inputs(cfg, 2, False, str(tmp_path / "run"))
