@@ -18,11 +18,11 @@ from lib.data import collate, load_prompts
 from lib.engine import SamplingConfig
 from lib.engine.hf import HFEngine
 from lib.export import load_checkpoint
-from lib.forward import response_log_probs
+from lib.forward import BANNED_ATTR, response_log_probs
 from lib.models import load_config, load_tokenizer, persistent_buffers, stop_token_ids
 from lib.protocol import DataProto
 from lib.testing import run_distributed
-from lib.vision import attn_implementations, rope
+from lib.vision import attn_implementations, placeholder_ids, rope
 from lib.vision.processor import VisionProcessor, with_image_parts
 from tests import zoo
 from tests.conftest import link_toy_vision
@@ -228,6 +228,9 @@ def test_engine_log_probs_equal_the_trainers_on_image_prompts(name, vision_root,
     packed_model = AutoModelForImageTextToText.from_pretrained(
         model, dtype=torch.float32, attn_implementation=attn_implementations(config, attention.register())).eval()
     mixers.bound(packed_model)
+    # as lib.fsdp.build_sharded_model marks a vision_lm: the placeholders the engine never samples have no
+    # probability in the trainer's distribution either
+    setattr(packed_model, BANNED_ATTR, placeholder_ids(config))
     with torch.no_grad():
         trainer, _ = response_log_probs(packed_model, rollout, packed=True)
     mask = rollout.batch["response_mask"].bool()
