@@ -17,6 +17,7 @@ from lib.engine import SamplingConfig, Turn
 from lib.multi_turn.loop import MultiTurn
 from lib.multi_turn.parsers import parse_hermes, parse_llama3_json
 from lib.multi_turn.render import ObservationRenderer, tool_message
+from tests.conftest import shared_assets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(HERE, "data", "mt_tools.py") + ":TOOLS"
@@ -399,8 +400,9 @@ def test_turn_by_turn_rendering_equals_the_whole_conversation(name, qwen_bpe):
 
 
 @pytest.fixture(scope="module")
-def tool_assets(tmp_path_factory):
-    return toy.prepare_tool(str(tmp_path_factory.mktemp("toy_tool") / "assets"))
+def tool_assets(shared_assets_dir):
+    """The session's build of the tool task (tests/conftest.py), its paths."""
+    return toy.prepare_tool(str(shared_assets(shared_assets_dir, "toy_tool_assets")))
 
 
 @pytest.mark.parametrize("script,extra", [
