@@ -18,12 +18,30 @@ ARGS = ("--trainer.total_steps", "5", "--trainer.save_every", "2", "--trainer.va
         "--actor.mini_batch_size", "128")
 
 
-def sessions(run):
-    """(run id, config, {step: metrics}) per wandb session file in the run folder, oldest first."""
+def finished(path):
+    """Whether wandb has written a session's exit record (its service may write after ``finish()`` returns)."""
     from wandb.proto import wandb_internal_pb2
 
+    for payload in wandb_log_records(path):
+        r = wandb_internal_pb2.Record()
+        r.ParseFromString(payload)
+        if r.WhichOneof("record_type") == "exit":
+            return True
+    return False
+
+
+def sessions(run, closed=False, limit=120):
+    """(run id, config, {step: metrics}) per wandb session file in the run folder, oldest first. ``closed``: every
+    session was closed by ``finish()``; wait until wandb has written each one's exit record (a state, not a time)."""
+    from wandb.proto import wandb_internal_pb2
+
+    paths = sorted(glob.glob(os.path.join(run, "wandb", "offline-run-*", "run-*.wandb")))
+    t0 = time.monotonic()
+    while closed and not all(map(finished, paths)):
+        assert time.monotonic() - t0 < limit, f"wandb never finished writing {paths}"
+        time.sleep(0.1)
     out = []
-    for path in sorted(glob.glob(os.path.join(run, "wandb", "offline-run-*", "run-*.wandb"))):
+    for path in paths:
         run_id, config, history = None, {}, {}
         for payload in wandb_log_records(path):
             r = wandb_internal_pb2.Record()
@@ -100,11 +118,11 @@ def test_steps_wandb_already_holds_are_not_sent_again(tmp_path, monkeypatch):
     for step in (5,):
         log.log(step, {"x": float(step)})
     log.close()
-    first, second = (h for _, _, h in sessions(run))
+    first, second = (h for _, _, h in sessions(run, closed=True))
     assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5] and second[4]["x"] == 4.0
     time.sleep(1.1)
     log = RunLogger(run, {"a": 1}, 5, ["jsonl", "wandb"], "p", True, start_step=3)  # resumed from checkpoint 3
     log.log(4, {"x": 4.0})
     log.log(5, {"x": 5.0})
     log.close()
-    assert sorted(sessions(run)[2][2]) == []  # wandb holds 1-5 already
+    assert sorted(sessions(run, closed=True)[2][2]) == []  # wandb holds 1-5 already
