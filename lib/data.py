@@ -177,6 +177,13 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    @property
+    def max_images(self) -> int:
+        """The most images one prompt holds (its placeholders; 0 without a vision-language model)."""
+        if self.vision is None:
+            return 0
+        return max((ids.count(self.vision.image_token_id) for ids in self.prompt_ids), default=0)
+
 
 def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, truncation: str = "filter",
                  apply_chat_template: bool = True, limit: int = 0, known_sources: set[str] | None = None,
@@ -254,10 +261,9 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
     if not ids:
         raise ValueError(f"no usable prompt in {files} (max_prompt_length={max_prompt_length}, "
                          f"{stats['bad_rows']} bad rows{': ' + first_bad if first_bad else ''})")
-    obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731 - keeps dicts/lists as objects
-    images = obj(image_refs) if any(r is not None for r in image_refs) else None
-    return PromptSet(ids, texts, obj(sources), obj(truths), obj(extras), stats, obj(others), obj(messages), images,
-                     columns, vision if images is not None else None)
+    images = _objects(image_refs) if any(r is not None for r in image_refs) else None
+    return PromptSet(ids, texts, _objects(sources), _objects(truths), _objects(extras), stats, _objects(others),
+                     _objects(messages), images, columns, vision if images is not None else None)
 
 
 def _with_images(row: dict, entries: list, base_dir: str, vision: VisionProcessor) -> tuple[dict, int, str]:
@@ -318,13 +324,15 @@ def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> Da
     """Left-pad the rows' prompts to ``width`` (fixed, so every rank's prompts line up). With a vision-language
     model the rows' images are decoded and processed here: ``multi_modal`` (per row, its ``pixel_values`` and
     ``image_grid_thw``, or None), the prompt ids with each image's placeholder expanded, ``rope_position_ids``
-    (B, 3, width; 0 on padding) and ``engine_prompt_ids`` (one placeholder per image, for vLLM)."""
+    (B, 3, width; 0 on padding), and for vLLM (which processes the images itself) ``engine_prompt_ids`` (one
+    placeholder per image) and ``images`` (the decoded images; the engines drop the column from their output)."""
     token_lists = [prompts.prompt_ids[r] for r in rows]
     extra: dict[str, np.ndarray] = {}
     rope_rows = None
     if prompts.vision is not None:
         vision = prompts.vision
-        features = [vision.images(images) if (images := prompts.row_images(r)) else None for r in rows]
+        decoded = [prompts.row_images(r) for r in rows]
+        features = [vision.images(images) if images else None for images in decoded]
         engine_ids = token_lists
         token_lists = [vision.expand(ids, f["image_grid_thw"]) if f else ids for ids, f in zip(engine_ids, features)]
         rope_rows = torch.zeros(len(rows), 3, width, dtype=torch.long)
@@ -332,7 +340,8 @@ def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> Da
             grid = f["image_grid_thw"] if f else torch.zeros(0, 3, dtype=torch.long)
             rope_rows[b, :, width - len(ids):] = rope.prompt_positions(torch.tensor(ids), vision.image_token_id,
                                                                        grid, vision.merge)
-        extra = {"multi_modal": _objects(features), "engine_prompt_ids": _objects(engine_ids)}
+        extra = {"multi_modal": _objects(features), "engine_prompt_ids": _objects(engine_ids),
+                 "images": _objects(decoded)}
     input_ids, mask, position_ids = left_pad(token_lists, width, pad_id)
     batch = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
     if rope_rows is not None:
@@ -340,15 +349,14 @@ def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> Da
     return DataProto.from_dict(batch,
                                {"data_source": prompts.data_source[rows], "ground_truth": prompts.ground_truth[rows],
                                 "extra_info": prompts.extra_info[rows], "columns": prompts.columns[rows],
-                                "raw_prompt": np.array([prompts.texts[r] for r in rows] + [None], dtype=object)[:-1],
+                                "raw_prompt": _objects([prompts.texts[r] for r in rows]),
                                 "messages": prompts.messages[rows],
                                 "row": rows.astype(object), **extra})
 
 
 def _objects(values: list) -> np.ndarray:
-    """A 1-D object array of ``values`` (lists and dicts kept whole)."""
+    """A 1-D object array of ``values`` (lists, tuples and dicts kept whole, never made a second dimension)."""
     out = np.empty(len(values), dtype=object)
-    out[:] = [None] * len(values)
     for i, v in enumerate(values):
         out[i] = v
     return out

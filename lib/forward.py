@@ -28,10 +28,8 @@ from torch import nn
 from lib import attention, ulysses
 from lib.logprobs import log_probs_from_logits
 from lib.protocol import DataProto
-from lib.vision import ban, concat_features
-
-BANNED_ATTR = "banned_token_ids"
-"""A model's attribute listing the token ids it never samples (lib.vision.placeholder_ids), set where it is built."""
+from lib.vision import BANNED_ATTR, ban, concat_features
+from lib.vision.rope import with_text_row
 
 Tensor = torch.Tensor
 
@@ -42,11 +40,7 @@ class Packed:
     position_ids: Tensor  # (1, total)
     keep: Tensor  # (K,) packed positions whose output predicts a response token
     response_valid: Tensor  # (B, R) bool: where the K outputs go back
-    rope: Tensor | None = None  # (3, 1, total): a vision-language model's 3-D rope rows
-
-    def model_positions(self) -> Tensor:
-        """What the model takes: the text row, then the rope rows where the model has them."""
-        return self.position_ids if self.rope is None else torch.cat([self.position_ids[None], self.rope])
+    rope: Tensor | None = None  # (1, 3, total): a vision-language model's 3-D rope rows
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_len: int,
@@ -63,7 +57,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, respon
     flat_pos = (torch.arange(batch, device=input_ids.device)[:, None] * length + cols[None, :])[response_valid]
     rope = None
     if rope_position_ids is not None:
-        rope = rope_position_ids.transpose(0, 1).reshape(3, -1)[:, flat_valid][:, None]
+        rope = rope_position_ids.transpose(0, 1).reshape(3, -1)[:, flat_valid][None]
     return Packed(input_ids.reshape(-1)[flat_valid][None], position_ids.reshape(-1)[flat_valid][None],
                   packed_index[flat_pos] - 1, response_valid, rope)
 
@@ -84,13 +78,6 @@ def vision_inputs(micro: DataProto) -> dict[str, Tensor]:
     return concat_features(micro.non_tensor_batch.get("multi_modal"), micro.batch["input_ids"].device)
 
 
-def padded_positions(batch: dict[str, Tensor]) -> Tensor:
-    """The padded path's position ids: (B, L), or (4, B, L) with a vision-language model's rope rows."""
-    if "rope_position_ids" not in batch:
-        return batch["position_ids"]
-    return torch.cat([batch["position_ids"][None], batch["rope_position_ids"].transpose(0, 1)])
-
-
 def _gather_keeps(local: Tensor, sel: Tensor, num_keep: int, group) -> Tensor:
     """Per-rank outputs at the kept positions that fall in this rank's slice -> all K outputs on every rank.
     The autograd all-reduce sends each rank the gradient of its own positions summed over the group."""
@@ -108,7 +95,7 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
         kw = {"logits_to_keep": p.keep} if lm_head else {}
         if attention.uses_packed_attention(model):  # the sequence bounds travel with the call (see attention.py)
             kw[attention.KWARG] = attention.packing(p.position_ids)
-        out = model(input_ids=p.input_ids, position_ids=p.model_positions(), attention_mask=None, use_cache=False,
+        out = model(input_ids=p.input_ids, position_ids=with_text_row(p.position_ids, p.rope), attention_mask=None, use_cache=False,
                     **kw, **(vision or {}))
         logits = out.logits[0] if lm_head else out.logits[0, p.keep]
         return logits, torch.ones_like(p.keep, dtype=torch.bool)
@@ -144,7 +131,7 @@ def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 
         if with_entropy:
             entropy = torch.zeros_like(logp).masked_scatter(p.response_valid, ent_k)
         return logp, entropy
-    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=padded_positions(b),
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")),
                    use_cache=False, logits_to_keep=response_len + 1, **vision).logits[:, :-1]  # (B, R, V)
     logits = ban(logits, getattr(model, BANNED_ATTR, None))
     logp, entropy = log_probs_from_logits(logits, responses, temperature, with_entropy)

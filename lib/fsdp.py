@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from lib import lora, models, ulysses
 from lib.dist import Topology
 from lib.models import hf_name, persistent_buffers, retie, tied_aliases
-from lib.vision import is_vision_param, placeholder_ids
+from lib.vision import BANNED_ATTR, is_vision_param, placeholder_ids
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -215,11 +215,10 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     if pc is None:
         set_trainable(model, trainable)
         if kind == "vision_lm":
-            model.banned_token_ids = placeholder_ids(config)  # lib.forward.BANNED_ATTR
-        if kind == "vision_lm" and getattr(model_cfg, "freeze_vision_tower", False):
-            for name, param in model.named_parameters():
-                if is_vision_param(name):
-                    param.requires_grad_(False)
+            setattr(model, BANNED_ATTR, placeholder_ids(config))
+            if model_cfg.freeze_vision_tower:
+                for name, param in model.named_parameters():
+                    param.requires_grad_(param.requires_grad and not is_vision_param(name))
         return model
     if trainable:
         dist.broadcast_object_list(digest, src=0)  # world: every rank checks a resume against the same base

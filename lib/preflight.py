@@ -262,11 +262,6 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                         f"rollout.max_response_length={r.max_response_length}")
     if r.engine == "vllm":
         problems += _vllm_problems(model_config)
-    if model_config is not None and model_config.get_text_config() is not model_config and picks_vllm(cfg):
-        # vLLM would load the whole class and drop its vision tower at every level-2 sleep; our sync sends only the
-        # language model (names and the vision tower's keeping not done yet)
-        problems.append(f"{a.model.path} is a whole vision-language checkpoint ({model_config.model_type}) trained "
-                        f"text-only: the vLLM engine does not take it yet; use --rollout.engine hf")
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)
     if "wandb" in t.logger:

@@ -40,8 +40,9 @@ from lib.optim import build_optimizer
 from lib.preflight import Sizes, picks_vllm, resolve, validate
 from lib.rewards import RULES, check_truth_source, load_custom
 from lib.rewards.scorer import RewardModel, Scorer
-from lib.vision import FAMILIES, has_vision
+from lib.vision import FAMILIES, has_vision, placeholder_ids
 from lib.vision import problem as vision_problem
+from lib.vision import vllm_problem as vision_vllm_problem
 from lib.vision import toy as vision_toy
 from lib.vision.processor import VisionProcessor
 from lib.update import Trainee
@@ -207,6 +208,12 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     images = train.images is not None or (val is not None and val.images is not None)
     if images:
         check_vision_modes(cfg, train, val, need_critic)
+    elif has_vision(model_config) and uses_vllm(cfg):
+        # vLLM builds the whole class, vision tower included, and text rows train the language model alone: the
+        # sync would leave the tower unwritten
+        raise ValueError(f"{cfg.actor.model.path} is a whole vision-language checkpoint ({model_config.model_type}) "
+                         f"and the data has no images: its language model trains text-only, which the vLLM engine "
+                         f"does not take; use --rollout.engine hf")
     return Inputs(sizes, start_step, tokenizer, train, val, sampler, images)
 
 
@@ -240,8 +247,8 @@ def check_vision_modes(cfg: Config, train: PromptSet, val: PromptSet | None, nee
     if cfg.trainer.sp_size > 1:
         raise ValueError("trainer.sp_size > 1 with image prompts is not built yet (Ulysses must slice after the "
                          "image features are merged); set --trainer.sp_size 1")
-    if uses_vllm(cfg):
-        raise ValueError("the vLLM engine with image prompts is not built yet; set --rollout.engine hf")
+    if uses_vllm(cfg) and (problem := vision_vllm_problem()):
+        raise ValueError(problem)
     if multi_turn.enabled(cfg):
         raise ValueError("multi-turn rollouts with image prompts are not built yet; drop --multi_turn.tools")
     if lora.enabled(cfg.actor.lora):
@@ -349,12 +356,25 @@ def build_engine(run: Run) -> Any:
                           max_model_len=max_model_len, max_num_seqs=wave, kv_cache_bytes=kv_bytes,
                           gpu_memory_utilization=r.gpu_memory_utilization,
                           dtype=str(engine_dtype(run)).removeprefix("torch."), enforce_eager=r.enforce_eager,
-                          trust_remote_code=cfg.actor.model.trust_remote_code, lora=engine_lora(run))
+                          trust_remote_code=cfg.actor.model.trust_remote_code, lora=engine_lora(run),
+                          **vllm_image_kwargs(run))
 
     return HFEngine(load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code), topo.device,
                     tok.pad_token_id, eos, sampling, val, dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank,
                     attn_implementation=cfg.actor.model.attn_implementation, batch_tokens=r.hf_batch_tokens,
                     lora=engine_lora(run), vision=run.vision)
+
+
+def vllm_image_kwargs(run: Run) -> dict[str, Any]:
+    """What vLLM needs for image prompts: the most images a prompt holds, the trainer's pixel bounds (vLLM's
+    processor must cut each image into as many tokens as the trainer's) and the placeholder ids never sampled."""
+    if not run.vision:
+        return {}
+    m = run.cfg.actor.model
+    bounds = {k: v for k, v in (("min_pixels", m.min_pixels), ("max_pixels", m.max_pixels)) if v}
+    most = max(run.train.max_images, run.val.max_images if run.val is not None else 0)
+    return {"images_per_prompt": most, "mm_processor_kwargs": bounds,
+            "banned_ids": placeholder_ids(load_config(m.path, m.trust_remote_code))}
 
 
 def engine_lora(run: Run) -> Any:

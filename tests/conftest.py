@@ -62,16 +62,3 @@ def _shared_toy_assets(request):
     names = ["toy_assets"] + (["toy_tool_assets"] if "tool" in node else []) \
         + (["toy_vision_assets"] if "vision" in node or "_vl_" in node else [])
     link_assets(request.getfixturevalue("shared_assets_dir"), names, request.getfixturevalue("tmp_path"))
-
-
-@pytest.fixture(scope="session")
-def toy_vision_assets(shared_assets_dir):
-    return shared_assets(shared_assets_dir, "toy_vision_assets")
-
-
-def link_toy_vision(assets, output_root) -> None:
-    """Make ``toy_vision`` in a run under ``output_root`` use the session's build."""
-    os.makedirs(output_root, exist_ok=True)
-    target = os.path.join(output_root, "toy_vision_assets")
-    if not os.path.exists(target):
-        os.symlink(assets, target)

@@ -169,11 +169,23 @@ def test_a_vision_language_checkpoint_trained_text_only_comes_back_whole(tmp_pat
         assert diff < 1e-5, (name, diff)
 
 
-def test_a_whole_checkpoint_with_the_vllm_engine_is_refused_before_any_model_loads(tmp_path):
-    from lib import config, preflight
-    from lib.models import load_config
+def test_a_whole_checkpoint_trained_text_only_with_the_vllm_engine_is_refused_before_any_model_loads(
+        tmp_path, monkeypatch):
+    """Text rows train a whole vision-language checkpoint's language model alone; vLLM would build the whole class
+    and the sync would leave its vision tower unwritten. The refusal comes with the data read (image rows take the
+    vLLM engine, tests/test_vision.py)."""
+    from lib import preflight
+    from lib.config import Config
+    from lib.startup import check_inputs
 
+    monkeypatch.setattr(preflight, "_vllm_problems", lambda model_config: [])  # as on a machine with vLLM
     path = zoo.build_whole("qwen3_5_vl", str(tmp_path))
-    cfg = config.parse(["--actor.model.path", path, "--rollout.engine", "vllm"], default_preset="tiny_cpu_grpo")
-    with pytest.raises(ValueError, match="whole vision-language checkpoint .* use --rollout.engine hf"):
-        preflight.validate(cfg, 2, load_config(path))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"say {w}"}], "data_source": "zoo",
+                                        "reward_model": {"ground_truth": w}}) + "\n" for w in ("a", "b")))
+    cfg = Config()
+    cfg.actor.model.path, cfg.data.train_files, cfg.data.val_files = path, [str(data)], [str(data)]
+    cfg.rollout.n, cfg.trainer.train_batch_size, cfg.rollout.engine = 2, 2, "vllm"
+    cfg.reward.custom_fn = os.path.join(os.path.dirname(__file__), "zoo.py") + ":reward"
+    with pytest.raises(ValueError, match="whole vision-language checkpoint .* no images.* use --rollout.engine hf"):
+        check_inputs(cfg, 2, False, str(tmp_path / "run"))

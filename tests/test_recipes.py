@@ -14,7 +14,6 @@ import shlex
 import pytest
 
 from lib import config
-from tests.conftest import link_toy_vision
 from tests.test_e2e import ROOT, torchrun
 
 README = open(os.path.join(ROOT, "README.md")).read()
@@ -121,13 +120,10 @@ def _preset_args(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", config.presets())
-def test_preset_runs_end_to_end(tmp_path, name, request):
+def test_preset_runs_end_to_end(tmp_path, name):
     script = "train_ppo.py" if config.load_preset(name).get("algorithm", {}).get("adv_estimator") == "gae" \
         else "train_grpo.py"
-    args = _preset_args(name)
-    if "toy_vision" in args:
-        link_toy_vision(request.getfixturevalue("toy_vision_assets"), tmp_path)
-    torchrun(script, tmp_path, *args)
+    torchrun(script, tmp_path, *_preset_args(name))
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3]
     part = "critic" if script == "train_ppo.py" else "actor"

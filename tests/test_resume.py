@@ -10,8 +10,6 @@ import time
 
 import pytest
 
-from tests.conftest import link_toy_vision
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cosine schedule with warm-up, dynamic sampling, several mini-batches: every piece of resumable state matters
 ARGS = ("--trainer.val_every", "3", "--trainer.save_every", "2", "--actor.optim.warmup_steps", "2",
@@ -94,10 +92,8 @@ VISION = ("--config", "tiny_cpu_grpo_vision", "--rollout.n", "4")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), LORA, TOOLS, VISION], ids=["full", "lora", "tools", "vision"])
-def test_killed_rank_resumes_to_the_bit(tmp_path, extra, request):
+def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
     args = (*ARGS, *extra)
-    if extra is VISION:
-        link_toy_vision(request.getfixturevalue("toy_vision_assets"), tmp_path)
     reference = subprocess.run(command(tmp_path, "--trainer.total_steps", "6", *args, name="whole"), cwd=ROOT,
                                env=env(), capture_output=True, text=True, timeout=900)
     assert reference.returncode == 0, reference.stderr[-4000:]

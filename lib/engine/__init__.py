@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from lib.protocol import DataProto
+from lib.vision.rope import continue_positions
 
 
 @dataclass
@@ -91,8 +92,10 @@ class RolloutEngine(Protocol):
         """Prompts in: ``input_ids``, ``attention_mask``, ``position_ids`` (B, P), left-padded, and non-tensors that
         ride along; ``meta_info["seed_key"]`` picks the samples. Out: B x n rows, a prompt's n samples adjacent,
         with ``prompts`` (B*n, P), ``responses``, ``response_mask``, ``rollout_log_probs`` (B*n, R) and
-        ``input_ids``, ``attention_mask``, ``position_ids`` (B*n, P + R). Images will enter here: a prompt's
-        ``multi_modal_data`` (a non-tensor column) handed to the engine with one placeholder per image."""
+        ``input_ids``, ``attention_mask``, ``position_ids`` (B*n, P + R). Image prompts (lib.data.collate) add
+        ``rope_position_ids`` (B, 3, P) and the non-tensors ``multi_modal`` (the trainer's image features, which
+        the HF engine runs), ``engine_prompt_ids`` and ``images`` (vLLM's request: one placeholder per image and the
+        decoded images); the output carries ``rope_position_ids`` (B*n, 3, P + R) and drops ``ENGINE_INPUTS``."""
         ...
 
     def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any) -> list[Turn]:
@@ -175,16 +178,17 @@ def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positi
     if log_probs is not None:
         fields["rollout_log_probs"] = logp
     if prompt_rope is not None:
-        fields["rope_position_ids"] = torch.cat([prompt_rope, continue_rope(prompt_rope, width)], 2)
+        fields["rope_position_ids"] = torch.cat([prompt_rope, continue_positions(prompt_rope, width)], 2)
     return fields
 
 
-def continue_rope(prompt_rope: torch.Tensor, width: int, offset: int = 0) -> torch.Tensor:
-    """(B, 3, width) rope rows of the ``width`` tokens after ``offset`` generated ones, for prompts whose rows are
-    ``prompt_rope`` (B, 3, P): each row's largest position + 1 + offset + r on all three."""
-    start = prompt_rope.amax(dim=(1, 2)) + 1 + offset  # (B,)
-    steps = torch.arange(width, device=prompt_rope.device)
-    return (start[:, None] + steps[None, :])[:, None, :].expand(-1, 3, -1).clone()
+ENGINE_INPUTS = ("engine_prompt_ids", "images")
+"""Non-tensor columns only an engine reads (vLLM's image requests): left out of the rollout it returns."""
+
+
+def rollout_columns(data: DataProto) -> dict[str, Any]:
+    """The non-tensor columns a rollout carries on from its prompts (all but ``ENGINE_INPUTS``)."""
+    return {k: v for k, v in data.non_tensor_batch.items() if k not in ENGINE_INPUTS}
 
 
 def call_seed(seed: int, group: int, validate: bool, call: int) -> int:

@@ -17,12 +17,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, cache_utils
 
 from lib.data import left_pad
-from lib.engine import (SamplingConfig, Turn, build_output, call_seed, continue_rope, expand_samples, stop_ids,
+from lib.engine import (SamplingConfig, Turn, build_output, call_seed, expand_samples, rollout_columns, stop_ids,
                         turns_from)
 from lib.lora import base_name, check_engine_load, inject, is_adapter_param, peft_name
 from lib.models import padded_attention, persistent_buffers, retie, tied_aliases
 from lib.protocol import DataProto
 from lib.vision import attn_implementations, ban, concat_features, placeholder_ids
+from lib.vision.rope import continue_positions, with_text_row
 
 
 def _no_init():
@@ -31,11 +32,6 @@ def _no_init():
     except ImportError:  # older transformers
         from transformers.modeling_utils import no_init_weights
     return no_init_weights()
-
-
-def with_rope(pos: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
-    """The text positions (b, L), with a vision-language prompt's rope rows (b, 3, L) after them: (4, b, L)."""
-    return pos if rope is None else torch.cat([pos[None], rope.transpose(0, 1)])
 
 
 def copyable(cache: Any) -> bool:
@@ -244,7 +240,7 @@ class HFEngine:
         elapsed = time.perf_counter() - t0
         num_tokens = sum(len(r) for r in responses)
         meta = {"generate_s": elapsed, "generated_tokens": num_tokens, "tokens_per_s": num_tokens / max(elapsed, 1e-9)}
-        return DataProto.from_dict(fields, dict(data.non_tensor_batch), {**data.meta_info, **meta})
+        return DataProto.from_dict(fields, rollout_columns(data), {**data.meta_info, **meta})
 
     def stop_ids(self, validate: bool = False) -> list[int]:
         return stop_ids(self.eos_ids, self.val_sampling if validate else self.sampling)
@@ -303,7 +299,7 @@ class HFEngine:
             ids, mask, pos = (x.repeat_interleave(sp.n, 0) for x in (ids, mask, pos))
             rope = None if rope is None else rope.repeat_interleave(sp.n, 0)
             images = None if images is None else [row for row in images for _ in range(sp.n)]
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=with_rope(pos, rope), past_key_values=cache,
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=with_text_row(pos, rope), past_key_values=cache,
                             use_cache=True, logits_to_keep=1, **concat_features(images, self.device)).logits[:, -1]
         logits = ban(logits, self.banned).float()
         if copy:  # one prefill per prompt, its cache copied to the n samples
@@ -318,9 +314,9 @@ class HFEngine:
             if step:
                 step_pos = step_pos + 1
                 full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)
-                step_rope = None if rope is None else continue_rope(rope, 1, step - 1)
+                step_rope = None if rope is None else continue_positions(rope, 1, step - 1)
                 logits = self.model(input_ids=token[:, None], attention_mask=full_mask,
-                                    position_ids=with_rope(step_pos, step_rope), past_key_values=cache, use_cache=True,
+                                    position_ids=with_text_row(step_pos, step_rope), past_key_values=cache, use_cache=True,
                                     logits_to_keep=1).logits[:, -1]
                 logits = ban(logits, self.banned).float()
             if sp.temperature > 0:

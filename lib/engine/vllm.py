@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from lib.dist import Topology, all_gather
-from lib.engine import (SamplingConfig, Turn, build_output, call_seed, expand_samples, request_seeds, stop_ids,
-                        turns_from)
+from lib.engine import (SamplingConfig, Turn, build_output, call_seed, expand_samples, request_seeds,
+                        rollout_columns, stop_ids, turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
 from lib.lora import VLLM_LORA_RANKS, check_engine_load, save_adapter
 from lib.protocol import DataProto
@@ -64,18 +64,24 @@ class VLLMEngine:
                  sampling: SamplingConfig, val_sampling: SamplingConfig | None = None, max_model_len: int = 4096,
                  max_num_seqs: int = 256, kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", enforce_eager: bool = False, trust_remote_code: bool = False,
-                 lora: Any = None):
+                 lora: Any = None, images_per_prompt: int = 0, mm_processor_kwargs: dict | None = None,
+                 banned_ids: list[int] | None = None):
         """``kv_cache_bytes``: the KV cache of this rank in bytes (0: ``kv_cache_bytes()`` for ``max_num_seqs``
         sequences of ``max_model_len`` tokens; the trainer passes lib.engine.plan_kv_cache's size). ``gpu_memory_utilization`` is only vLLM's start-up check on GPU
         (that share of the device must be free); the CPU build ignores it once the KV size is given in bytes.
         ``lora``: a PEFT LoraConfig: the engine serves one adapter at a time (``enable_lora``, ``max_lora_rank``
-        the smallest vLLM takes above its rank), loaded from a PEFT folder through a stock ``LoRARequest``."""
+        the smallest vLLM takes above its rank), loaded from a PEFT folder through a stock ``LoRARequest``.
+        ``images_per_prompt`` (a vision-language model's image prompts): the most images one prompt holds
+        (``limit_mm_per_prompt``); vLLM then processes each prompt's images itself, with the tokenizer and the
+        image processor of ``model_path`` and ``mm_processor_kwargs`` (the trainer's min/max pixels), and every
+        image prompt's expansion is checked against the trainer's. ``banned_ids``: never sampled (image
+        placeholders, lib.vision.placeholder_ids)."""
         strip_expandable_segments()
         from vllm import LLM
         from vllm.platforms import current_platform
 
         self.topo, self.device, self.pad_id, self.eos_ids = topo, topo.device, pad_token_id, list(eos_token_ids)
-        self.sampling = sampling
+        self.sampling, self.banned = sampling, list(banned_ids or [])
         self.val_sampling = val_sampling or SamplingConfig(temperature=0.0, max_new_tokens=sampling.max_new_tokens)
         # one seed stream per data-parallel rollout group: the ranks of a TP group sample the same tokens
         self.group = topo.rollout_dp_rank
@@ -103,9 +109,10 @@ class VLLMEngine:
                            load_format="dummy", dtype=dtype, seed=sampling.seed, max_model_len=max_model_len,
                            max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_bytes,
                            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                           skip_tokenizer_init=True, trust_remote_code=trust_remote_code, enable_prefix_caching=True,
-                           **_logprobs_mode_kwargs(), **_lora_kwargs(lora), **_cpu_prefill_kwargs(self.device,
-                                                                                                   max_model_len))
+                           trust_remote_code=trust_remote_code, enable_prefix_caching=True,
+                           **_logprobs_mode_kwargs(), **_lora_kwargs(lora),
+                           **_cpu_prefill_kwargs(self.device, max_model_len),
+                           **_image_kwargs(images_per_prompt, mm_processor_kwargs))
         # the parameters a sync must write, read before any reload: a tied lm_head is the embedding's own tensor
         # here (during a layerwise reload it sits on meta apart from it, and finalising puts the shared one back)
         names: list[str] = []
@@ -277,18 +284,19 @@ class VLLMEngine:
             mine = slice(start, start + sizes[topo.rollout_tp_rank])
         else:
             mine = slice(0, len(data))
-        ids, mask = data.batch["input_ids"], data.batch["attention_mask"]
-        prompts = [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
-        responses, logps = self._generate(prompts, sp, call_seed(sp.seed, self.group, validate, key))
+        asked = requests(data)
+        responses, logps, seen = self._generate(asked, sp, call_seed(sp.seed, self.group, validate, key))
+        check_expansions(asked, seen, data)
         self.calls[validate] += 1
         data = data[mine]
         responses, logps = responses[mine], logps[mine]
         fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
-                              responses, logps, self.pad_id, response_width=None)
+                              responses, logps, self.pad_id, response_width=None,
+                              prompt_rope=data.batch.get("rope_position_ids"))
         elapsed = time.perf_counter() - t0
         n = sum(len(r) for r in responses)
         meta = {"generate_s": elapsed, "generated_tokens": n, "tokens_per_s": n / max(elapsed, 1e-9)}
-        return DataProto.from_dict(fields, dict(data.non_tensor_batch), {**data.meta_info, **meta})
+        return DataProto.from_dict(fields, rollout_columns(data), {**data.meta_info, **meta})
 
     def stop_ids(self, validate: bool = False) -> list[int]:
         return stop_ids(self.eos_ids, self.val_sampling if validate else self.sampling)
@@ -310,7 +318,8 @@ class VLLMEngine:
             prompts, max_tokens = [x for p, _ in parts for x in p], [c for _, caps in parts for c in caps]
         if not prompts:
             return []
-        responses, logps = self._generate(prompts, sp, call_seed(sp.seed, self.group, validate, key), max_tokens)
+        responses, logps, _ = self._generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                             call_seed(sp.seed, self.group, validate, key), max_tokens)
         return turns_from(responses[mine], logps[mine], max_tokens[mine], set(self.stop_ids(validate)))
 
     def any_active(self, active: bool) -> bool:
@@ -322,18 +331,51 @@ class VLLMEngine:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topo.rollout_tp_group)
         return bool(flag.item())
 
-    def _generate(self, prompts: list[list[int]], sp: SamplingConfig, seed: int,
-                  max_tokens: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
-        """One seeded request per prompt (``request_seeds``; ``max_tokens``: a cap per request, else the sampling
-        config's); the default generator is seeded for the call and restored after it."""
-        params = _sampling_params(sp, self.eos_ids, request_seeds(seed, len(prompts)))
+    def _generate(self, prompts: list[dict], sp: SamplingConfig, seed: int, max_tokens: list[int] | None = None
+                  ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """One seeded request per prompt (vLLM's prompt dicts, ``requests``; seeds from ``request_seeds``;
+        ``max_tokens``: a cap per request, else the sampling config's); the default generator is seeded for the call
+        and restored after it. Returns the sampled ids, their log-probs and the prompt ids vLLM ran (an image's
+        placeholder expanded)."""
+        params = _sampling_params(sp, self.eos_ids, request_seeds(seed, len(prompts)), self.banned)
         for p, cap in zip(params, max_tokens or []):
             p.max_tokens = cap
         with rng_kept_apart(self.device):
             torch.manual_seed(seed)
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                        lora_request=self._lora_request)
-        return [list(o.outputs[0].token_ids) for o in outputs], [_sampled_logprobs(o.outputs[0]) for o in outputs]
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+        return ([list(o.outputs[0].token_ids) for o in outputs], [_sampled_logprobs(o.outputs[0]) for o in outputs],
+                [list(o.prompt_token_ids or []) for o in outputs])
+
+
+def requests(data: DataProto) -> list[dict]:
+    """vLLM's prompts for a batch: each row's token ids without padding. A row with images is given with ONE
+    placeholder per image (``engine_prompt_ids``) and its images (``multi_modal_data``): vLLM expands each placeholder
+    to its image's tokens itself, so ids already expanded would be expanded a second time."""
+    ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
+    engine_ids, images = data.non_tensor_batch.get("engine_prompt_ids"), data.non_tensor_batch.get("images")
+    out = []
+    for i, (row, m) in enumerate(zip(ids, mask)):
+        if images is not None and images[i]:
+            out.append({"prompt_token_ids": list(engine_ids[i]), "multi_modal_data": {"image": list(images[i])}})
+        else:
+            out.append({"prompt_token_ids": row[m.bool()].tolist()})
+    return out
+
+
+def check_expansions(asked: list[dict], seen: list[list[int]], data: DataProto) -> None:
+    """Every image prompt ran in vLLM as the trainer computes it: vLLM's expanded ids equal the row's own (the
+    same number of tokens per image). A difference (another image processor, other pixel bounds) would make
+    the trainer score other tokens than the engine sampled from: an error, never a silent wrong model."""
+    ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
+    for i, request in enumerate(asked):
+        if "multi_modal_data" not in request:
+            continue
+        own = ids[i][mask[i].bool()].tolist()
+        if seen[i] != own:
+            raise RuntimeError(f"vLLM expanded an image prompt to {len(seen[i])} tokens, the trainer's processor to "
+                               f"{len(own)}: the two process the images differently (pixel bounds, image "
+                               f"processor); check actor.model.min_pixels / max_pixels and the model folder's "
+                               f"preprocessor_config.json")
 
 
 @contextlib.contextmanager
@@ -377,6 +419,15 @@ def _cpu_prefill_kwargs(device: torch.device, max_model_len: int) -> dict:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
 
 
+def _image_kwargs(images_per_prompt: int, mm_processor_kwargs: dict | None) -> dict:
+    """Text prompts: token ids only (no tokenizer). Image prompts: vLLM's multimodal processor needs the tokenizer,
+    at most ``images_per_prompt`` images per prompt and no video, processed with the trainer's pixel bounds."""
+    if not images_per_prompt:
+        return {"skip_tokenizer_init": True}
+    return {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": images_per_prompt, "video": 0},
+            "mm_processor_kwargs": dict(mm_processor_kwargs or {})}
+
+
 def _lora_kwargs(lora: Any) -> dict:
     """One adapter slot, of the smallest rank vLLM takes that holds the adapter's."""
     if lora is None:
@@ -402,15 +453,18 @@ def _count_lora_modules(worker: Any, adapter_id: int) -> int:
     return total
 
 
-def _sampling_params(sp: SamplingConfig, eos_ids: list[int], seeds: list[int]) -> list[Any]:
+def _sampling_params(sp: SamplingConfig, eos_ids: list[int], seeds: list[int], banned: list[int]) -> list[Any]:
     """One SamplingParams per request (n is expanded into rows beforehand), each with its seed (``request_seeds``);
-    greedy requests need none."""
+    greedy requests need none. ``banned`` ids get vLLM's lowest logit bias, -100 (it clamps there; the trainer
+    sets them to lib.vision.BANNED_LOGIT): their probability is then at most e^-100 times what it was, and the log-prob
+    of any other token moves by less than fp32 resolves."""
     from vllm import SamplingParams
 
     greedy = sp.temperature == 0
     common = dict(n=1, temperature=0.0 if greedy else sp.temperature, top_p=1.0 if greedy else sp.top_p,
                   top_k=0 if greedy else sp.top_k, max_tokens=sp.max_new_tokens,
-                  stop_token_ids=stop_ids(eos_ids, sp), logprobs=0, detokenize=False)
+                  stop_token_ids=stop_ids(eos_ids, sp), logprobs=0, detokenize=False,
+                  logit_bias={i: -100.0 for i in banned} or None)
     return [SamplingParams(**common, seed=None if greedy else seed) for seed in seeds]
 
 

@@ -1,30 +1,21 @@
 """Vision-language models: which ones train with images, and what the trainer needs to know of each.
 
 A vision-language checkpoint is recognised by its config (a ``vision_config``). The families listed in FAMILIES train
-with their images; another vision model is refused at start-up with the list. Each family names the rule of its
-rope positions (lib/vision/rope.py) and the token its processor expands per image.
+with their images (every one follows Qwen-VL's 3-D rope rule, lib/vision/rope.py); another vision model is refused
+at start-up with the list.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 
-@dataclass(frozen=True)
-class Family:
-    rope: str
-    """The positions rule: "mrope" (Qwen-VL's 3-D rope: temporal, height, width rows)."""
-    image_token: str
-    """The placeholder a prompt holds once per image, which the processor expands to the image's tokens."""
-
-
-QWEN = Family(rope="mrope", image_token="<|image_pad|>")
-FAMILIES: dict[str, Family] = {"qwen2_vl": QWEN, "qwen2_5_vl": QWEN, "qwen3_vl": QWEN, "qwen3_5": QWEN,
-                               "qwen3_5_moe": QWEN}
+FAMILIES: dict[str, str] = {name: "<|image_pad|>" for name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5",
+                                                                "qwen3_5_moe")}
+"""Model type -> the placeholder a prompt holds once per image, which the processor expands to the image's tokens."""
 
 
 def has_vision(config: Any) -> bool:
@@ -32,18 +23,25 @@ def has_vision(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def family(config: Any) -> Family | None:
-    return FAMILIES.get(getattr(config, "model_type", ""))
-
-
 def problem(config: Any) -> str:
-    """Why images cannot be trained with this model ("" if they can)."""
-    if not has_vision(config):
-        return (f"the model ({getattr(config, 'model_type', '?')}) has no vision tower: image rows need a "
-                f"vision-language model")
-    if family(config) is None:
+    """Why images cannot be trained with this model, which has a vision tower ("" if they can)."""
+    if getattr(config, "model_type", "") not in FAMILIES:
         return (f"vision-language training supports {sorted(FAMILIES)}; this model is a "
                 f"{getattr(config, 'model_type', '?')}")
+    return ""
+
+
+def vllm_problem() -> str:
+    """Why vLLM cannot roll out image prompts on this machine ("" if it can). vLLM's Qwen-VL model code imports
+    transformers' torchvision image processor, so torchvision must import beside this torch (PyPI's torchvision for
+    torch 2.13 is a CUDA build, which fails to import beside the CPU torch)."""
+    try:
+        import torchvision  # noqa: F401  (deferred: only vLLM with images needs it, and a broken build raises here)
+    except Exception as e:  # noqa: BLE001 - ImportError, or RuntimeError from a build for another torch
+        return (f"the vLLM engine with image prompts needs torchvision (vLLM's Qwen-VL model code imports "
+                f"transformers' torchvision image processor), which cannot be imported here ({type(e).__name__}: "
+                f"{str(e)[:120]}); install the torchvision built for torch {torch.__version__}, or set "
+                f"--rollout.engine hf")
     return ""
 
 
@@ -54,6 +52,10 @@ def is_vision_param(name: str) -> bool:
     """A parameter of the vision tower or its merger / projector (Qwen-VL: ``model.visual.*``)."""
     return VISION_MODULES.search(name) is not None
 
+
+BANNED_ATTR = "banned_token_ids"
+"""The attribute of a trained model listing the token ids it never samples (``placeholder_ids``): set where the model
+is built (lib.fsdp.build_sharded_model), read by its forward (lib.forward)."""
 
 BANNED_LOGIT = -1e9
 """The logit a placeholder token gets: its probability is 0 in fp32 and bf16, and at any temperature the scaled value

@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from lib.vision import family, merge_size
+from lib.vision import FAMILIES, merge_size
 
 PLACEHOLDER = "<image>"
 """Where an image sits in a prompt's text (verl's geo3k layout; TRL's image columns are placed before the text)."""
@@ -109,7 +109,7 @@ class VisionProcessor:
                                                                   **kwargs)
         self.tokenizer = tokenizer
         self.merge = merge_size(config)
-        self.image_token = family(config).image_token
+        self.image_token = FAMILIES[config.model_type]
         self.image_token_id = int(config.image_token_id)
         if tokenizer.convert_tokens_to_ids(self.image_token) != self.image_token_id:
             raise ValueError(f"the tokenizer at {path} maps {self.image_token!r} to "

@@ -47,10 +47,19 @@ def prompt_positions(ids: Tensor, image_token_id: int, grids: Tensor, merge: int
     return torch.cat(pieces, dim=1)
 
 
-def continue_positions(prompt: Tensor, length: int) -> Tensor:
-    """(3, length) positions of the tokens after a prompt whose positions are ``prompt`` (3, P)."""
-    start = int(prompt.max()) + 1 if prompt.numel() else 0
-    return (torch.arange(length) + start).expand(3, -1).clone()
+def continue_positions(prompt: Tensor, length: int, offset: int = 0) -> Tensor:
+    """(..., 3, length) positions of the ``length`` tokens after ``offset`` generated ones, for prompts whose rows are
+    ``prompt`` (..., 3, P; left padding holds 0): each prompt's largest position + 1 + offset + r on all three."""
+    start = prompt.amax(dim=(-2, -1), keepdim=True) + 1 + offset if prompt.numel() else torch.zeros(
+        (*prompt.shape[:-2], 1, 1), dtype=torch.long, device=prompt.device)
+    steps = torch.arange(length, device=prompt.device)
+    return (start + steps).expand(*prompt.shape[:-2], 3, length).clone()
+
+
+def with_text_row(pos: Tensor, rope: Tensor | None) -> Tensor:
+    """What the model takes as position ids: the text positions (B, L) alone, or with a vision-language row's rope
+    rows (B, 3, L) after them, (4, B, L) (packed bounds are read from the text row)."""
+    return pos if rope is None else torch.cat([pos[None], rope.transpose(0, 1)])
 
 
 def row_positions(input_ids: Tensor, attention_mask: Tensor, prompt_len: int, image_token_id: int, grids: Tensor,

@@ -75,16 +75,23 @@ def build_tokenizer(path: str) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_policy(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2VLForConditionalGeneration:
+def build_policy(tokenizer: PreTrainedTokenizerFast, seed: int, heads: int = 4, kv_heads: int = 2,
+                 vision_heads: int = 2) -> Qwen2VLForConditionalGeneration:
+    """The policy, random. Head sizes are 64 / ``heads`` in the language model, 32 / ``vision_heads`` in the tower
+    (vLLM's attention kernels take 32 and up: 2, 1 and 1); the 3-D rope splits each head's frequencies 1 : 1.5 : 1.5
+    over time, height and width."""
     torch.manual_seed(seed)
+    half = 64 // heads // 2
+    section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL}
     config = Qwen2VLConfig(
         text_config=dict(vocab_size=len(SPECIAL) + len(CHARS), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=64,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=section),
                          tie_word_embeddings=True, pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"],
                          bos_token_id=None),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=PATCH,
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=vision_heads, mlp_ratio=2, patch_size=PATCH,
                            spatial_merge_size=MERGE),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
