@@ -207,6 +207,19 @@ def zoo_text_model(tmp_path_factory):
     return zoo.build("qwen2_tied", str(tmp_path_factory.mktemp("text_zoo")))
 
 
+def image_config(vision_root, tmp_path):
+    """A config for a tiny Qwen2-VL on four geo3k-layout rows (checked by lib.startup.check_inputs)."""
+    from lib.config import Config
+
+    model = zoo.build_vision("qwen2_vl", vision_root)
+    data = write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet"))
+    cfg = Config()
+    cfg.actor.model.path, cfg.data.train_files, cfg.data.val_files = model, [data], [data]
+    cfg.data.max_prompt_length, cfg.rollout.n, cfg.trainer.train_batch_size = 256, 2, 2
+    cfg.reward.custom_fn = os.path.join(ROOT, "tests", "zoo.py") + ":reward"
+    return cfg
+
+
 def test_vllm_gets_one_placeholder_per_image_and_the_images(vision_root, tmp_path):
     """The requests handed to vLLM (lib.engine.vllm.requests): an image prompt's ids hold ONE placeholder per image
     beside its images, which vLLM expands itself (already expanded ids would be expanded twice, trl#6294); what vLLM
@@ -245,17 +258,11 @@ def test_image_prompts_take_the_vllm_engine_where_torchvision_imports(vision_roo
     """vLLM's Qwen-VL code imports transformers' torchvision image processor: without a torchvision that imports
     beside this torch, image prompts with the vLLM engine are refused before any model loads, naming the fix."""
     from lib import preflight
-    from lib.config import Config
     from lib.startup import check_inputs
     from lib.vision import vllm_problem
 
     monkeypatch.setattr(preflight, "_vllm_problems", lambda model_config: [])  # as on a machine with vLLM
-    model = zoo.build_vision("qwen2_vl", vision_root)
-    data = write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet"))
-    cfg = Config()
-    cfg.actor.model.path, cfg.data.train_files, cfg.data.val_files = model, [data], [data]
-    cfg.data.max_prompt_length, cfg.rollout.n, cfg.trainer.train_batch_size = 256, 2, 2
-    cfg.reward.custom_fn = os.path.join(ROOT, "tests", "zoo.py") + ":reward"
+    cfg = image_config(vision_root, tmp_path)
     cfg.rollout.engine = "vllm"
     if vllm_problem():
         with pytest.raises(ValueError, match="needs torchvision .* or set --rollout.engine hf"):
@@ -417,15 +424,9 @@ def test_the_visual_preset_with_the_vllm_engine(tmp_path):
     ({"lora": 8}, "actor.lora: transformers builds no AutoModelForCausalLM for a qwen2_vl model"),
 ])
 def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, message, vision_root, tmp_path):
-    from lib.config import Config
     from lib.startup import check_inputs
 
-    model = zoo.build_vision("qwen2_vl", vision_root)
-    data = write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet"))
-    cfg = Config()
-    cfg.actor.model.path, cfg.data.train_files, cfg.data.val_files = model, [data], [data]
-    cfg.data.max_prompt_length, cfg.rollout.n, cfg.trainer.train_batch_size = 256, 2, 2
-    cfg.reward.custom_fn = os.path.join(ROOT, "tests", "zoo.py") + ":reward"
+    cfg = image_config(vision_root, tmp_path)
     cfg.actor.model.attn_implementation = flags.get("attn", "auto")
     cfg.trainer.sp_size = flags.get("sp", 1)
     cfg.rollout.engine = flags.get("engine", "hf")
