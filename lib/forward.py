@@ -19,6 +19,9 @@ from it) and the image features of the micro-batch's rows concatenated in row or
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +90,42 @@ def _gather_keeps(local: Tensor, sel: Tensor, num_keep: int, group) -> Tensor:
     return ulysses.all_reduce_sum(full, group)
 
 
+@contextlib.contextmanager
+def _images_cut_to_slice(model: nn.Module, input_ids: Tensor, start: int, length: int) -> Iterator[None]:
+    """Ulysses with images: every rank of the SP group runs the vision tower over all the micro-batch's images (inside
+    the model's forward, as FSDP needs), and the model merges into this rank's slice ``[start, start + length)`` of
+    the packed row only the features of the image tokens inside it (Qwen3-VL's deepstack features cut the same
+    way). For the call, the model's ``get_image_features`` is wrapped to return that cut. The tower's output stays in
+    every rank's graph (an empty cut where the slice holds no image token), so its backward, and FSDP's gradient
+    reduction, runs on every rank."""
+    inner = model.model  # the multimodal model: its forward calls get_image_features and merges the features
+    own = inner.get_image_features
+    is_image = input_ids[0] == model.config.image_token_id
+    first = int(is_image[:start].sum())
+    last = first + int(is_image[start:start + length].sum())
+
+    def cut(*args: Any, **kwargs: Any) -> Any:
+        out = own(*args, **kwargs)
+        sliced = copy.copy(out)
+        sliced.pooler_output = (torch.cat(out.pooler_output)[first:last],)
+        if getattr(out, "deepstack_features", None) is not None:
+            sliced.deepstack_features = [(torch.cat(layer)[first:last],) for layer in out.deepstack_features]
+        return sliced
+
+    inner.get_image_features = cut
+    try:
+        yield
+    finally:
+        del inner.get_image_features
+
+
+def _slice_rope(rope: Tensor, full_pos: Tensor, start: int, length: int) -> Tensor:
+    """This rank's slice of the packed rope rows (1, 3, T); the padding ``pad_and_slice`` added to reach a multiple of
+    sp takes its text positions on all three rows (its own segment, never kept for a loss)."""
+    pad = full_pos[:, None, rope.shape[2]:].expand(1, 3, -1)
+    return torch.cat([rope, pad], 2)[:, :, start:start + length]
+
+
 def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
                 vision: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Forward the packed row (sliced over the SP group when ``sp`` is a Topology with sp_size > 1).
@@ -104,7 +143,11 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
     local_keep = p.keep[sel] - start
     kw = {"logits_to_keep": local_keep} if lm_head else {}
     kw[attention.KWARG] = attention.packing(full_pos, sp.sp_group)
-    out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, **kw)
+    rope = None if p.rope is None else _slice_rope(p.rope, full_pos, start, ids.shape[1])
+    cut = _images_cut_to_slice(model, p.input_ids, start, ids.shape[1]) if vision else contextlib.nullcontext()
+    with cut:
+        out = model(input_ids=ids, position_ids=with_text_row(pos, rope), attention_mask=None, use_cache=False, **kw,
+                    **(vision or {}))
     return (out.logits[0] if lm_head else out.logits[0, local_keep]), sel
 
 

@@ -244,9 +244,6 @@ def check_vision_modes(cfg: Config, train: PromptSet, val: PromptSet | None, nee
         raise ValueError(f"actor.model.attn_implementation={cfg.actor.model.attn_implementation} with packed image "
                          f"prompts would attend across the packed sequences; set it to auto (the packed attention) or "
                          f"turn packing off (--actor.batching.no-use-remove-padding)")
-    if cfg.trainer.sp_size > 1:
-        raise ValueError("trainer.sp_size > 1 with image prompts is not built yet (Ulysses must slice after the "
-                         "image features are merged); set --trainer.sp_size 1")
     if uses_vllm(cfg) and (problem := vision_vllm_problem()):
         raise ValueError(problem)
     if multi_turn.enabled(cfg):

@@ -340,6 +340,47 @@ def test_an_update_on_image_rows_is_the_same_on_one_and_two_ranks(vision_root):
         torch.testing.assert_close(two["weights"][name], tensor, rtol=1e-5, atol=2e-6, msg=name)
 
 
+def _sp_body(path: str, sp: int):
+    from lib.actor import Trainee, compute_log_probs, update_policy
+    from lib.config import ActorConfig, BatchingConfig, FSDPConfig, ModelConfig, OptimConfig
+    from lib.dist import init_topology
+    from lib.fsdp import build_sharded_model, iter_full_params
+    from lib.optim import build_optimizer
+
+    topo = init_topology(device="cpu", sp_size=sp)
+    cfg = ActorConfig(model=ModelConfig(path=path, gradient_checkpointing=True),
+                      optim=OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0), fsdp=FSDPConfig(shard_size=0),
+                      batching=BatchingConfig(micro_batch_size_per_rank=3), entropy_coef=0.01)
+    data, _ = micro_batch(path)  # one data-parallel rank: every rank of the SP group holds the same rows
+    data.batch["advantages"] = torch.linspace(-1, 1, len(ROWS))[:, None] * data.batch["response_mask"].float()
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo, kind="vision_lm")
+    logp, entropy = compute_log_probs(model, data, cfg.batching, topo, with_entropy=True)
+    data.batch["old_log_probs"] = logp + 0.05 * data.batch["response_mask"]
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    metrics = update_policy(Trainee(model, optimizer, scheduler, topo), data, cfg)
+    weights = {n: t.clone() for n, t in iter_full_params(model)}
+    return {"logp": logp, "entropy": entropy, "metrics": metrics, "weights": weights if topo.is_main else None}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_sequence_parallel_on_image_rows_equals_one_rank(name, vision_root):
+    """Ulysses sp=2 against sp=1, gradient checkpointing on: every SP rank runs the vision tower and merges the
+    features of its own slice's image tokens (Qwen3-VL's deepstack features too); log-probs, entropy, the update's
+    loss and gradient norm and the weights after it, vision tower included, are the same."""
+    path = zoo.build_vision(name, vision_root)
+    (one,) = run_distributed(_sp_body, path, 1, world_size=1)
+    two = run_distributed(_sp_body, path, 2, world_size=2)
+    for r in two:
+        for key in ("logp", "entropy"):
+            torch.testing.assert_close(r[key], one[key], rtol=1e-5, atol=1e-5, msg=f"{name} {key}")
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert r["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), (name, key)
+    moved = [n for n, w in one["weights"].items() if "visual" in n]
+    assert moved
+    for n, w in one["weights"].items():
+        torch.testing.assert_close(two[0]["weights"][n], w, rtol=1e-5, atol=2e-6, msg=f"{name} {n}")
+
+
 def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(tmp_path):
     """Two steps of the preset on 2 ranks: every step's engine and trainer log-probs agree at the fp32 level, and
     the export (weights, tokenizer, image processor) reloads through transformers' classes to the trained logits on
@@ -369,6 +410,16 @@ def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(tmp_path
         moved = (exported(**kw).logits - AutoModelForImageTextToText.from_pretrained(
             model_path, dtype=torch.float32).eval()(**kw).logits).abs().max().item()
     assert diff < 1e-5 and moved > 1e-4, (diff, moved)
+
+
+def test_the_visual_preset_with_sequence_parallel(tmp_path):
+    """The preset as users run it with --trainer.sp_size 2 (one data-parallel rank of two SP ranks): the engine
+    and the trainer's sliced forward agree at the fp32 level at every step."""
+    torchrun("train_grpo.py", tmp_path, *PRESET, "--trainer.total_steps", "2", "--trainer.val_every", "0",
+             "--trainer.sp_size", "2")
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
 
 
 # Held-out greedy reward of the visual preset (2 ranks, 100 steps), step 0 -> 100; an unchanged policy scores exactly
@@ -420,7 +471,6 @@ def test_the_visual_preset_with_the_vllm_engine(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     ({"attn": "sdpa"}, "attend across the packed sequences"),
-    ({"sp": 2}, "sp_size > 1 with image prompts"),
     ({"lora": 8}, "actor.lora: transformers builds no AutoModelForCausalLM for a qwen2_vl model"),
 ])
 def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, message, vision_root, tmp_path):
@@ -428,7 +478,6 @@ def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, mess
 
     cfg = image_config(vision_root, tmp_path)
     cfg.actor.model.attn_implementation = flags.get("attn", "auto")
-    cfg.trainer.sp_size = flags.get("sp", 1)
     cfg.rollout.engine = flags.get("engine", "hf")
     cfg.actor.lora.rank = flags.get("lora", 0)
     with pytest.raises(ValueError, match=message):
