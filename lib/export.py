@@ -136,10 +136,12 @@ def copy_processor_files(model_path: str, out_dir: str) -> None:
 
 def checkpoint_kind(ckpt_dir: str, part: str) -> str:
     """The model kind a checkpoint's part was trained as: a vision-language policy trained with its images holds
-    its vision tower (lib.models.KINDS)."""
+    its vision tower, or, with LoRA (the adapter alone is saved), adapters under the vision-language class's
+    ``model.language_model.`` (lib.models.KINDS)."""
     prefix = f"{part}.model."
-    names = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
-    if any(name.startswith(prefix) and is_vision_param(name[len(prefix):]) for name in names):
+    names = [n[len(prefix):] for n in dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+             if n.startswith(prefix)]
+    if any(is_vision_param(name) or name.startswith("model.language_model.") for name in names):
         return "vision_lm"
     return KIND[part]
 
@@ -164,10 +166,10 @@ def load_checkpoint(ckpt_dir: str, part: str, model_path: str, trust_remote_code
 
 
 def merged_state(model_path: str, lora_config: Any, adapter: dict[str, torch.Tensor],
-                 trust_remote_code: bool = False) -> dict[str, torch.Tensor]:
+                 trust_remote_code: bool = False, kind: str = "causal_lm") -> dict[str, torch.Tensor]:
     """The base at ``model_path`` with ``adapter`` (PEFT names) merged: W + s*BA in fp32 (lib.lora.iter_merged)."""
     config = models.load_config(model_path, trust_remote_code)
-    full = models.load_full(model_path, "causal_lm", models.padded_attention(config), trust_remote_code)
+    full = models.load_full(model_path, kind, models.padded_attention(config), trust_remote_code)
     lora.inject(full, lora_config)
     lora.set_adapter(full, adapter)
     return dict(lora.iter_merged(full))
@@ -187,7 +189,8 @@ def export_adapter(model: nn.Module, lora_cfg: Any, model_path: str, out_dir: st
     rank and written by rank 0."""
     tensors = {name: t.cpu() for name, t in lora.iter_adapter(model)}
     if topo.is_main:
-        lora.save_adapter(out_dir, tensors, lora.peft_config(lora_cfg), model_path)
+        vision = any(is_vision_param(name) for name, _ in model.named_parameters())
+        lora.save_adapter(out_dir, tensors, lora.peft_config(lora_cfg), model_path, vision)
     dist.barrier()
 
 
@@ -223,11 +226,12 @@ def main(argv: list[str]) -> int:
         if lora_cfg is not None and lora.enabled(lora_cfg):
             pc = lora.peft_config(lora_cfg)
             adapter = load_checkpoint(ckpt, args.part, model_cfg["path"], trust, pc)
+            kind = checkpoint_kind(ckpt, args.part)
             if args.merge:
-                write_hf(merged_state(model_cfg["path"], pc, adapter, trust), model_cfg["path"], args.out_dir,
-                         "causal_lm", trust, args.max_shard_size)
+                write_hf(merged_state(model_cfg["path"], pc, adapter, trust, kind), model_cfg["path"], args.out_dir,
+                         kind, trust, args.max_shard_size)
             else:
-                lora.save_adapter(args.out_dir, adapter, pc, model_cfg["path"])
+                lora.save_adapter(args.out_dir, adapter, pc, model_cfg["path"], kind == "vision_lm")
         elif args.merge:
             raise ValueError(f"--merge: the run at {run} trained no LoRA adapter (actor.lora is off); leave --merge out")
         else:

@@ -212,10 +212,11 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     del full
     models.check_not_meta(model)
     model.dropout_off = dropout_off  # the settings turned off, for the start-up log
+    if kind == "vision_lm":
+        setattr(model, BANNED_ATTR, placeholder_ids(config))
     if pc is None:
         set_trainable(model, trainable)
         if kind == "vision_lm":
-            setattr(model, BANNED_ATTR, placeholder_ids(config))
             if model_cfg.freeze_vision_tower:
                 for name, param in model.named_parameters():
                     param.requires_grad_(param.requires_grad and not is_vision_param(name))

@@ -29,12 +29,17 @@ from torch.distributed.tensor import DTensor
 
 from lib import models
 from lib.models import hf_name
+from lib.vision import VISION_MODULES, has_vision, is_vision_param
+from lib.vision import problem as vision_problem
 
 ADAPTER = "default"  # PEFT's name for the one adapter a model holds
 PEFT_PREFIX = "base_model.model."
 # ranks vLLM's max_lora_rank takes (vllm.config.lora.MaxLoRARanks, 0.25 .. 0.33)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ALL_LINEAR = "all-linear"
+VISION_EXCLUDED = f".*{VISION_MODULES.pattern}.*"
+"""PEFT's ``exclude_modules`` on a vision-language model: LoRA trains the language model; the vision tower and its
+merger stay as they are (PEFT matches the whole module name)."""
 
 
 @dataclass
@@ -145,7 +150,8 @@ def _is_decoder_linear(name: str) -> bool:
 
 def target_names(model_config: Any, pc: Any) -> list[str]:
     """The module names the adapter wraps, resolved on a meta-device model (no memory)."""
-    model = models.build_empty(model_config, "causal_lm", "sdpa")
+    kind = "vision_lm" if has_vision(model_config) and not vision_problem(model_config) else "causal_lm"
+    model = models.build_empty(model_config, kind, "sdpa")
     try:
         inject(model, pc)
     except ValueError as e:
@@ -159,12 +165,16 @@ def target_names(model_config: Any, pc: Any) -> list[str]:
 
 def inject(model: nn.Module, pc: Any) -> nn.Module:
     """Wrap the targeted Linear layers of ``model`` in place (on any device; on meta nothing is allocated). Only the
-    adapter requires grad. A fresh adapter is PEFT's default init: A Kaiming-uniform, B zero (the base's outputs)."""
+    adapter requires grad. A fresh adapter is PEFT's default init: A Kaiming-uniform, B zero (the base's outputs).
+    A vision-language model's vision tower gets none (``VISION_EXCLUDED``)."""
     import copy
 
     from peft import inject_adapter_in_model
 
-    inject_adapter_in_model(copy.deepcopy(pc), model, adapter_name=ADAPTER)
+    pc = copy.deepcopy(pc)
+    if any(is_vision_param(name + ".") for name, _ in model.named_modules()):
+        pc.exclude_modules = VISION_EXCLUDED
+    inject_adapter_in_model(pc, model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_param(name))
     return model
@@ -333,9 +343,11 @@ def base_hash(weights: Iterator[tuple[str, torch.Tensor]]) -> str:
 # ---- PEFT folders
 
 
-def save_adapter(out_dir: str, tensors: dict[str, torch.Tensor], pc: Any, base_model_path: str = "") -> None:
+def save_adapter(out_dir: str, tensors: dict[str, torch.Tensor], pc: Any, base_model_path: str = "",
+                 vision: bool = False) -> None:
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) that ``PeftModel.from_pretrained`` and
-    vLLM's ``LoRARequest`` load. ``target_modules`` is written as the layers' short names."""
+    vLLM's ``LoRARequest`` load. ``target_modules`` is written as the layers' short names; ``vision`` (the base is a
+    vision-language model): with ``VISION_EXCLUDED``, so that a vision tower's layers of those names stay bare."""
     import copy
 
     from safetensors.torch import save_file
@@ -345,6 +357,8 @@ def save_adapter(out_dir: str, tensors: dict[str, torch.Tensor], pc: Any, base_m
     pc = copy.deepcopy(pc)
     pc.target_modules = sorted({k[len(PEFT_PREFIX):].split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
     pc.base_model_name_or_path = base_model_path
+    if vision:
+        pc.exclude_modules = VISION_EXCLUDED
     pc.inference_mode = True
     os.makedirs(out_dir, exist_ok=True)
     pc.save_pretrained(out_dir)

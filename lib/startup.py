@@ -248,8 +248,6 @@ def check_vision_modes(cfg: Config, train: PromptSet, val: PromptSet | None, nee
         raise ValueError(problem)
     if multi_turn.enabled(cfg):
         raise ValueError("multi-turn rollouts with image prompts are not built yet; drop --multi_turn.tools")
-    if lora.enabled(cfg.actor.lora):
-        raise ValueError("LoRA with image prompts is not built yet; set --actor.lora.rank 0")
     for name, prompts in (("train", train), ("val", val)):
         if prompts is not None and (prompts.images is None or any(r is None for r in prompts.images)):
             # a micro-batch without images on one rank would skip the vision tower's sharded blocks the others run

@@ -4,6 +4,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import datasets
 import numpy as np
@@ -381,6 +383,20 @@ def test_sequence_parallel_on_image_rows_equals_one_rank(name, vision_root):
         torch.testing.assert_close(two[0]["weights"][n], w, rtol=1e-5, atol=2e-6, msg=f"{name} {n}")
 
 
+def _image_prompt(folder):
+    """The preset's prompt on a red square, as the model takes it (placeholder expanded, image features)."""
+    processor = AutoImageProcessor.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+                                   tokenize=False)
+    features = processor(images=[square((56, 56), (255, 0, 0))], return_tensors="pt")
+    per_image = int(features["image_grid_thw"].prod() // 4)
+    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * per_image), return_tensors="pt",
+              add_special_tokens=False)["input_ids"]
+    image_id = int(load_config(str(folder)).image_token_id)
+    return dict(input_ids=ids, mm_token_type_ids=(ids == image_id).int(), **features)
+
+
 def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(tmp_path):
     """Two steps of the preset on 2 ranks: every step's engine and trainer log-probs agree at the fp32 level, and
     the export (weights, tokenizer, image processor) reloads through transformers' classes to the trained logits on
@@ -393,18 +409,10 @@ def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(tmp_path
     assert all(r["vision/images_per_sample"] == 1.0 and r["vision/image_tokens_mean"] == 4.0 for r in rows)
     model_path = str(tmp_path / "toy_vision_assets" / "model")
     exported = AutoModelForImageTextToText.from_pretrained(run / "hf_final", dtype=torch.float32).eval()
-    processor = AutoImageProcessor.from_pretrained(run / "hf_final")
-    tok = AutoTokenizer.from_pretrained(run / "hf_final")
     state = load_checkpoint(str(run / "checkpoints" / "step_2"), "actor", model_path)
     trained = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32).eval()
     trained.load_state_dict(state, strict=False)
-    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
-                                   tokenize=False)
-    features = processor(images=[square((56, 56), (255, 0, 0))], return_tensors="pt")
-    per_image = int(features["image_grid_thw"].prod() // 4)
-    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * per_image), return_tensors="pt",
-              add_special_tokens=False)["input_ids"]
-    kw = dict(input_ids=ids, mm_token_type_ids=(ids == exported.config.image_token_id).int(), **features)
+    kw = _image_prompt(run / "hf_final")  # the exported processor, tokenizer and chat template
     with torch.no_grad():
         diff = (exported(**kw).logits - trained(**kw).logits).abs().max().item()
         moved = (exported(**kw).logits - AutoModelForImageTextToText.from_pretrained(
@@ -420,6 +428,39 @@ def test_the_visual_preset_with_sequence_parallel(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
+
+
+def test_lora_on_the_language_model_of_the_visual_preset(tmp_path):
+    """LoRA on image prompts: the adapter wraps the language model's linear layers, never the vision tower's; the
+    engine serves the adapter over the base with the images and agrees with the trainer at the fp32 level; the
+    exported adapter loads through PEFT onto the vision-language class with the trained logits on an image prompt,
+    and ``python -m lib.export --merge`` writes the same model as a plain folder."""
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    torchrun("train_grpo.py", tmp_path, *PRESET, "--trainer.total_steps", "2", "--trainer.val_every", "0",
+             "--actor.lora.rank", "8", "--actor.optim.lr", "0.05", "--trainer.save_every", "2")
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
+    with safe_open(run / "adapter_final" / "adapter_model.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert names and all(".language_model." in n for n in names), names[:4]
+    base_dir = tmp_path / "toy_vision_assets" / "model"
+    kw = _image_prompt(base_dir)
+    base = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        before = base(**kw).logits
+        adapted = PeftModel.from_pretrained(base, str(run / "adapter_final")).eval()
+        assert not any("visual" in n and "lora_" in n for n, _ in adapted.named_parameters())
+        want = adapted(**kw).logits
+    assert (want - before).abs().max().item() > 1e-4
+    out = subprocess.run([sys.executable, "-m", "lib.export", str(run), str(tmp_path / "merged"), "--merge"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**kw).logits, want, rtol=1e-5, atol=1e-5)
 
 
 # Held-out greedy reward of the visual preset (2 ranks, 100 steps), step 0 -> 100; an unchanged policy scores exactly
@@ -471,7 +512,6 @@ def test_the_visual_preset_with_the_vllm_engine(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     ({"attn": "sdpa"}, "attend across the packed sequences"),
-    ({"lora": 8}, "actor.lora: transformers builds no AutoModelForCausalLM for a qwen2_vl model"),
 ])
 def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, message, vision_root, tmp_path):
     from lib.startup import check_inputs
@@ -479,6 +519,5 @@ def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, mess
     cfg = image_config(vision_root, tmp_path)
     cfg.actor.model.attn_implementation = flags.get("attn", "auto")
     cfg.rollout.engine = flags.get("engine", "hf")
-    cfg.actor.lora.rank = flags.get("lora", 0)
     with pytest.raises(ValueError, match=message):
         check_inputs(cfg, 2, False, str(tmp_path / "run"))

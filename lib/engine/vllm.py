@@ -81,7 +81,7 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self.topo, self.device, self.pad_id, self.eos_ids = topo, topo.device, pad_token_id, list(eos_token_ids)
-        self.sampling, self.banned = sampling, list(banned_ids or [])
+        self.sampling, self.banned, self.images = sampling, list(banned_ids or []), bool(images_per_prompt)
         self.val_sampling = val_sampling or SamplingConfig(temperature=0.0, max_new_tokens=sampling.max_new_tokens)
         # one seed stream per data-parallel rollout group: the ranks of a TP group sample the same tokens
         self.group = topo.rollout_dp_rank
@@ -218,7 +218,7 @@ class VLLMEngine:
 
         check_engine_load(bool(self.asleep), self.lora, version, tensors)
         folder = os.path.join(self._adapter_root, f"v{version}")
-        save_adapter(folder, tensors, self.lora)
+        save_adapter(folder, tensors, self.lora, vision=self.images)
         request = LoRARequest(f"policy-v{version}", version, folder)
         engine = self.llm.llm_engine
         if not engine.add_lora(request):
