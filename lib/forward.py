@@ -31,7 +31,7 @@ from torch import nn
 from lib import attention, ulysses
 from lib.logprobs import log_probs_from_logits
 from lib.protocol import DataProto
-from lib.vision import BANNED_ATTR, ban, concat_features
+from lib.vision import BANNED_ATTR, ban, blank_image, concat_features, has_vision
 from lib.vision.rope import with_text_row
 
 Tensor = torch.Tensor
@@ -79,6 +79,15 @@ def model_rows(data: DataProto, *more: str) -> DataProto:
 def vision_inputs(micro: DataProto) -> dict[str, Tensor]:
     """The micro-batch's image features, rows in order (empty when no row has images)."""
     return concat_features(micro.non_tensor_batch.get("multi_modal"), micro.batch["input_ids"].device)
+
+
+def _idle_tower(model: nn.Module, vision: dict[str, Tensor], input_ids: Tensor) -> tuple[dict, Any]:
+    """A vision-language model's micro-batch without images still runs its vision tower, on ``blank_image``, whose
+    features are then cut to none (``_images_cut_to_slice``): the tower's FSDP units gather and reduce on every rank
+    alike (a rank that skipped them would hang the others), and the rows' numbers are those of the text alone."""
+    if vision or not has_vision(model.config):
+        return vision, contextlib.nullcontext()
+    return blank_image(model.config, input_ids.device), _images_cut_to_slice(model, input_ids, 0, 0)
 
 
 def _gather_keeps(local: Tensor, sel: Tensor, num_keep: int, group) -> Tensor:
@@ -134,8 +143,10 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
         kw = {"logits_to_keep": p.keep} if lm_head else {}
         if attention.uses_packed_attention(model):  # the sequence bounds travel with the call (see attention.py)
             kw[attention.KWARG] = attention.packing(p.position_ids)
-        out = model(input_ids=p.input_ids, position_ids=with_text_row(p.position_ids, p.rope), attention_mask=None, use_cache=False,
-                    **kw, **(vision or {}))
+        vision, idle = _idle_tower(model, vision or {}, p.input_ids)
+        with idle:
+            out = model(input_ids=p.input_ids, position_ids=with_text_row(p.position_ids, p.rope), attention_mask=None,
+                        use_cache=False, **kw, **vision)
         logits = out.logits[0] if lm_head else out.logits[0, p.keep]
         return logits, torch.ones_like(p.keep, dtype=torch.bool)
     ids, pos, full_pos, start = ulysses.pad_and_slice(p.input_ids, p.position_ids, sp.sp_size, sp.sp_rank)
@@ -144,8 +155,9 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
     kw = {"logits_to_keep": local_keep} if lm_head else {}
     kw[attention.KWARG] = attention.packing(full_pos, sp.sp_group)
     rope = None if p.rope is None else _slice_rope(p.rope, full_pos, start, ids.shape[1])
-    cut = _images_cut_to_slice(model, p.input_ids, start, ids.shape[1]) if vision else contextlib.nullcontext()
-    with cut:
+    had_images = bool(vision)
+    vision, idle = _idle_tower(model, vision or {}, p.input_ids)
+    with _images_cut_to_slice(model, p.input_ids, start, ids.shape[1]) if had_images else idle:
         out = model(input_ids=ids, position_ids=with_text_row(pos, rope), attention_mask=None, use_cache=False, **kw,
                     **(vision or {}))
     return (out.logits[0] if lm_head else out.logits[0, local_keep]), sel
@@ -174,8 +186,11 @@ def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 
         if with_entropy:
             entropy = torch.zeros_like(logp).masked_scatter(p.response_valid, ent_k)
         return logp, entropy
-    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")),
-                   use_cache=False, logits_to_keep=response_len + 1, **vision).logits[:, :-1]  # (B, R, V)
+    vision, idle = _idle_tower(model, vision, b["input_ids"])
+    with idle:
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")), use_cache=False,
+                       logits_to_keep=response_len + 1, **vision).logits[:, :-1]  # (B, R, V)
     logits = ban(logits, getattr(model, BANNED_ATTR, None))
     logp, entropy = log_probs_from_logits(logits, responses, temperature, with_entropy)
     valid = b["attention_mask"][:, -response_len:].to(logp.dtype)

@@ -248,11 +248,6 @@ def check_vision_modes(cfg: Config, train: PromptSet, val: PromptSet | None, nee
         raise ValueError(problem)
     if multi_turn.enabled(cfg):
         raise ValueError("multi-turn rollouts with image prompts are not built yet; drop --multi_turn.tools")
-    for name, prompts in (("train", train), ("val", val)):
-        if prompts is not None and (prompts.images is None or any(r is None for r in prompts.images)):
-            # a micro-batch without images on one rank would skip the vision tower's sharded blocks the others run
-            raise ValueError(f"data.{name}_files mix rows with and without images; every row of an image set needs "
-                             f"at least one image (rows without images are not supported yet)")
 
 
 def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:

@@ -98,6 +98,17 @@ def batch_metrics(images: Any, input_ids: torch.Tensor, image_token_id: int) -> 
             "vision/image_tokens_mean": float(tokens.mean()) if tokens.numel() else 0.0}
 
 
+def blank_image(config: Any, device: Any = None) -> dict[str, torch.Tensor]:
+    """The features of the smallest image the vision tower takes (one merged token: merge x merge black patches): what a
+    micro-batch without images runs through the tower so that every rank runs it (lib.forward)."""
+    vc = config.vision_config
+    merge = merge_size(config)
+    temporal = vc.temporal_patch_size if isinstance(vc.temporal_patch_size, int) else vc.temporal_patch_size[0]
+    patch = vc.in_channels * temporal * vc.patch_size ** 2
+    return {"pixel_values": torch.zeros(merge * merge, patch, device=device),
+            "image_grid_thw": torch.tensor([[1, merge, merge]], device=device)}
+
+
 def concat_features(rows: Any, device: Any = None) -> dict:
     """The image features of several rows (each a dict of ``pixel_values`` and ``image_grid_thw``, or None), in row
     order, as one model call takes them; empty when no row has images."""
