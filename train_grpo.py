@@ -36,6 +36,7 @@ from lib.runlog import stage
 from lib.protocol import DataProto
 from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
 from lib.scoring import score
+from lib.vision.clock import tower_clock
 from lib.startup import Run
 
 # ---- stages
@@ -127,7 +128,7 @@ def main(argv: list[str]) -> None:
             with stage("log_probs", metrics):
                 policy_log_probs(run, batch)
             compute_advantages(run, batch, kl_ctrl, metrics)
-            with stage("update", metrics):
+            with stage("update", metrics), tower_clock(run.actor.model, metrics):  # its share, with images
                 metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
                                              run.sizes.mini_batch_per_rank, seed=step))
         metric_log.log_step(run, step, batch, metrics)
