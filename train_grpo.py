@@ -28,14 +28,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lib import algos, config, kl_control, metrics as metric_log, resume, startup
+from lib import algos, config, distill, kl_control, metrics as metric_log, resume, startup
 from lib.actor import update_policy
 from lib.balance import balance_groups
 from lib.dist import sum_over_ranks
 from lib.runlog import stage
 from lib.protocol import DataProto
 from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
-from lib.scoring import score
+from lib.distill import teacher_log_probs
+from lib.scoring import no_scores, score
 from lib.vision.clock import tower_clock
 from lib.startup import Run
 
@@ -101,6 +102,8 @@ def compute_advantages(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> No
         rewards, mask, index=batch.non_tensor_batch["uid"], gamma=a.gamma, lam=a.lam,
         norm_adv_by_std=a.norm_adv_by_std, reduce=sum_over_ranks())
     b["advantages"], b["returns"] = adv, ret
+    if run.teacher is not None:
+        distill.set_advantages(batch, cfg)  # the teacher's term; the task's advantage kept or dropped
     correct_rollout(run, batch, metrics)  # train/rollout mismatch: importance weights, or tokens masked out
 
 # ---- the loop
@@ -119,7 +122,7 @@ def main(argv: list[str]) -> None:
             with stage("rollout", metrics):
                 batch, round_metrics = generate(run, next_batch(run))
             with stage("score", metrics):
-                round_metrics.update(score(run, batch))
+                round_metrics.update(score(run, batch) if run.scored else no_scores(batch))
             if cfg.algorithm.filter_groups:
                 batch, round_metrics = dynamic_sampling(run, step, batch, round_metrics, metrics)
             metrics.update(round_metrics)
@@ -127,10 +130,15 @@ def main(argv: list[str]) -> None:
             metrics.update(balance_metrics)
             with stage("log_probs", metrics):
                 policy_log_probs(run, batch)
+            if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
+                with stage("teacher", metrics):
+                    teacher_log_probs(run.teacher, batch, cfg.actor.batching, run.topo, cfg.rollout.temperature,
+                                      distill.offloads(cfg, run.topo.device))
+                metrics.update(distill.metrics(batch))
             compute_advantages(run, batch, kl_ctrl, metrics)
             with stage("update", metrics), tower_clock(run.actor.model, metrics):  # its share, with images
                 metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
-                                             run.sizes.mini_batch_per_rank, seed=step))
+                                             run.sizes.mini_batch_per_rank, seed=step, **distill.loss_kwargs(cfg)))
         metric_log.log_step(run, step, batch, metrics)
         if not resume.end_of_step(run, step, trainees, kl_ctrl, metrics):  # a stop signal, or bad steps
             break

@@ -51,9 +51,12 @@ def _gathered_log_probs(model: nn.Module, data: DataProto, batching: BatchingCon
 
 
 def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature: float = 1.0,
-                  mini_batch_size_per_rank: int | None = None, seed: int = 0) -> dict[str, float]:
+                  mini_batch_size_per_rank: int | None = None, seed: int = 0,
+                  teacher_kl: tuple[float, str] | None = None) -> dict[str, float]:
     """``ppo_epochs`` x mini-batches x micro-batches with gradient accumulation; one lr-schedule step.
-    Returns metrics averaged over steps and reduced over the data-parallel ranks."""
+    Returns metrics averaged over steps and reduced over the data-parallel ranks. ``teacher_kl`` (coef, estimator):
+    on-policy distillation's loss mode (lib/distill), coef x the aggregated KL estimate between the current
+    log-probs and the batch's ``teacher_log_probs`` added to the loss."""
     topo, model = actor.topo, actor.model
     # old log-probs missing: the policy before this update is the one of the first mini-batch's forward, so
     # that mini-batch uses its own log-probs (detached, ratio 1) and the others get theirs by a no-grad pass
@@ -100,6 +103,12 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
                                     cfg.loss_agg_mode, **agg)
                 loss = loss + cfg.kl_loss_coef * kl
                 step_metrics["actor/kl_loss"] += kl.detach()
+            if teacher_kl is not None:
+                coef, estimator = teacher_kl
+                kl = algos.agg_loss(algos.kl_penalty(logp, b["teacher_log_probs"], estimator), mask,
+                                    cfg.loss_agg_mode, **agg)
+                loss = loss + coef * kl
+                step_metrics["actor/distill_loss"] += kl.detach()
             (loss * loss_scale(topo)).backward()
             # the aggregated terms are this micro-batch's share of the mini-batch value: they add up
             step_metrics["actor/pg_loss"] += pg_loss.detach()

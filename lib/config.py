@@ -204,6 +204,28 @@ class TrainerConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (lib/distill): a frozen teacher scores every token the student samples."""
+
+    teacher: str = ""
+    """The teacher model's path ("": off). Its tokenizer must have the student's vocabulary; its architecture and
+    size may differ."""
+    mode: Literal["reward", "loss"] = "reward"
+    """reward: each sampled token's reward is coef * (log p_teacher - log p_student), discount 0 (the token's own
+    advantage); loss: coef * a KL estimate on the student's own samples is added to the policy loss."""
+    estimator: Literal["k1", "k3"] = "k3"
+    """The loss mode's per-token estimate of KL(student || teacher) on a sampled token, with d = log p_teacher - log
+    p_student: k1 = -d; k3 = exp(d) - d - 1 (clamped like algorithm.kl_penalty's low_var_kl)."""
+    coef: float = 1.0
+    """Weight of the teacher term."""
+    task_reward: bool = False
+    """False: pure distillation (rows need only a prompt; no reward function). True: the GRPO advantage of the
+    task's reward plus the teacher term."""
+    teacher_offload: bool = True
+    """GPU: the teacher's parameters on the CPU between uses (FSDP offload); nothing on CPU."""
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(model=ModelConfig(path="toy")))
@@ -213,6 +235,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 

@@ -257,6 +257,10 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
         problems.append("algorithm.filter_groups (DAPO dynamic sampling over groups) is train_grpo.py's; "
                         "turn it off for train_ppo.py")
     problems += _value_problems(cfg)
+    if cfg.distill.teacher and need_critic:
+        problems.append("distill.teacher: on-policy distillation runs in train_grpo.py (no critic); run that script")
+    if cfg.distill.teacher and cfg.distill.coef <= 0:
+        problems.append(f"distill.coef={cfg.distill.coef} must be > 0")
     if cfg.algorithm.overlong_buffer >= r.max_response_length:
         problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} must be below "
                         f"rollout.max_response_length={r.max_response_length}")
@@ -286,7 +290,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                 problems.append(str(e))
     if problems:
         raise ValueError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
-    old_in_update = (a.ppo_epochs == 1 and not cfg.algorithm.use_kl_in_reward
+    old_in_update = (a.ppo_epochs == 1 and not cfg.algorithm.use_kl_in_reward and not cfg.distill.teacher
                      and cfg.algorithm.rollout_correction == "off" and not cfg.algorithm.bypass_mode)
     return Sizes(world_size, dp, t.train_batch_size // world_size, t.train_batch_size // world_size * r.n,
                  sizes["actor"], sizes["critic"], old_in_update)

@@ -13,6 +13,12 @@ from lib.rewards.scorer import Scored, last_sampled
 from lib.startup import Run
 
 
+def no_scores(batch: DataProto) -> dict[str, float]:
+    """Rows without a reward function (pure on-policy distillation): token_level_scores of zeros."""
+    batch.batch["token_level_scores"] = torch.zeros_like(batch.batch["response_mask"], dtype=torch.float32)
+    return {}
+
+
 def score(run: Run, batch: DataProto) -> dict[str, float]:
     """token_level_scores from the rule / custom / reward-model scorer, plus the DAPO overlong penalty."""
     scored = run_scorer(run, batch)

@@ -14,6 +14,7 @@ Batch keys, by the stage that writes them:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -22,14 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import export, lora, multi_turn, selfcheck, toy
+from lib import distill, export, lora, multi_turn, selfcheck, toy
 from lib.config import Config, to_dict
 from lib.data import PromptSet, Sampler, check_files, load_prompts
 from lib.dist import Topology, init_topology
 from lib.engine import RolloutEngine, SamplingConfig, plan_kv_cache
 from lib.engine.hf import HFEngine
 from lib.engine.vllm import VLLMEngine, strip_expandable_segments
-from lib.fsdp import build_sharded_model
+from lib.fsdp import build_sharded_model, offload_model
 from lib.runfolder import check_run_folder, run_dir
 from lib.runlog import RunLogger, excepthook_rank
 from lib.models import load_config, load_tokenizer, stop_token_ids
@@ -81,6 +82,10 @@ class Run:
     """Metrics of work done after a step's row was logged (the checkpoint save's stage), logged with the next row."""
     vision: bool = False
     """The prompts have images: the policy (and reference) are the vision-language class, trained with them."""
+    teacher: torch.nn.Module | None = None
+    """On-policy distillation's frozen teacher (lib/distill), sharded like the reference."""
+    scored: bool = True
+    """The training rows have a reward function (pure distillation's rows may need none)."""
 
     @property
     def kind(self) -> str:
@@ -153,7 +158,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers)
     tools = MultiTurn(cfg.multi_turn, tokenizer, cfg.rollout.max_response_length) if multi_turn.enabled(cfg) else None
     return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer, multi_turn=tools,
-               vision=vision)
+               vision=vision, scored=inputs.scored)
 
 
 @dataclass
@@ -166,6 +171,8 @@ class Inputs:
     sampler: Sampler
     vision: bool = False
     """The data has images: the policy is its vision-language class, trained with them (lib/vision)."""
+    scored: bool = True
+    """Every training row has a reward function (rule, custom function or reward model)."""
 
 
 def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> Inputs:
@@ -186,7 +193,11 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     start_step = check_run_folder(path, to_dict(cfg), cfg.trainer.resume)
     tokenizer = load_tokenizer(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
     d = cfg.data
-    known = None if cfg.reward.custom_fn or cfg.reward.reward_model else set(RULES)  # an RM scores any row
+    if distill.enabled(cfg):
+        check_teacher(cfg, tokenizer)
+    # an RM scores any row; pure distillation's rows need no reward function
+    any_row = cfg.reward.custom_fn or cfg.reward.reward_model
+    known = None if any_row or (distill.enabled(cfg) and not cfg.distill.task_reward) else set(RULES)
     tool_schemas = None
     if multi_turn.enabled(cfg):
         tool_schemas = schemas(load_tools(cfg.multi_turn.tools), cfg.multi_turn.tools)
@@ -214,7 +225,25 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
         raise ValueError(f"{cfg.actor.model.path} is a whole vision-language checkpoint ({model_config.model_type}) "
                          f"and the data has no images: its language model trains text-only, which the vLLM engine "
                          f"does not take; use --rollout.engine hf")
-    return Inputs(sizes, start_step, tokenizer, train, val, sampler, images)
+    scored = bool(any_row) or all(source in RULES for source in train.data_source)
+    if val is not None and not any_row and not all(source in RULES for source in val.data_source):
+        raise ValueError(f"data.val_files: validation scores its rows, and some have no rule scorer (known: "
+                         f"{sorted(RULES)}); set --reward.custom_fn, give them a data_source, or set "
+                         f"--trainer.val_every 0")
+    return Inputs(sizes, start_step, tokenizer, train, val, sampler, images, scored)
+
+
+def check_teacher(cfg: Config, tokenizer: Any) -> None:
+    """distill.teacher: a model folder whose tokenizer has the student's vocabulary (checked before any model loads)."""
+    path = cfg.distill.teacher
+    try:
+        load_config(path, cfg.actor.model.trust_remote_code)
+        teacher_tokenizer = load_tokenizer(path, cfg.actor.model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"distill.teacher={path!r} cannot be loaded ({type(e).__name__}: {str(e)[:200]}); point it "
+                         f"at a model folder with its tokenizer") from None
+    if problem := distill.vocabulary_problem(tokenizer, teacher_tokenizer, path):
+        raise ValueError(problem)
 
 
 def vision_processor(cfg: Config, model_config: Any, tokenizer: Any) -> tuple[VisionProcessor | None, str]:
@@ -293,6 +322,15 @@ def build_models(run: Run, with_ref: bool) -> None:
     elif with_ref:  # the frozen start policy; never a second rollout engine
         run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, kind=run.kind, trainable=False,
                                       packed=packed, lora_cfg=lora_cfg)
+    if distill.enabled(cfg):  # frozen and sharded like the reference; on a GPU it waits on the CPU
+        teacher = dataclasses.replace(cfg.actor.model, path=cfg.distill.teacher, gradient_checkpointing=False)
+        run.teacher = build_sharded_model(teacher, cfg.actor.fsdp, topo, kind=run.kind, trainable=False,
+                                          packed=packed)
+        if distill.offloads(cfg, topo.device):
+            offload_model(run.teacher)
+        run.logger.print(f"distillation: teacher {cfg.distill.teacher}, mode {cfg.distill.mode}"
+                         f"{' (' + cfg.distill.estimator + ')' if cfg.distill.mode == 'loss' else ''}, coef "
+                         f"{cfg.distill.coef}, task reward {'kept' if cfg.distill.task_reward else 'off'}")
     run.engine = build_engine(run)
 
 

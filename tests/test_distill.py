@@ -1,0 +1,134 @@
+"""On-policy distillation (lib/distill): the teacher's numbers against hand-written formulas, its start-up checks,
+and the runs users launch."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lib.testing import run_distributed
+from tests import zoo
+from tests.helpers import rl_batch
+
+TEMPERATURE = 0.7
+
+
+def _own_log_probs(path: str, data) -> torch.Tensor:
+    """The model's own padded forward at the rollout temperature: log p(response token), (B, R), 0 on padding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    b = data.batch
+    response_len = b["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits[:, -response_len - 1:-1]
+    logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, b["responses"][..., None])[..., 0]
+    return logp * b["response_mask"]
+
+
+def _numbers_body(student: str, teacher: str, estimator: str):
+    from lib import distill
+    from lib.actor import Trainee, compute_log_probs, update_policy
+    from lib.config import ActorConfig, BatchingConfig, ModelConfig, OptimConfig
+    from lib.dist import init_topology
+    from lib.fsdp import build_sharded_model
+    from lib.optim import build_optimizer
+
+    topo = init_topology(device="cpu")
+    cfg = ActorConfig(model=ModelConfig(path=student), optim=OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0),
+                      batching=BatchingConfig(micro_batch_size_per_rank=3), loss_agg_mode="token-mean")
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo)
+    t = build_sharded_model(ModelConfig(path=teacher), cfg.fsdp, topo, trainable=False)
+    data = rl_batch(6, prompt_len=7, response_len=6, seed=5, min_response=1)
+    data.batch["old_log_probs"], _ = compute_log_probs(model, data, cfg.batching, topo, TEMPERATURE)
+    distill.teacher_log_probs(t, data, cfg.batching, topo, TEMPERATURE)
+    g = torch.Generator().manual_seed(1)
+    task = torch.randn(data.batch["response_mask"].shape, generator=g) * data.batch["response_mask"]
+    out = {}
+    for mode, keep in (("reward", False), ("reward", True), ("loss", False)):
+        data.batch["advantages"] = task.clone()
+        run_cfg = SimpleNamespace(distill=SimpleNamespace(teacher=teacher, mode=mode, task_reward=keep, coef=0.5,
+                                                          estimator=estimator))
+        distill.set_advantages(data, run_cfg)
+        out[(mode, keep)] = data.batch["advantages"].clone()
+    metrics = distill.metrics(data)
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    data.batch["advantages"] = out[("loss", False)]
+    update = update_policy(Trainee(model, optimizer, scheduler, topo), data, cfg, TEMPERATURE,
+                           **distill.loss_kwargs(SimpleNamespace(distill=SimpleNamespace(
+                               teacher=teacher, mode="loss", coef=0.5, estimator=estimator))))
+    return {"data": data, "task": task, "out": out, "metrics": metrics, "update": update}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A Qwen2.5-shaped student and a Llama-shaped teacher with the same tokenizer (another architecture)."""
+    root = str(tmp_path_factory.mktemp("distill_zoo"))
+    return zoo.build("qwen2_tied", root), zoo.build("llama", root, seed=1)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_the_teacher_terms_equal_the_formulas(pair, estimator):
+    """Reward mode: each token's advantage is coef * (log p_T - log p_S) from the two models' own forwards (< 1e-6
+    fp32), alone or added to the task's; loss mode: the advantages are zero without the task reward, and the loss
+    term is k1 = log p_S - log p_T or k3 = exp(d) - d - 1 (d = log p_T - log p_S), token-mean over the response."""
+    student, teacher = pair
+    (r,) = run_distributed(_numbers_body, student, teacher, estimator, world_size=1)
+    data, mask = r["data"], r["data"].batch["response_mask"]
+    s, t = _own_log_probs(student, data), _own_log_probs(teacher, data)
+    assert (t - s).abs().max() > 1e-2  # two different models
+    torch.testing.assert_close(data.batch["old_log_probs"], s, rtol=0, atol=1e-6)
+    torch.testing.assert_close(data.batch["teacher_log_probs"], t, rtol=0, atol=1e-6)
+    torch.testing.assert_close(r["out"][("reward", False)], 0.5 * (t - s) * mask, rtol=0, atol=1e-6)
+    torch.testing.assert_close(r["out"][("reward", True)], r["task"] + 0.5 * (t - s) * mask, rtol=0, atol=1e-6)
+    assert torch.equal(r["out"][("loss", False)], torch.zeros_like(mask))
+    d = (t - s)[mask.bool()]
+    k = -d if estimator == "k1" else torch.exp(d) - d - 1
+    assert r["update"]["actor/distill_loss"] == pytest.approx(k.mean().item(), abs=1e-6)
+    assert r["metrics"]["distill/reverse_kl"] == pytest.approx((-d).mean().item(), abs=1e-6)
+    assert r["metrics"]["distill/teacher_logp"] == pytest.approx(t[mask.bool()].mean().item(), abs=1e-6)
+    assert r["metrics"]["distill/student_logp"] == pytest.approx(s[mask.bool()].mean().item(), abs=1e-6)
+
+
+def test_a_teacher_equal_to_the_student_gives_nothing(pair):
+    """The student as its own teacher: zero reverse KL, zero advantages in pure distillation, zero loss term."""
+    student, _ = pair
+    (r,) = run_distributed(_numbers_body, student, student, "k3", world_size=1)
+    assert r["metrics"]["distill/reverse_kl"] == 0.0
+    assert torch.equal(r["out"][("reward", False)], torch.zeros_like(r["task"]))
+    assert r["update"]["actor/distill_loss"] == 0.0
+
+
+def _config(student: str, teacher: str, data: str):
+    from lib.config import Config
+
+    cfg = Config()
+    cfg.actor.model.path, cfg.data.train_files, cfg.data.val_files = student, [data], []
+    cfg.trainer.val_every, cfg.rollout.n, cfg.trainer.train_batch_size = 0, 2, 2
+    cfg.data.max_prompt_length, cfg.rollout.max_response_length = 160, 32
+    cfg.distill.teacher = teacher
+    return cfg
+
+
+def test_a_teacher_that_cannot_score_the_students_tokens_is_refused_before_any_model_loads(pair, tmp_path):
+    """A missing teacher folder, and a teacher whose tokenizer is another (the toy's characters against the zoo's
+    Qwen-style vocabulary): one message naming the fix, from the checks that run before any model loads. Pure
+    distillation's rows need only a prompt (no data_source, no ground truth)."""
+    from lib import toy
+    from lib.startup import check_inputs
+
+    student, _ = pair
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"count to {i}"}]}) + "\n"
+                            for i in range(4)))
+    assert not check_inputs(_config(student, student, str(rows)), 2, False, str(tmp_path / "ok")).scored
+    with pytest.raises(ValueError, match="distill.teacher=.*cannot be loaded.*model folder"):
+        check_inputs(_config(student, str(tmp_path / "nowhere"), str(rows)), 2, False, str(tmp_path / "a"))
+    other = toy.prepare(str(tmp_path / "toy_assets"))["model"]
+    with pytest.raises(ValueError, match="its tokenizer's vocabulary differs from the student's"):
+        check_inputs(_config(student, other, str(rows)), 2, False, str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="distillation runs in train_grpo.py"):
+        check_inputs(_config(student, student, str(rows)), 2, True, str(tmp_path / "c"))
