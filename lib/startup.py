@@ -280,10 +280,13 @@ def check_vision_modes(cfg: Config, train: PromptSet, val: PromptSet | None, nee
 
 
 def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:
-    """``toy`` (``toy_tool``: the tool variant; ``toy_vision``: the visual task) in the model path or data files means the embedded task: rank 0
-    builds it once (``topo`` None: a single process, lib/check.py)."""
-    for name, build in (("toy", toy.prepare), ("toy_tool", toy.prepare_tool), ("toy_vision", vision_toy.prepare)):
-        if not (cfg.actor.model.path == name or name in cfg.data.train_files or name in cfg.data.val_files):
+    """``toy`` (``toy_tool``: the tool variant; ``toy_vision``: the visual task; ``toy_teacher``: distillation's
+    teacher) in the model path, data files or distill.teacher means the embedded task: rank 0 builds it once
+    (``topo`` None: a single process, lib/check.py)."""
+    for name, build in (("toy", toy.prepare), ("toy_tool", toy.prepare_tool), ("toy_vision", vision_toy.prepare),
+                        ("toy_teacher", toy.prepare_teacher)):
+        if not (cfg.actor.model.path == name or name in cfg.data.train_files or name in cfg.data.val_files
+                or cfg.distill.teacher == name):
             continue
         assets = os.path.join(cfg.trainer.output_root, f"{name}_assets")
         if topo is None or topo.is_main:
@@ -293,6 +296,8 @@ def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:
         paths = build(assets, seed=0)  # already built: just the paths
         if cfg.actor.model.path == name:
             cfg.actor.model.path = paths["model"]
+        if cfg.distill.teacher == name:
+            cfg.distill.teacher = paths["model"]
         cfg.data.train_files = [paths["train"] if f == name else f for f in cfg.data.train_files]
         cfg.data.val_files = [paths["val"] if f == name else f for f in cfg.data.val_files]
 

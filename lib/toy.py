@@ -126,6 +126,25 @@ def build_policy(tokenizer, train_pairs, seed: int = 0, warm_steps: int = 60, he
     return model
 
 
+TEACHER_STEPS = 240
+"""Supervised steps of the toy teacher (the student starts from 60 of them): held-out greedy reward 0.86 at 160
+steps, 1.0 at 400, measured on the 2-core machine."""
+
+
+def prepare_teacher(path: str = "runs/toy_teacher_assets", seed: int = 0, steps: int = TEACHER_STEPS
+                    ) -> dict[str, str]:
+    """Build (once) on-policy distillation's toy teacher (``distill.teacher toy_teacher``): the toy policy with the
+    student's tokenizer, supervised on the task for ``steps`` steps, and the same data files."""
+    def build(tmp: str) -> None:
+        tokenizer = build_tokenizer(os.path.join(tmp, "model"))
+        train_pairs, val_pairs = split_pairs(seed)
+        write_jsonl(os.path.join(tmp, "data", "train.jsonl"), train_pairs, repeats=1)
+        write_jsonl(os.path.join(tmp, "data", "val.jsonl"), val_pairs, repeats=1)
+        build_policy(tokenizer, train_pairs, seed, steps).save_pretrained(os.path.join(tmp, "model"))
+
+    return build_once(path, build)
+
+
 def _complete(path: str, data: str = "jsonl") -> bool:
     return (os.path.exists(os.path.join(path, "model", "model.safetensors"))
             and os.path.exists(os.path.join(path, "data", f"val.{data}")))

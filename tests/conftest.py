@@ -29,7 +29,8 @@ def pytest_collection_modifyitems(config, items):
 # The embedded tasks' builds (lib/toy.py, lib/vision/toy.py): deterministic, and slow to make (the tool task's
 # warm start takes most of a minute on 2 cores). A session builds each once, on first use, and links it into the
 # output root of every test that may run it; a run finds its assets there as if it had built them.
-BUILDS = {"toy_assets": toy.prepare, "toy_tool_assets": toy.prepare_tool, "toy_vision_assets": vision_toy.prepare}
+BUILDS = {"toy_assets": toy.prepare, "toy_tool_assets": toy.prepare_tool, "toy_vision_assets": vision_toy.prepare,
+          "toy_teacher_assets": toy.prepare_teacher}
 
 
 @pytest.fixture(scope="session")
@@ -60,5 +61,6 @@ def _shared_toy_assets(request):
         return
     node = request.node.nodeid.lower()
     names = ["toy_assets"] + (["toy_tool_assets"] if "tool" in node else []) \
-        + (["toy_vision_assets"] if "vision" in node or "_vl_" in node else [])
+        + (["toy_vision_assets"] if "vision" in node or "_vl_" in node else []) \
+        + (["toy_teacher_assets"] if "distill" in node or "opd" in node else [])
     link_assets(request.getfixturevalue("shared_assets_dir"), names, request.getfixturevalue("tmp_path"))

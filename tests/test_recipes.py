@@ -111,6 +111,8 @@ def _preset_args(name):
             "--actor.optim.lr", "1e-4", *STEPS]
     if toy == "toy_vision":  # the toy's own 56 x 56 images (the preset's pixel bounds are a real model's)
         args += ["--actor.model.min_pixels", "0", "--actor.model.max_pixels", "0"]
+    if preset.get("distill", {}).get("teacher"):  # the toy's teacher (lib/toy.py prepare_teacher)
+        args += ["--distill.teacher", "toy_teacher"]
     if preset.get("trainer", {}).get("sp_size", 1) > 1:
         args += ["--trainer.sp_size", "2"]
     if preset.get("algorithm", {}).get("overlong_buffer"):
