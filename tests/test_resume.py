@@ -90,8 +90,13 @@ TOOLS = ("--config", "tiny_cpu_grpo_tools", "--rollout.n", "4")
 VISION = ("--config", "tiny_cpu_grpo_vision", "--rollout.n", "4")
 
 
+# on-policy distillation (the toy teacher): the teacher's log-probs and the student's update through checkpoint and
+# resume (the teacher itself is never checkpointed: it is the frozen model of distill.teacher)
+DISTILL = ("--config", "tiny_cpu_opd", "--rollout.n", "4")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), LORA, TOOLS, VISION], ids=["full", "lora", "tools", "vision"])
+@pytest.mark.parametrize("extra", [(), LORA, TOOLS, VISION, DISTILL], ids=["full", "lora", "tools", "vision", "distill"])
 def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
     args = (*ARGS, *extra)
     reference = subprocess.run(command(tmp_path, "--trainer.total_steps", "6", *args, name="whole"), cwd=ROOT,
@@ -122,6 +127,8 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
         assert all(r["multi_turn/tool_calls_mean"] > 0.5 for r in got if "multi_turn/tool_calls_mean" in r)
     if extra is VISION:
         assert all(r["vision/images_per_sample"] == 1.0 for r in got if "vision/images_per_sample" in r)
+    if extra is DISTILL:
+        assert all(r["distill/reverse_kl"] > 0 for r in got if "distill/reverse_kl" in r)
     assert [r["step"] for r in got] == [r["step"] for r in want]  # no step twice, none missing
     for a, b in zip(got, want):
         assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}

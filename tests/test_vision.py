@@ -368,7 +368,9 @@ def _sp_body(path: str, sp: int):
     return {"logp": logp, "entropy": entropy, "metrics": metrics, "weights": weights if topo.is_main else None}
 
 
-@pytest.mark.parametrize("name", CASES)
+# Qwen3-VL (deepstack features cut per slice) and Qwen3.5 (linear-attention layers gathering the sequence); Qwen2-VL
+# runs at sp=2 end to end in the preset test below (measured: Qwen2-VL and Qwen2.5-VL pass here too)
+@pytest.mark.parametrize("name", [n for n in CASES if n in ("qwen3_vl", "qwen3_5_vl")])
 def test_sequence_parallel_on_image_rows_equals_one_rank(name, vision_root):
     """Ulysses sp=2 against sp=1, gradient checkpointing on: every SP rank runs the vision tower and merges the
     features of its own slice's image tokens (Qwen3-VL's deepstack features too); log-probs, entropy, the update's
