@@ -85,7 +85,9 @@ def _idle_tower(model: nn.Module, vision: dict[str, Tensor], input_ids: Tensor) 
     """A vision-language model's micro-batch without images still runs its vision tower, on ``blank_image``, whose
     features are then cut to none (``_images_cut_to_slice``): the tower's FSDP units gather and reduce on every rank
     alike (a rank that skipped them would hang the others), and the rows' numbers are those of the text alone."""
-    if vision or not has_vision(model.config):
+    if vision or getattr(model, BANNED_ATTR, None) is None or not has_vision(model.config):
+        # images of its own, or not built as the vision-language class (lib.fsdp marks that one; a whole
+        # checkpoint's language model trained text-only keeps the whole config but has no tower)
         return vision, contextlib.nullcontext()
     return blank_image(model.config, input_ids.device), _images_cut_to_slice(model, input_ids, 0, 0)
 
