@@ -414,7 +414,7 @@ def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(tmp_path
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
     assert all(r["vision/images_per_sample"] == 1.0 and r["vision/image_tokens_mean"] == 4.0 for r in rows)
     # the tower's share of the update: measured (its forward and backward), a fraction; its share of the parameters
-    assert all(0 < r["vision/tower_time_share"] < 1 and 0 < r["vision/tower_param_share"] < 1 for r in rows), rows
+    assert all(0 < r["timing/vision_tower_share"] < 1 and 0 < r["vision/tower_param_share"] < 1 for r in rows), rows
     model_path = str(tmp_path / "toy_vision_assets" / "model")
     exported = AutoModelForImageTextToText.from_pretrained(run / "hf_final", dtype=torch.float32).eval()
     state = load_checkpoint(str(run / "checkpoints" / "step_2"), "actor", model_path)

@@ -1,12 +1,13 @@
-"""What the vision tower costs in a policy update: ``vision/tower_time_share`` and ``vision/tower_param_share``.
+"""What the vision tower costs in a policy update: ``timing/vision_tower_share`` (a wall-clock share, logged with the
+stage times) and ``vision/tower_param_share``.
 
 Time: the tower's forward passes and its backward, over the block's wall time. Its backward starts when the gradient
 of its output arrives and ends when the gradient of its input (the pixel patches, made to require one for this)
 has been computed; a forward that runs inside that interval (gradient checkpointing's recomputation) is not counted
 twice. On a GPU each boundary synchronises the device, so the intervals are the kernels' and not the launches'.
 Memory: the tower's share of the trained parameters, which is its share of the weights, gradients and optimizer
-state; on a GPU also ``vision/tower_activation_gb``, the memory its forward passes leave allocated (what backward
-keeps of them), summed over the block.
+state; on a GPU also ``memory/vision_tower_activation_gb``, the memory its forward passes leave allocated (what
+backward keeps of them), summed over the block.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def tower_clock(model: nn.Module, metrics: dict[str, float]) -> Iterator[None]:
     params = [p for p in model.parameters() if p.requires_grad]
     tower = {id(p) for m in mods for p in m.parameters() if p.requires_grad}
     total = sum(p.numel() for p in params)
-    metrics["vision/tower_time_share"] = state["seconds"] / max(elapsed, 1e-9)
+    metrics["timing/vision_tower_share"] = state["seconds"] / max(elapsed, 1e-9)
     metrics["vision/tower_param_share"] = sum(p.numel() for p in params if id(p) in tower) / max(total, 1)
     if cuda:
-        metrics["vision/tower_activation_gb"] = state["memory"] / 2**30
+        metrics["memory/vision_tower_activation_gb"] = state["memory"] / 2**30
