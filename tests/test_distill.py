@@ -179,3 +179,30 @@ def test_a_lora_student_with_a_teacher(tmp_path):
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
     assert all(r["actor/distill_loss"] > 0 and r["distill/reverse_kl"] > 0 and r["actor/kl_loss"] >= 0
                for r in rows), rows
+
+
+def _teacher_body(teacher: str, sp: int):
+    from lib import distill
+    from lib.config import BatchingConfig, FSDPConfig, ModelConfig
+    from lib.dist import init_topology
+    from lib.fsdp import build_sharded_model
+
+    topo = init_topology(device="cpu", sp_size=sp)
+    t = build_sharded_model(ModelConfig(path=teacher), FSDPConfig(shard_size=0), topo, trainable=False)
+    data = rl_batch(8, prompt_len=7, response_len=6, seed=9, min_response=1)
+    dp_rank, dp = topo.rank // sp, topo.world_size // sp
+    local = data[dp_rank * 8 // dp:(dp_rank + 1) * 8 // dp]
+    distill.teacher_log_probs(t, local, BatchingConfig(micro_batch_size_per_rank=2), topo, TEMPERATURE)
+    return local.batch["teacher_log_probs"]
+
+
+def test_the_teachers_log_probs_do_not_depend_on_ranks_or_sequence_parallelism(pair):
+    """The teacher sharded over 2 ranks (each scoring its half of the rows) and split over an SP group of 2 gives
+    the log-probs of one rank."""
+    _, teacher = pair
+    (one,) = run_distributed(_teacher_body, teacher, 1, world_size=1)
+    two = run_distributed(_teacher_body, teacher, 1, world_size=2)
+    sp = run_distributed(_teacher_body, teacher, 2, world_size=2)
+    torch.testing.assert_close(torch.cat(two), one, rtol=1e-5, atol=1e-5)
+    for r in sp:
+        torch.testing.assert_close(r, one, rtol=1e-5, atol=1e-5)
