@@ -35,7 +35,6 @@ from lib.dist import sum_over_ranks
 from lib.runlog import stage
 from lib.protocol import DataProto
 from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
-from lib.distill import teacher_log_probs
 from lib.scoring import no_scores, score
 from lib.vision.clock import tower_clock
 from lib.startup import Run
@@ -132,8 +131,8 @@ def main(argv: list[str]) -> None:
                 policy_log_probs(run, batch)
             if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
                 with stage("teacher", metrics):
-                    teacher_log_probs(run.teacher, batch, cfg.actor.batching, run.topo, cfg.rollout.temperature,
-                                      distill.offloads(cfg, run.topo.device))
+                    distill.teacher_log_probs(run.teacher, batch, cfg.actor.batching, run.topo,
+                                              cfg.rollout.temperature, distill.offloads(cfg, run.topo.device))
                 metrics.update(distill.metrics(batch))
             compute_advantages(run, batch, kl_ctrl, metrics)
             with stage("update", metrics), tower_clock(run.actor.model, metrics):  # its share, with images

@@ -31,7 +31,7 @@ from torch import nn
 from lib import attention, ulysses
 from lib.logprobs import log_probs_from_logits
 from lib.protocol import DataProto
-from lib.vision import BANNED_ATTR, ban, blank_image, concat_features, has_vision
+from lib.vision import BANNED_ATTR, ban, blank_image, concat_features
 from lib.vision.rope import with_text_row
 
 Tensor = torch.Tensor
@@ -81,14 +81,17 @@ def vision_inputs(micro: DataProto) -> dict[str, Tensor]:
     return concat_features(micro.non_tensor_batch.get("multi_modal"), micro.batch["input_ids"].device)
 
 
-def _idle_tower(model: nn.Module, vision: dict[str, Tensor], input_ids: Tensor) -> tuple[dict, Any]:
-    """A vision-language model's micro-batch without images still runs its vision tower, on ``blank_image``, whose
-    features are then cut to none (``_images_cut_to_slice``): the tower's FSDP units gather and reduce on every rank
-    alike (a rank that skipped them would hang the others), and the rows' numbers are those of the text alone."""
-    if vision or getattr(model, BANNED_ATTR, None) is None or not has_vision(model.config):
-        # images of its own, or not built as the vision-language class (lib.fsdp marks that one; a whole
-        # checkpoint's language model trained text-only keeps the whole config but has no tower)
-        return vision, contextlib.nullcontext()
+def _tower(model: nn.Module, vision: dict[str, Tensor], input_ids: Tensor, cut: tuple[int, int] | None = None
+           ) -> tuple[dict[str, Tensor], Any]:
+    """The image inputs of one model call and the context it runs in. With images: all of them, their features cut to
+    the slice ``cut`` (start, length) of an SP rank. Without: a model built as the vision-language class (lib.fsdp
+    marks it with BANNED_ATTR; a whole checkpoint's language model trained text-only has no tower) still runs its
+    tower, on ``blank_image`` cut to nothing, so that the tower's FSDP units gather and reduce on every rank alike (a
+    rank that skipped them would hang the others) while the rows' numbers are those of their text alone."""
+    if vision:
+        return vision, contextlib.nullcontext() if cut is None else _images_cut_to_slice(model, input_ids, *cut)
+    if getattr(model, BANNED_ATTR, None) is None:
+        return {}, contextlib.nullcontext()
     return blank_image(model.config, input_ids.device), _images_cut_to_slice(model, input_ids, 0, 0)
 
 
@@ -145,8 +148,8 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
         kw = {"logits_to_keep": p.keep} if lm_head else {}
         if attention.uses_packed_attention(model):  # the sequence bounds travel with the call (see attention.py)
             kw[attention.KWARG] = attention.packing(p.position_ids)
-        vision, idle = _idle_tower(model, vision or {}, p.input_ids)
-        with idle:
+        vision, around = _tower(model, vision or {}, p.input_ids)
+        with around:
             out = model(input_ids=p.input_ids, position_ids=with_text_row(p.position_ids, p.rope), attention_mask=None,
                         use_cache=False, **kw, **vision)
         logits = out.logits[0] if lm_head else out.logits[0, p.keep]
@@ -157,11 +160,10 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
     kw = {"logits_to_keep": local_keep} if lm_head else {}
     kw[attention.KWARG] = attention.packing(full_pos, sp.sp_group)
     rope = None if p.rope is None else _slice_rope(p.rope, full_pos, start, ids.shape[1])
-    had_images = bool(vision)
-    vision, idle = _idle_tower(model, vision or {}, p.input_ids)
-    with _images_cut_to_slice(model, p.input_ids, start, ids.shape[1]) if had_images else idle:
+    vision, around = _tower(model, vision or {}, p.input_ids, (start, ids.shape[1]))
+    with around:
         out = model(input_ids=ids, position_ids=with_text_row(pos, rope), attention_mask=None, use_cache=False, **kw,
-                    **(vision or {}))
+                    **vision)
     return (out.logits[0] if lm_head else out.logits[0, local_keep]), sel
 
 
@@ -188,8 +190,8 @@ def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 
         if with_entropy:
             entropy = torch.zeros_like(logp).masked_scatter(p.response_valid, ent_k)
         return logp, entropy
-    vision, idle = _idle_tower(model, vision, b["input_ids"])
-    with idle:
+    vision, around = _tower(model, vision, b["input_ids"])
+    with around:
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")), use_cache=False,
                        logits_to_keep=response_len + 1, **vision).logits[:, :-1]  # (B, R, V)

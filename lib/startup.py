@@ -225,12 +225,14 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
         raise ValueError(f"{cfg.actor.model.path} is a whole vision-language checkpoint ({model_config.model_type}) "
                          f"and the data has no images: its language model trains text-only, which the vLLM engine "
                          f"does not take; use --rollout.engine hf")
-    scored = bool(any_row) or all(source in RULES for source in train.data_source)
-    if val is not None and not any_row and not all(source in RULES for source in val.data_source):
+    def scorable(prompts: PromptSet) -> bool:
+        return bool(any_row) or all(source in RULES for source in prompts.data_source)
+
+    if val is not None and not scorable(val):
         raise ValueError(f"data.val_files: validation scores its rows, and some have no rule scorer (known: "
                          f"{sorted(RULES)}); set --reward.custom_fn, give them a data_source, or set "
                          f"--trainer.val_every 0")
-    return Inputs(sizes, start_step, tokenizer, train, val, sampler, images, scored)
+    return Inputs(sizes, start_step, tokenizer, train, val, sampler, images, scorable(train))
 
 
 def check_teacher(cfg: Config, tokenizer: Any) -> None:

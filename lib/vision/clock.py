@@ -57,8 +57,9 @@ def tower_clock(model: nn.Module, metrics: dict[str, float]) -> Iterator[None]:
         if trained and torch.is_grad_enabled() and torch.is_tensor(pixels) and pixels.is_floating_point():
             pixels = pixels.detach().requires_grad_()
             pixels.register_hook(ended)
-            args = (pixels, *args[1:]) if args else args
-            if not args:
+            if args:
+                args = (pixels, *args[1:])
+            else:
                 kwargs = {**kwargs, "hidden_states": pixels}
         return args, kwargs
 
