@@ -132,7 +132,8 @@ def main(argv: list[str]) -> None:
             if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
                 with stage("teacher", metrics):
                     distill.teacher_log_probs(run.teacher, batch, cfg.actor.batching, run.topo,
-                                              cfg.rollout.temperature, distill.offloads(cfg, run.topo.device))
+                                              cfg.rollout.temperature, distill.offloads(cfg, run.topo.device),
+                                              distill.topk(cfg))
                 metrics.update(distill.metrics(batch))
             compute_advantages(run, batch, kl_ctrl, metrics)
             with stage("update", metrics), tower_clock(run.actor.model, metrics):  # its share, with images

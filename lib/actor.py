@@ -10,6 +10,7 @@ rollout_is_weights (rollout correction).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,36 +19,51 @@ from torch import nn
 from lib import algos
 from lib.config import ActorConfig, BatchingConfig
 from lib.dist import Topology
-from lib.forward import model_rows, response_log_probs
+from lib.forward import model_rows, response_log_probs, response_top_log_probs
 from lib.protocol import DataProto
 from lib.update import (Trainee, accumulation_steps, split_micro, finish_update, gather_sp, loss_scale,
                         step_and_record)
 
-__all__ = ["Trainee", "compute_log_probs", "update_policy"]
+__all__ = ["Trainee", "compute_log_probs", "compute_top_log_probs", "update_policy"]
 
 
 @torch.no_grad()
 def compute_log_probs(model: nn.Module, data: DataProto, batching: BatchingConfig, topo: Topology,
                       temperature: float = 1.0, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Response log-probs (B, R) (and entropy) for every row of ``data``, in the rows' order."""
-    data, mine = gather_sp(model_rows(data), topo)
-    logp, entropy = _gathered_log_probs(model, data, batching, topo, temperature, with_entropy)
-    return logp[mine], (entropy[mine] if entropy is not None else None)
+    return _per_row(model_rows(data), batching, topo, lambda m: response_log_probs(
+        model, m, temperature, batching.use_remove_padding, with_entropy, sp=topo))
 
 
 @torch.no_grad()
-def _gathered_log_probs(model: nn.Module, data: DataProto, batching: BatchingConfig, topo: Topology,
-                        temperature: float, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """compute_log_probs for rows the SP group already shares (all of them are returned)."""
+def compute_top_log_probs(model: nn.Module, data: DataProto, batching: BatchingConfig, topo: Topology, k: int,
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Response log-probs (B, R), and the model's k most likely tokens at each response position (their log-probs with
+    the other tokens' last, (B, R, k + 1), and ids, (B, R, k)), for every row of ``data``, in the rows' order."""
+    return _per_row(model_rows(data), batching, topo, lambda m: response_top_log_probs(
+        model, m, k, temperature, batching.use_remove_padding, sp=topo))
+
+
+def _per_row(data: DataProto, batching: BatchingConfig, topo: Topology,
+             forward: Callable[[DataProto], tuple[torch.Tensor | None, ...]]) -> tuple[torch.Tensor | None, ...]:
+    """``forward``'s per-row outputs for this rank's rows, in their order: the SP group's rows gathered, cut in
+    micro-batches by the batching config, and this rank's own taken back."""
+    data, mine = gather_sp(data, topo)
+    return tuple(o[mine] if o is not None else None for o in _gathered(data, batching, topo, forward))
+
+
+@torch.no_grad()
+def _gathered(data: DataProto, batching: BatchingConfig, topo: Topology,
+              forward: Callable[[DataProto], tuple[torch.Tensor | None, ...]]) -> tuple[torch.Tensor | None, ...]:
+    """_per_row for rows the SP group already shares (all of them are returned)."""
     pieces, restore = split_micro(data, batching, topo)
-    outs = [response_log_probs(model, m.to(topo.device), temperature, batching.use_remove_padding, with_entropy,
-                               sp=topo) for m in pieces]
-    logp = torch.cat([o[0] for o in outs]) if outs else torch.zeros(0)
-    entropy = torch.cat([o[1] for o in outs]) if with_entropy and outs else None
+    outs = [forward(m.to(topo.device)) for m in pieces]
+    if not outs:
+        return torch.zeros(0), None
+    joined = [torch.cat(col) if col[0] is not None else None for col in zip(*outs)]
     if restore is not None:
-        logp = logp[torch.as_tensor(restore, device=logp.device)]
-        entropy = entropy[torch.as_tensor(restore, device=logp.device)] if entropy is not None else None
-    return logp, entropy
+        joined = [o[torch.as_tensor(restore, device=o.device)] if o is not None else None for o in joined]
+    return tuple(joined)
 
 
 def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature: float = 1.0,
@@ -56,7 +72,8 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
     """``ppo_epochs`` x mini-batches x micro-batches with gradient accumulation; one lr-schedule step.
     Returns metrics averaged over steps and reduced over the data-parallel ranks. ``teacher_kl`` (coef, estimator):
     on-policy distillation's loss mode (lib/distill), coef x the aggregated KL estimate between the current
-    log-probs and the batch's ``teacher_log_probs`` added to the loss."""
+    log-probs and the batch's ``teacher_log_probs`` added to the loss; estimator ``topk``: the KL over the teacher's
+    top-k tokens and the rest (``teacher_topk_ids``, ``teacher_topk_log_probs``; lib.algos.partition_kl)."""
     topo, model = actor.topo, actor.model
     # old log-probs missing: the policy before this update is the one of the first mini-batch's forward, so
     # that mini-batch uses its own log-probs (detached, ratio 1) and the others get theirs by a no-grad pass
@@ -70,7 +87,8 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
     def old_log_probs_after_the_first(minis: list[DataProto]) -> None:
         for mini in minis[1:]:
             rows = model_rows(mini)
-            mini.batch["old_log_probs"] = _gathered_log_probs(model, rows, cfg.batching, topo, temperature)[0]
+            mini.batch["old_log_probs"] = _gathered(rows, cfg.batching, topo, lambda m: response_log_probs(
+                model, m, temperature, cfg.batching.use_remove_padding, sp=topo))[0]
 
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
     # unset (None) clip bounds leave the loss's own defaults (preflight.resolve fills them for a run)
@@ -86,8 +104,11 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
         for micro in pieces:
             b = micro.batch
             mask = b["response_mask"].to(torch.float32)
+            topk = teacher_kl is not None and teacher_kl[1] == "topk"  # also the student's log-probs at its ids
             logp, entropy = response_log_probs(model, micro, temperature, cfg.batching.use_remove_padding,
-                                               with_entropy=True, sp=topo)
+                                               with_entropy=True, sp=topo, at=b["teacher_topk_ids"] if topk else None)
+            if topk:
+                logp, at_teacher_top = logp[..., 0], algos.with_tail(logp[..., 1:])
             old = b["old_log_probs"] if "old_log_probs" in b else logp.detach()
             agg = {"num_global_tokens": num_tokens, "num_global_seqs": num_seqs,
                    "norm_constant": cfg.loss_scale_factor or None}
@@ -105,8 +126,9 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
                 step_metrics["actor/kl_loss"] += kl.detach()
             if teacher_kl is not None:
                 coef, estimator = teacher_kl
-                kl = algos.agg_loss(algos.kl_penalty(logp, b["teacher_log_probs"], estimator), mask,
-                                    cfg.loss_agg_mode, **agg)
+                per_token = (algos.partition_kl(at_teacher_top, b["teacher_topk_log_probs"]) if topk else
+                             algos.kl_penalty(logp, b["teacher_log_probs"], estimator))
+                kl = algos.agg_loss(per_token, mask, cfg.loss_agg_mode, **agg)
                 loss = loss + coef * kl
                 step_metrics["actor/distill_loss"] += kl.detach()
             (loss * loss_scale(topo)).backward()

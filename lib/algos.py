@@ -369,6 +369,25 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, estimator: str) -> Tensor
     return k2 - k2.detach() + value.detach()
 
 
+TAIL_FLOOR = 1e-30
+"""The smallest probability the coarsened KL below works with (log -69.1): a tail that rounds to zero or below."""
+
+
+def with_tail(log_top: Tensor) -> Tensor:
+    """(..., k) log-probs of k distinct tokens -> (..., k + 1): all the other tokens as one more outcome, with
+    log(1 - the k probabilities' sum), floored at TAIL_FLOOR."""
+    rest = (1 - log_top.exp().sum(-1, keepdim=True)).clamp(min=TAIL_FLOOR).log()
+    return torch.cat([log_top, rest], -1)
+
+
+def partition_kl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """KL(p || q) = sum_c p_c (log p_c - log q_c) over the last dim, where both are log-probs of the same outcomes that
+    cover the whole vocabulary (``with_tail``); log-probs below log TAIL_FLOOR count as TAIL_FLOOR. (...)."""
+    floor = float(np.log(TAIL_FLOOR))
+    log_p, log_q = log_p.clamp(min=floor), log_q.clamp(min=floor)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
 def apply_kl_penalty(token_level_scores: Tensor, log_prob: Tensor, ref_log_prob: Tensor, response_mask: Tensor,
                      beta: float, estimator: str = "k1") -> tuple[Tensor, Tensor]:
     """KL in the reward: rewards = scores - beta * kl * mask. Returns (rewards (B, T), per-sequence mean KL (B,));

@@ -213,9 +213,14 @@ class DistillConfig:
     mode: Literal["reward", "loss"] = "reward"
     """reward: each sampled token's reward is coef * (log p_teacher - log p_student), discount 0 (the token's own
     advantage); loss: coef * a KL estimate on the student's own samples is added to the policy loss."""
-    estimator: Literal["k1", "k3"] = "k3"
-    """The loss mode's per-token estimate of KL(student || teacher) on a sampled token, with d = log p_teacher - log
-    p_student: k1 = -d; k3 = exp(d) - d - 1 (clamped like algorithm.kl_penalty's low_var_kl)."""
+    estimator: Literal["k1", "k3", "topk"] = "k3"
+    """The loss mode's per-token term, an estimate of KL(student || teacher) at each response position. On the
+    sampled token, with d = log p_teacher - log p_student: k1 = -d; k3 = exp(d) - d - 1 (clamped like
+    algorithm.kl_penalty's low_var_kl). topk: the exact KL(student || teacher) between the two distributions coarsened
+    to topk + 1 outcomes: the teacher's `topk` most likely tokens at that position, and all other tokens as one; a
+    lower bound of the whole reverse KL, equal to it at topk = the vocabulary size (lib.algos.partition_kl)."""
+    topk: int = 16
+    """The teacher's tokens per position that estimator=topk keeps (its log-probs of those and of the rest)."""
     coef: float = 1.0
     """Weight of the teacher term."""
     task_reward: bool = False

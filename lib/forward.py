@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lib import attention, ulysses
-from lib.logprobs import log_probs_from_logits
+from lib.logprobs import log_probs_from_logits, top_log_probs
 from lib.protocol import DataProto
 from lib.vision import BANNED_ATTR, ban, blank_image, concat_features
 from lib.vision.rope import with_text_row
@@ -167,38 +167,61 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
     return (out.logits[0] if lm_head else out.logits[0, local_keep]), sel
 
 
-def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 1.0, packed: bool = True,
-                       with_entropy: bool = False, sp: Any = None) -> tuple[Tensor, Tensor | None]:
-    """log p(response token) (B, R) float32, and the entropy (B, R) if asked; zero where the response is padding.
-    ``sp``: the Topology, to split each packed row over its sequence-parallel group (always packed then)."""
+def _response_outputs(model: nn.Module, micro: DataProto, fn: Callable[[Tensor, Tensor], tuple[Tensor | None, ...]],
+                      labels: Tensor, packed: bool, sp: Any) -> tuple[Tensor | None, ...]:
+    """``fn(logits (N, V), labels (N, ...))`` -> tensors (N, ...) (or None) at the N response positions of the
+    micro-batch, each returned as (B, R, ...) with zeros where the response is padding. ``labels``: (B, R, ...)."""
     b = micro.batch
-    responses = b["responses"]
-    response_len = responses.shape[1]
+    response_len = b["responses"].shape[1]
     vision = vision_inputs(micro)
     if packed or (sp is not None and sp.sp_size > 1):
         p = pack(b["input_ids"], b["attention_mask"], b["position_ids"], response_len, b.get("rope_position_ids"))
         logits, sel = _run_packed(model, p, sp, lm_head=True, vision=vision)  # (k, V)
-        logits = ban(logits, getattr(model, BANNED_ATTR, None))
-        labels = responses[p.response_valid][sel]
-        logp_k, ent_k = log_probs_from_logits(logits, labels, temperature, with_entropy)
+        outs = fn(ban(logits, getattr(model, BANNED_ATTR, None)), labels[p.response_valid][sel])
         if sp is not None and sp.sp_size > 1:
-            logp_k = _gather_keeps(logp_k, sel, p.keep.numel(), sp.sp_group)
-            ent_k = _gather_keeps(ent_k, sel, p.keep.numel(), sp.sp_group) if with_entropy else None
-        logp = torch.zeros(responses.shape, dtype=logp_k.dtype, device=logp_k.device)
-        logp = logp.masked_scatter(p.response_valid, logp_k)
-        entropy = None
-        if with_entropy:
-            entropy = torch.zeros_like(logp).masked_scatter(p.response_valid, ent_k)
-        return logp, entropy
+            outs = tuple(None if o is None else _gather_keeps(o, sel, p.keep.numel(), sp.sp_group) for o in outs)
+        return tuple(None if o is None else
+                     torch.zeros((*labels.shape[:2], *o.shape[1:]), dtype=o.dtype, device=o.device).index_put(
+                         torch.nonzero(p.response_valid, as_tuple=True), o) for o in outs)
     vision, around = _tower(model, vision, b["input_ids"])
     with around:
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")), use_cache=False,
                        logits_to_keep=response_len + 1, **vision).logits[:, :-1]  # (B, R, V)
     logits = ban(logits, getattr(model, BANNED_ATTR, None))
-    logp, entropy = log_probs_from_logits(logits, responses, temperature, with_entropy)
-    valid = b["attention_mask"][:, -response_len:].to(logp.dtype)
-    return logp * valid, (entropy * valid if with_entropy else None)
+    outs = fn(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, *labels.shape[2:]))
+    valid = b["attention_mask"][:, -response_len:]
+    return tuple(None if o is None else
+                 (o.view(*labels.shape[:2], *o.shape[1:]) * valid.view(*valid.shape, *[1] * (o.dim() - 1)).to(o.dtype))
+                 for o in outs)
+
+
+def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 1.0, packed: bool = True,
+                       with_entropy: bool = False, sp: Any = None, at: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor | None]:
+    """log p(response token) (B, R) float32, and the entropy (B, R) if asked; zero where the response is padding.
+    ``sp``: the Topology, to split each packed row over its sequence-parallel group (always packed then).
+    ``at`` (B, R, m) token ids: the log-probs are (B, R, 1 + m), the response token's first, then those ids' at the
+    same positions (one forward)."""
+    labels = micro.batch["responses"]
+    if at is not None:
+        labels = torch.cat([labels[..., None], at.to(labels.device)], -1)
+    logp, entropy = _response_outputs(
+        model, micro, lambda logits, lab: log_probs_from_logits(logits, lab, temperature, with_entropy), labels,
+        packed, sp)
+    return logp, entropy
+
+
+def response_top_log_probs(model: nn.Module, micro: DataProto, k: int, temperature: float = 1.0, packed: bool = True,
+                           sp: Any = None) -> tuple[Tensor, Tensor, Tensor]:
+    """log p(response token) (B, R), and the model's k most likely tokens at each response position: their log-probs
+    and then the other tokens' together (B, R, k + 1), and their ids (B, R, k) (lib.logprobs.top_log_probs); all zero
+    where the response is padding. No grad."""
+    def fn(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return (log_probs_from_logits(logits, labels, temperature)[0], *top_log_probs(logits, k, temperature))
+
+    with torch.no_grad():
+        return _response_outputs(model, micro, fn, micro.batch["responses"], packed, sp)
 
 
 def response_values(critic: nn.Module, micro: DataProto, packed: bool = True, sp: Any = None) -> Tensor:

@@ -44,13 +44,14 @@ def default_chunk_tokens(logits: Tensor) -> int:
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool, chunk: int):
-        # logits: (N, V) any float dtype; labels: (N,) long
+        # logits: (N, V) any float dtype; labels: (N, m) long, m labels per position
         n = logits.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-        entropy = torch.empty_like(logp) if with_entropy else torch.zeros(0, device=logits.device)
+        logp = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=logits.device) if with_entropy else \
+            torch.zeros(0, device=logits.device)
         for s in range(0, n, chunk):
             lsm = _log_softmax(logits[s:s + chunk], temperature)  # one fused pass
-            logp[s:s + chunk] = lsm.gather(-1, labels[s:s + chunk, None]).squeeze(-1)
+            logp[s:s + chunk] = lsm.gather(-1, labels[s:s + chunk])
             if with_entropy:
                 # H = -sum(p * log p), from log p directly (lse - E_p[z] cancels badly when both are large)
                 entropy[s:s + chunk] = -torch.linalg.vecdot(lsm.exp(), lsm)
@@ -68,18 +69,19 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, logits.shape[0], ctx.chunk):
             e = s + ctx.chunk
             # d/dlogits = d/dz / t: fold 1/t into the incoming gradients instead of a pass over the chunk
-            gl = grad_logp[s:e, None].float() / t
+            gl = grad_logp[s:e].float() / t  # (n, m)
+            total = gl.sum(-1, keepdim=True) if gl.shape[-1] > 1 else gl
             if use_entropy:
                 # d logp_label/dz = onehot - p ; dH/dz = -p * (log p + H)
-                # => g = p * (-gl - ge * (log p + H)) + onehot * gl, built in place in log p's memory
+                # => g = p * (-sum(gl) - ge * (log p + H)) + sum of onehot * gl, built in place in log p's memory
                 lsm = _log_softmax(logits[s:e], t)
                 p = lsm.exp()
                 ge = grad_entropy[s:e, None].float() / t
-                g = lsm.add_(entropy[s:e, None]).mul_(-ge).sub_(gl).mul_(p)
+                g = lsm.add_(entropy[s:e, None]).mul_(-ge).sub_(total).mul_(p)
                 del p, lsm
             else:
-                g = _softmax(logits[s:e], t).mul_(-gl)  # (onehot - p) * gl, the onehot part below
-            g.scatter_add_(-1, labels[s:e, None], gl)
+                g = _softmax(logits[s:e], t).mul_(-total)  # (onehot - p) * gl, the onehot parts below
+            g.scatter_add_(-1, labels[s:e], gl)
             grad[s:e] = g
             del g
         return grad, None, None, None, None
@@ -89,12 +91,32 @@ def log_probs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1
                           chunk_tokens: int | None = None) -> tuple[Tensor, Tensor | None]:
     """log p(label) under softmax(logits / temperature), and the entropy if asked; float32, shape of labels.
 
-    logits: (..., V); labels: (...) long. Differentiable in logits (both outputs)."""
-    shape = labels.shape
+    logits: (..., V); labels: (...) long, or (..., m): m labels at each position (the entropy is then (...)).
+    Differentiable in logits (both outputs)."""
+    shape, lead = labels.shape, logits.shape[:-1]
     flat_logits = logits.reshape(-1, logits.shape[-1])
     chunk = chunk_tokens or default_chunk_tokens(flat_logits)
-    logp, entropy = _ChunkedLogProbs.apply(flat_logits, labels.reshape(-1), float(temperature), with_entropy, chunk)
-    return logp.view(shape), (entropy.view(shape) if with_entropy else None)
+    flat_labels = labels.reshape(flat_logits.shape[0], -1)
+    logp, entropy = _ChunkedLogProbs.apply(flat_logits, flat_labels, float(temperature), with_entropy, chunk)
+    return logp.view(shape), (entropy.view(lead) if with_entropy else None)
+
+
+@torch.no_grad()
+def top_log_probs(logits: Tensor, k: int, temperature: float = 1.0, chunk_tokens: int | None = None
+                  ) -> tuple[Tensor, Tensor]:
+    """The k most likely tokens under softmax(logits / temperature) at each position: log-probs (..., k + 1) float32,
+    the k highest first, then all the other tokens' together (logsumexp, -inf at k = V); and the k ids (..., k).
+    No grad."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    chunk = chunk_tokens or default_chunk_tokens(flat)
+    values = torch.empty((flat.shape[0], k + 1), dtype=torch.float32, device=flat.device)
+    ids = torch.empty((flat.shape[0], k), dtype=torch.long, device=flat.device)
+    for s in range(0, flat.shape[0], chunk):
+        lsm = _log_softmax(flat[s:s + chunk], temperature)
+        values[s:s + chunk, :k], ids[s:s + chunk] = lsm.topk(k, dim=-1)
+        values[s:s + chunk, k] = lsm.scatter_(-1, ids[s:s + chunk], float("-inf")).logsumexp(-1)
+        del lsm
+    return values.view(*logits.shape[:-1], k + 1), ids.view(*logits.shape[:-1], k)
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:

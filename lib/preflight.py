@@ -261,6 +261,13 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
         problems.append("distill.teacher: on-policy distillation runs in train_grpo.py (no critic); run that script")
     if cfg.distill.teacher and cfg.distill.coef <= 0:
         problems.append(f"distill.coef={cfg.distill.coef} must be > 0")
+    if cfg.distill.teacher and cfg.distill.estimator == "topk":
+        if cfg.distill.mode != "loss":
+            problems.append("distill.estimator=topk is a loss-mode term (reward mode scores the sampled token): set "
+                            "distill.mode=loss, or estimator k1/k3")
+        vocab = getattr(model_config.get_text_config(), "vocab_size", None) if model_config is not None else None
+        if cfg.distill.topk < 1 or (vocab and cfg.distill.topk > vocab):
+            problems.append(f"distill.topk={cfg.distill.topk} must be between 1 and the vocabulary size ({vocab})")
     if cfg.algorithm.overlong_buffer >= r.max_response_length:
         problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} must be below "
                         f"rollout.max_response_length={r.max_response_length}")

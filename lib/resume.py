@@ -24,7 +24,7 @@ from lib import checkpoint
 from lib.runfolder import latest_step, step_dir
 from lib.runlog import stage
 from lib.startup import engine_dtype
-from lib.validation import validate_policy
+from lib.validation import validate_policy, validate_teacher
 
 if TYPE_CHECKING:
     from lib.startup import Run
@@ -63,7 +63,13 @@ def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
     last = latest_step(run.path) if run.cfg.trainer.resume else None
     if last is None:
         if run.val is not None:
-            run.logger.log(0, timed_validation(run, 0))
+            metrics = timed_validation(run, 0)
+            if run.teacher is not None:  # once per run: the score the student is distilled toward
+                with stage("teacher_validation", metrics):
+                    metrics.update(validate_teacher(run))
+                run.logger.print(f"the teacher's own validation score: {metrics['val/teacher/score_mean']:.3f} (the "
+                                 f"student's: {metrics['val/score_mean']:.3f})")
+            run.logger.log(0, metrics)
         return 0
     saved_hash = checkpoint.trainer_state(run.path, last).get("base_hash")
     now_hash = getattr(run.actor.model, "base_hash", None)

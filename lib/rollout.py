@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import numpy as np
 
@@ -30,20 +31,24 @@ def next_batch(run: Run) -> DataProto:
     return batch
 
 
-def generate(run: Run, prompts: DataProto, validate: bool = False) -> tuple[DataProto, dict[str, float]]:
-    """Sync the policy into the engine, generate (n samples per prompt, interleaved), put the engine to sleep."""
+def generate(run: Run, prompts: DataProto, validate: bool = False, other: tuple[Any, Any] | None = None
+             ) -> tuple[DataProto, dict[str, float]]:
+    """Sync the policy into the engine, generate (n samples per prompt, interleaved), put the engine to sleep.
+    ``other``: (a frozen model, an engine of its shape) to generate with instead (distillation's teacher), its
+    parameters left where they are."""
     cfg = run.cfg
+    model, engine, adapter = (run.actor.model, run.engine, run.lora) if other is None else (*other, None)
+    park = cfg.actor.fsdp.param_offload and other is None
     if cfg.actor.fsdp.optimizer_offload:
         move_optimizer(run.actor.optimizer, "cpu")
-    metrics = enter_rollout(run.actor.model, run.engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20,
-                            cfg.actor.fsdp.param_offload, run.lora)
+    metrics = enter_rollout(model, engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20, park, adapter)
     if run.multi_turn is not None:
-        out = run.multi_turn.rollout(run.engine, prompts, validate)
+        out = run.multi_turn.rollout(engine, prompts, validate)
         metrics.update(out.meta_info.pop("multi_turn"))
     else:
-        out = run.engine.generate(prompts, validate=validate)
-    level = run.lora.sleep_level if run.lora is not None else 2
-    exit_rollout(run.actor.model, run.engine, run.topo.device, level, cfg.actor.fsdp.param_offload)
+        out = engine.generate(prompts, validate=validate)
+    level = adapter.sleep_level if adapter is not None else 2
+    exit_rollout(model, engine, run.topo.device, level, park)
     if cfg.actor.fsdp.optimizer_offload:
         move_optimizer(run.actor.optimizer, run.topo.device)
     metrics["perf/rollout_tokens_per_s"] = out.meta_info.get("tokens_per_s", 0.0)

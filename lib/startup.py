@@ -363,12 +363,30 @@ def engine_dtype(run: Run) -> torch.dtype:
     return torch.bfloat16 if run.topo.device.type == "cuda" else torch.float32
 
 
+def _samplings(cfg: Config) -> tuple[SamplingConfig, SamplingConfig]:
+    """The rollout's sampling and validation's."""
+    r = cfg.rollout
+    return (SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n,
+                           max_new_tokens=r.max_response_length, seed=cfg.trainer.seed),
+            SamplingConfig(temperature=r.val_temperature, n=r.val_n, max_new_tokens=r.max_response_length,
+                           seed=cfg.trainer.seed + 1))
+
+
+def build_teacher_engine(run: Run) -> HFEngine:
+    """An HF engine of distill.teacher's shape, with the policy's sampling and its own stop tokens, asleep (the teacher's
+    own validation, lib.validation.validate_teacher, fills and uses it once)."""
+    cfg, topo, path = run.cfg, run.topo, run.cfg.distill.teacher
+    sampling, val = _samplings(cfg)
+    trust = cfg.actor.model.trust_remote_code
+    return HFEngine(load_config(path, trust), topo.device, run.tokenizer.pad_token_id,
+                    stop_token_ids(path, run.tokenizer, trust), sampling, val, dtype=engine_dtype(run),
+                    rank_seed=topo.rollout_dp_rank, attn_implementation=cfg.actor.model.attn_implementation,
+                    batch_tokens=cfg.rollout.hf_batch_tokens, vision=run.vision)
+
+
 def build_engine(run: Run) -> Any:
     cfg, topo, r = run.cfg, run.topo, run.cfg.rollout
-    sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n,
-                              max_new_tokens=r.max_response_length, seed=cfg.trainer.seed)
-    val = SamplingConfig(temperature=r.val_temperature, n=r.val_n, max_new_tokens=r.max_response_length,
-                         seed=cfg.trainer.seed + 1)
+    sampling, val = _samplings(cfg)
     tok = run.tokenizer
     eos = stop_token_ids(cfg.actor.model.path, tok, cfg.actor.model.trust_remote_code)
     run.logger.print(f"stop tokens: {eos} ({', '.join(repr(tok.convert_ids_to_tokens(i)) for i in eos)})")

@@ -8,17 +8,36 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from lib import distill
 from lib.data import collate
+from lib.fsdp import load_model, offload_model
 from lib.rollout import generate
 from lib.scoring import run_scorer
-from lib.startup import Run
+from lib.startup import Run, build_teacher_engine
 
 
-def validate_policy(run: Run, step: int) -> dict[str, float]:
+def validate_teacher(run: Run) -> dict[str, float]:
+    """On-policy distillation's teacher scored as the policy is (validate_policy), once per run, so that the student's
+    curve has its target beside it: ``val/teacher/...``. An HF engine of the teacher's shape holds its weights for
+    this call only (the policy's engine sleeps meanwhile); an offloaded teacher comes to the device for it."""
+    engine = build_teacher_engine(run)
+    offload = distill.offloads(run.cfg, run.topo.device)
+    if offload:
+        load_model(run.teacher, run.topo.device)
+    try:
+        metrics = validate_policy(run, 0, other=(run.teacher, engine))
+    finally:
+        engine.close()
+        if offload:
+            offload_model(run.teacher)
+    return {"val/teacher/" + k.removeprefix("val/"): v for k, v in metrics.items()}
+
+
+def validate_policy(run: Run, step: int, other: tuple[Any, Any] | None = None) -> dict[str, float]:
     """Greedy (or val-sampled) responses to the held-out prompts: ``val/mean@N``, ``val/best@N``, ``val/maj@N``
     over all prompts, and ``val/<data_source>/...`` per source. Every rank generates (the weight sync and the
     engines are collective): a rank left without a row (fewer rows than ranks) generates one row again and
-    drops it."""
+    drops it. ``other``: (model, engine) to score instead of the policy (lib.rollout.generate)."""
     topo, val = run.topo, run.val
     rows = np.arange(len(val))[topo.rank::topo.world_size]
     real = len(rows)
@@ -27,7 +46,7 @@ def validate_policy(run: Run, step: int) -> dict[str, float]:
     prompts = collate(val, rows, run.cfg.data.max_prompt_length, run.tokenizer.pad_token_id)
     prompts.non_tensor_batch["uid"] = rows.astype(object)
     prompts.meta_info["seed_key"] = step
-    out, _ = generate(run, prompts, validate=True)
+    out, _ = generate(run, prompts, validate=True, other=other)
     scored = run_scorer(run, out)
     votes = [a if a is not None else t.strip() for a, t in zip(scored.answers, scored.texts)]
     local = list(zip(out.non_tensor_batch["uid"].tolist(), out.non_tensor_batch["data_source"].tolist(),

@@ -396,3 +396,53 @@ def test_log_probs_without_entropy_and_gradcheck():
     assert ent is None
     torch.testing.assert_close(logp.double(), log_probs_naive(logits, labels, 0.9)[0].double(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(entropy_from_logits(logits), log_probs_naive(logits, labels)[1].float())
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_log_probs_of_several_labels_per_position_match_the_naive_version(with_entropy):
+    """Labels (..., m): m log-probs per position from one pass, each with its gradient (on-policy distillation's
+    student at the teacher's top-k tokens, lib.algos.partition_kl), the entropy still one per position."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(2, 9, 53, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
+    labels = torch.randint(0, 53, (2, 9, 4), generator=g)
+    logp, ent = log_probs_from_logits(logits, labels, 0.8, with_entropy=with_entropy, chunk_tokens=5)
+    assert logp.shape == (2, 9, 4) and (ent is None) != with_entropy
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref_all = torch.log_softmax(ref_logits / 0.8, -1)
+    ref = ref_all.gather(-1, labels)
+    torch.testing.assert_close(logp.double(), ref, rtol=1e-6, atol=1e-6)
+    w = torch.randn(2, 9, 4, generator=g, dtype=torch.float64)
+    loss, ref_loss = (logp * w).sum(), (ref * w).sum()
+    if with_entropy:
+        we = torch.randn(2, 9, generator=g, dtype=torch.float64)
+        loss, ref_loss = loss + (ent * we).sum(), ref_loss - ((ref_all.exp() * ref_all).sum(-1) * we).sum()
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_the_top_k_and_the_coarsened_kl():
+    """top_log_probs: the k largest log-probs, highest first, their ids, and the rest's logsumexp (-inf at k = V).
+    partition_kl over (the teacher's top k + the rest) is the exact KL of the coarsened distributions: at k = V the
+    whole KL(p || q), below it never more, and 0 for p = q."""
+    from lib.algos import partition_kl, with_tail
+    from lib.logprobs import top_log_probs
+
+    g = torch.Generator().manual_seed(6)
+    student, teacher = torch.randn(7, 31, generator=g) * 2, torch.randn(7, 31, generator=g) * 2
+    ls, lt = torch.log_softmax(student.double() / 0.7, -1), torch.log_softmax(teacher.double() / 0.7, -1)
+    full = (ls.exp() * (ls - lt)).sum(-1)
+    for k in (1, 5, 30, 31):
+        top, ids = top_log_probs(teacher, k, 0.7, chunk_tokens=3)
+        assert top.shape == (7, k + 1) and ids.shape == (7, k)
+        torch.testing.assert_close(top[:, :k].double(), lt.topk(k, -1).values, rtol=0, atol=1e-6)
+        rest = lt.scatter(-1, ids, float("-inf")).logsumexp(-1)
+        torch.testing.assert_close(top[:, k].double(), rest.to(top.dtype).double(), rtol=0, atol=1e-6)
+        at_ids = log_probs_from_logits(student, ids, 0.7)[0]
+        kl = partition_kl(with_tail(at_ids), top)
+        coarse_s = torch.cat([ls.gather(-1, ids), (1 - ls.gather(-1, ids).exp().sum(-1, keepdim=True)).log()], -1)
+        coarse_t = torch.cat([lt.gather(-1, ids), rest[:, None]], -1)
+        hand = (coarse_s.exp() * (coarse_s - coarse_t)).sum(-1) if k < 31 else full
+        torch.testing.assert_close(kl.double(), hand, rtol=1e-5, atol=2e-6)  # fp32 sums of terms ~3
+        assert (kl.double() <= full * (1 + 1e-5) + 2e-6).all()
+        assert torch.equal(partition_kl(top, top), torch.zeros(7))

@@ -10,8 +10,14 @@ temperature, the distribution the student sampled from; observation tokens of mu
   configured one. ``-d_t`` is a one-sample estimate of the per-token reverse KL(student || teacher), so the policy
   gradient with these advantages descends it.
 - ``distill.mode=loss``: ``coef * agg(k(t))`` is added to the policy loss (the advantages stay the task's, or zero),
-  ``k`` computed from the current student's log-prob (with its gradient) and the teacher's: ``k1 = -d``, ``k3 = exp(d)
-  - d - 1`` (clamped as lib.algos.kl_k3).
+  ``k`` computed from the current student's log-probs (with their gradient) and the teacher's: on the sampled token
+  ``k1 = -d``, ``k3 = exp(d) - d - 1`` (clamped as lib.algos.kl_k3); or ``topk``, at every response position the exact
+  reverse KL between the student's and the teacher's distributions coarsened to k + 1 outcomes, the teacher's k =
+  ``distill.topk`` most likely tokens S_t and all others as one:
+  ``sum_{c in S_t + rest} p_S(c) (log p_S(c) - log p_T(c))``. The teacher's rest is its exact logsumexp over the
+  other tokens; the student's is ``1 - sum_{S_t} p_S`` (floored at lib.algos.TAIL_FLOOR). A lower bound of the whole
+  reverse KL (coarsening loses information), equal to it at k = the vocabulary size; it uses every token of S_t
+  (not only the sampled one), so its gradient has no sampling noise at the position.
 
 Metrics: ``distill/reverse_kl`` (the mean of ``-d`` over response tokens), ``distill/teacher_logp`` and
 ``distill/student_logp`` (means over response tokens).
@@ -23,13 +29,15 @@ from typing import Any
 
 import torch
 
-from lib.actor import compute_log_probs
+from lib.actor import compute_log_probs, compute_top_log_probs
 from lib.fsdp import load_model, offload_model
 from lib.protocol import DataProto
 
 Tensor = torch.Tensor
 
 TEACHER_KEY = "teacher_log_probs"
+TOPK_KEYS = ("teacher_topk_log_probs", "teacher_topk_ids")
+"""estimator=topk's teacher columns: (B, R, k + 1) log-probs (the k tokens, then the rest) and (B, R, k) ids."""
 
 
 def enabled(cfg: Any) -> bool:
@@ -55,12 +63,17 @@ def offloads(cfg: Any, device: Any) -> bool:
 
 
 def teacher_log_probs(teacher: Any, batch: DataProto, batching: Any, topo: Any, temperature: float,
-                      offload: bool = False) -> None:
-    """The teacher's log-prob of every sampled token, at the rollout temperature, as ``teacher_log_probs``; an
-    offloaded teacher comes to the device for it and goes back."""
+                      offload: bool = False, topk: int = 0) -> None:
+    """The teacher's log-prob of every sampled token, at the rollout temperature, as ``teacher_log_probs``; with
+    ``topk``, from the same forward, its top-k tokens at every response position (TOPK_KEYS). An offloaded teacher
+    comes to the device for it and goes back."""
     if offload:
         load_model(teacher, topo.device)
-    batch.batch[TEACHER_KEY], _ = compute_log_probs(teacher, batch, batching, topo, temperature)
+    if topk:
+        batch.batch[TEACHER_KEY], *top = compute_top_log_probs(teacher, batch, batching, topo, topk, temperature)
+        batch.batch.update(dict(zip(TOPK_KEYS, top)))
+    else:
+        batch.batch[TEACHER_KEY], _ = compute_log_probs(teacher, batch, batching, topo, temperature)
     if offload:
         offload_model(teacher)
 
@@ -81,6 +94,11 @@ def set_advantages(batch: DataProto, cfg: Any) -> None:
     b["advantages"], b["returns"] = adv, adv.clone()
 
 
+def topk(cfg: Any) -> int:
+    """The teacher's tokens per position that the run needs (estimator=topk's k), or 0."""
+    return cfg.distill.topk if cfg.distill.mode == "loss" and cfg.distill.estimator == "topk" else 0
+
+
 def loss_kwargs(cfg: Any) -> dict[str, Any]:
     """What lib.actor.update_policy takes for the loss mode's term (nothing in reward mode or without a teacher)."""
     if not enabled(cfg) or cfg.distill.mode != "loss":
@@ -94,5 +112,6 @@ def metrics(batch: DataProto) -> dict[str, float]:
     mask = b["response_mask"].to(torch.float32)
     n = mask.sum().clamp(min=1)
     teacher, student = (b[TEACHER_KEY] * mask).sum() / n, (b["old_log_probs"] * mask).sum() / n
-    return {"distill/reverse_kl": float(student - teacher), "distill/teacher_logp": float(teacher),
+    gap = ((b["old_log_probs"] - b[TEACHER_KEY]) * mask).sum() / n  # not student - teacher: two large means cancel
+    return {"distill/reverse_kl": float(gap), "distill/teacher_logp": float(teacher),
             "distill/student_logp": float(student)}
