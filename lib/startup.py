@@ -277,8 +277,6 @@ def check_vision_modes(cfg: Config, train: PromptSet, val: PromptSet | None, nee
                          f"turn packing off (--actor.batching.no-use-remove-padding)")
     if uses_vllm(cfg) and (problem := vision_vllm_problem()):
         raise ValueError(problem)
-    if multi_turn.enabled(cfg):
-        raise ValueError("multi-turn rollouts with image prompts are not built yet; drop --multi_turn.tools")
 
 
 def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:

@@ -1,5 +1,6 @@
 """Vision-language RL: the trainer's forward on image prompts equals the model's own (tests/zoo.py VISION cases)."""
 
+import dataclasses
 import io
 import json
 import os
@@ -226,7 +227,8 @@ def test_vllm_gets_one_placeholder_per_image_and_the_images(vision_root, tmp_pat
     """The requests handed to vLLM (lib.engine.vllm.requests): an image prompt's ids hold ONE placeholder per image
     beside its images, which vLLM expands itself (already expanded ids would be expanded twice, trl#6294); what vLLM
     ran is checked against the trainer's expansion; the engines' rollouts leave the request columns out."""
-    from lib.engine.vllm import check_expansions, requests
+    from lib.engine import prompt_images
+    from lib.engine.vllm import check_expansions, requests, turn_request
 
     model = zoo.build_vision("qwen2_vl", vision_root)
     prompts, tok = load_set(write_parquet(geo3k_rows(), str(tmp_path / "geo3k.parquet")), model)
@@ -242,9 +244,15 @@ def test_vllm_gets_one_placeholder_per_image_and_the_images(vision_root, tmp_pat
         grid = batch.non_tensor_batch["multi_modal"][row]["image_grid_thw"]
         assert prompts.vision.expand(request["prompt_token_ids"], grid) == own  # the trainer's ids, expanded
     expanded = [b[m.bool()].tolist() for b, m in zip(batch.batch["input_ids"], batch.batch["attention_mask"])]
-    check_expansions(asked, expanded, batch)  # vLLM ran what the trainer scores
+    check_expansions(asked, expanded, expanded)  # vLLM ran what the trainer scores
     with pytest.raises(RuntimeError, match="vLLM expanded an image prompt to 9 tokens, the trainer's processor to"):
-        check_expansions(asked, [ids[:9] for ids in expanded], batch)
+        check_expansions(asked, [ids[:9] for ids in expanded], expanded)
+    # a multi-turn turn: the same one-placeholder prompt and images, then the turns so far as they are
+    for request, ids, media in zip(asked, expanded, prompt_images(batch)):
+        turn = turn_request(ids + [5, 6, 7], media)
+        assert turn["prompt_token_ids"] == request["prompt_token_ids"] + [5, 6, 7]
+        assert turn["multi_modal_data"]["image"] == request["multi_modal_data"]["image"]
+        assert media.prompt_len == len(ids) and media.rope.shape == (3, len(ids))
     assert prompts.max_images == 2
     config = load_config(model)
     engine = HFEngine(config, torch.device("cpu"), tok.pad_token_id, stop_token_ids(model, tok),
@@ -306,6 +314,52 @@ def test_engine_log_probs_equal_the_trainers_on_image_prompts(name, vision_root,
 # ---- training: sharded, on one and two ranks; end to end (the session's visual task is linked into each tmp_path)
 
 PRESET = ("--config", "configs/tiny_cpu_grpo_vision.yaml")
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
+def test_multi_turn_rows_with_image_prompts(name, vision_root, tmp_path):
+    """Two turns per episode on image prompts (the parser scripted to call the tool on the first and the turn taken as
+    ended, so that every episode has a text observation and a second turn): every turn's request carries the prompt's images and rope
+    rows, the rollout's rows continue the rope over the turns and observations, and the trainer's packed forward of
+    the whole rows gives the engine's log-probs on every sampled token of both turns (the canary, fp32)."""
+    from lib.config import MultiTurnConfig
+    from lib.multi_turn.loop import MultiTurn
+    from lib.multi_turn.parsers import Call, Parsed
+    from tests.test_multi_turn import LocalPool
+
+    model = zoo.build_vision(name, vision_root)
+    prompts, tok = load_set(write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet")), model)
+    batch = collate(prompts, np.arange(4), 256, tok.pad_token_id)
+    config = load_config(model)
+    own = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+    engine = HFEngine(config, torch.device("cpu"), tok.pad_token_id, stop_token_ids(model, tok),
+                      SamplingConfig(temperature=1.0, max_new_tokens=24, n=2, seed=3), vision=True)
+    engine.wake_up(["weights"])
+    engine.load_weights([*own.named_parameters(), *persistent_buffers(own)])
+    engine.finish_sync()
+    engine.wake_up(["kv_cache"])
+    cfg = MultiTurnConfig(tools="lib/toy.py:lookup", max_turns=2, max_tokens_per_turn=8)
+    mt = MultiTurn(cfg, tok, 160, pool=LocalPool(cfg.tools))
+    mt.parse = lambda text: Parsed(calls=[Call("lookup", {"key": "1234"})])
+    sample = engine.generate_ids  # a random model rarely stops: every turn is taken as ended where its cap cut it
+    engine.generate_ids = lambda *a, **k: [dataclasses.replace(t, stopped=True) for t in sample(*a, **k)]
+    out = mt.rollout(engine, batch)
+    b = out.batch
+    assert "images" not in out.non_tensor_batch and "engine_prompt_ids" not in out.non_tensor_batch
+    assert b["rope_position_ids"].shape == (8, 3, b["input_ids"].shape[1])
+    response_len = b["responses"].shape[1]
+    sampled, in_row = b["response_mask"].bool(), b["attention_mask"][:, -response_len:].bool()
+    observed = in_row & ~sampled
+    second = sampled & (observed.long().cumsum(1) > 0)  # sampled after an observation: the second turn
+    assert observed.any(1).all() and second.any(1).sum() >= 6, "too few second turns to test anything"
+    packed_model = AutoModelForImageTextToText.from_pretrained(
+        model, dtype=torch.float32, attn_implementation=attn_implementations(config, attention.register())).eval()
+    mixers.bound(packed_model)
+    setattr(packed_model, BANNED_ATTR, placeholder_ids(config))
+    with torch.no_grad():
+        trainer, _ = response_log_probs(packed_model, out, packed=True)
+    diff = (trainer - b["rollout_log_probs"]).abs()
+    assert diff[sampled].max().item() < 1e-5 and diff[second].max().item() < 1e-5, (name, diff[sampled].max())
 
 
 def _update_body(path: str, which: list[int]):

@@ -1,8 +1,8 @@
 """Rollout engines with one interface, ``RolloutEngine`` below (DESIGN.md "Contracts"):
 
-``generate(DataProto, validate=False) -> DataProto``; ``generate_ids(prompts, max_tokens, validate, key) -> [Turn]``
-(token ids in, ids and log-probs out, one sample per request, each with its own token cap; the multi-turn loop's
-call, ``key`` standing for the seed key), ``any_active(bool)`` (whether the rank's generation group still has
+``generate(DataProto, validate=False) -> DataProto``; ``generate_ids(prompts, max_tokens, validate, key, media=None)
+-> [Turn]`` (token ids in, ids and log-probs out, one sample per request, each with its own token cap; the multi-turn
+loop's call, ``key`` standing for the seed key, ``media`` a vision-language prompt's rope rows and images), ``any_active(bool)`` (whether the rank's generation group still has
 requests) and ``stop_ids(validate)``; ``sleep(level)``, ``wake_up(tags)``,
 ``load_weights(iterable of (name, tensor))``, ``reset_prefix_cache()``, ``close()`` (at the end of a run, before
 the process group goes).
@@ -55,6 +55,35 @@ def stop_ids(eos_ids: list[int], sp: SamplingConfig) -> list[int]:
 
 
 @dataclass
+class PromptImages:
+    """A multi-turn request's prompt as a vision-language row has it (``generate_ids``' ``media``): the request's
+    first ``prompt_len`` ids are this prompt as the trainer expanded it, the rest the episode's turns so far."""
+
+    prompt_len: int
+    rope: torch.Tensor
+    """(3, prompt_len) the prompt's 3-D rope rows (the turns continue from their largest position)."""
+    features: Any = None
+    """The trainer's image features of the row (lib.vision: ``pixel_values``, ``image_grid_thw``), or None: what the
+    HF engine runs."""
+    engine_prompt_ids: Any = None
+    """The prompt with ONE placeholder per image, and its decoded ``images``: vLLM's request (it expands them)."""
+    images: Any = None
+
+
+def prompt_images(data: DataProto) -> list[PromptImages] | None:
+    """Each row's PromptImages (None without rope rows: not a vision-language batch)."""
+    b, nt = data.batch, data.non_tensor_batch
+    if "rope_position_ids" not in b:
+        return None
+    none = [None] * len(data)
+    out = []
+    for i, (m, rope) in enumerate(zip(b["attention_mask"].cpu().bool(), b["rope_position_ids"].cpu())):
+        out.append(PromptImages(int(m.sum()), rope[:, m], nt.get("multi_modal", none)[i],
+                                nt.get("engine_prompt_ids", none)[i], nt.get("images", none)[i]))
+    return out
+
+
+@dataclass
 class Turn:
     """One request's result from an engine's ``generate_ids`` (token in, token out; multi-turn rollouts)."""
 
@@ -98,8 +127,10 @@ class RolloutEngine(Protocol):
         decoded images); the output carries ``rope_position_ids`` (B*n, 3, P + R) and drops ``ENGINE_INPUTS``."""
         ...
 
-    def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any) -> list[Turn]:
-        """Token ids in (no padding), one sample per request, each cut at its own cap: a multi-turn loop's turn."""
+    def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any,
+                     media: list[PromptImages] | None = None) -> list[Turn]:
+        """Token ids in (no padding), one sample per request, each cut at its own cap: a multi-turn loop's turn.
+        ``media``: per request, its vision-language prompt (rope rows, images)."""
         ...
 
     def any_active(self, active: bool) -> bool:

@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, cache_utils
 
 from lib.data import left_pad
-from lib.engine import (SamplingConfig, Turn, build_output, call_seed, expand_samples, rollout_columns, stop_ids,
-                        turns_from)
+from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, rollout_columns,
+                        stop_ids, turns_from)
 from lib.lora import base_name, check_engine_load, inject, is_adapter_param, peft_name
 from lib.models import padded_attention, persistent_buffers, retie, tied_aliases
 from lib.protocol import DataProto
@@ -246,19 +246,30 @@ class HFEngine:
         return stop_ids(self.eos_ids, self.val_sampling if validate else self.sampling)
 
     @torch.no_grad()
-    def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any) -> list[Turn]:
+    def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any,
+                     media: list[PromptImages] | None = None) -> list[Turn]:
         """One sample per prompt (token ids, no padding), each cut at its own ``max_tokens``: a multi-turn loop's
         turn. Prompts are left-padded and generated in chunks of ``batch_tokens`` as in ``generate``; the samples
-        come from the generator of (seed, rank, validate, ``key``)."""
+        come from the generator of (seed, rank, validate, ``key``). ``media``: a vision-language prompt's image
+        features go in with the prefill, its rope rows continuing over the turns so far."""
         if self.level:
             raise RuntimeError("generate on a sleeping engine: call wake_up() first")
         if not prompts:
             return []
         sp = self.val_sampling if validate else self.sampling
         one = dataclasses.replace(sp, n=1, max_new_tokens=max(max_tokens))
-        ids, mask, pos = (x.to(self.device) for x in left_pad(prompts, max(map(len, prompts)), self.pad_id))
+        width = max(map(len, prompts))
+        ids, mask, pos = (x.to(self.device) for x in left_pad(prompts, width, self.pad_id))
+        rope, images = None, None
+        if media is not None:
+            rope = torch.zeros(len(prompts), 3, width, dtype=torch.long)
+            for i, (p, m) in enumerate(zip(prompts, media)):
+                turns = continue_positions(m.rope, len(p) - m.prompt_len)
+                rope[i, :, width - len(p):] = torch.cat([m.rope, turns], -1)
+            images = [m.features for m in media]
         stop = self.stop_ids(validate)
-        responses, logps = self._generate_chunks(ids, mask, pos, one, self._generator(sp.seed, validate, key), stop)
+        responses, logps = self._generate_chunks(ids, mask, pos, one, self._generator(sp.seed, validate, key), stop,
+                                                 rope, images)
         return turns_from(responses, logps, max_tokens, set(stop))
 
     def any_active(self, active: bool) -> bool:

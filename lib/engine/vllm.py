@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lib.dist import Topology, all_gather
-from lib.engine import (SamplingConfig, Turn, build_output, call_seed, expand_samples, request_seeds,
+from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, request_seeds,
                         rollout_columns, stop_ids, turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
 from lib.lora import VLLM_LORA_RANKS, check_engine_load, save_adapter
@@ -286,7 +286,8 @@ class VLLMEngine:
             mine = slice(0, len(data))
         asked = requests(data)
         responses, logps, seen = self._generate(asked, sp, call_seed(sp.seed, self.group, validate, key))
-        check_expansions(asked, seen, data)
+        ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
+        check_expansions(asked, seen, [row[m.bool()].tolist() for row, m in zip(ids, mask)])
         self.calls[validate] += 1
         data = data[mine]
         responses, logps = responses[mine], logps[mine]
@@ -301,25 +302,30 @@ class VLLMEngine:
     def stop_ids(self, validate: bool = False) -> list[int]:
         return stop_ids(self.eos_ids, self.val_sampling if validate else self.sampling)
 
-    def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any) -> list[Turn]:
+    def generate_ids(self, prompts: list[list[int]], max_tokens: list[int], validate: bool, key: Any,
+                     media: list[PromptImages] | None = None) -> list[Turn]:
         """Same contract as HFEngine.generate_ids: one seeded request per prompt, each with its own max_tokens
         (vLLM stops each request at its cap, so nothing is cut afterwards). A TP group generates its ranks' requests
-        together (every rank of the group calls, with its own requests or none) and each rank keeps its own."""
+        together (every rank of the group calls, with its own requests or none) and each rank keeps its own. An image
+        prompt (``media``) goes with ONE placeholder per image and its images, the turns so far after it, and vLLM's
+        expansion is checked against the trainer's ids (check_expansions)."""
         if self.asleep:
             raise RuntimeError(f"generate on a sleeping engine ({sorted(self.asleep)} asleep): call wake_up() first")
         sp = self.val_sampling if validate else self.sampling
+        asked = [turn_request(p, m) for p, m in zip(prompts, media or [None] * len(prompts))]
         topo, mine = self.topo, slice(0, len(prompts))
         if topo.rollout_tp_size > 1:
             parts: list = [None] * topo.rollout_tp_size
-            # the TP group: every rank's requests (token ids and caps), in rank order
-            dist.all_gather_object(parts, (prompts, max_tokens), group=topo.rollout_tp_group)
-            start = sum(len(p) for p, _ in parts[:topo.rollout_tp_rank])
+            # the TP group: every rank's requests (token ids, images and caps), in rank order
+            dist.all_gather_object(parts, (prompts, asked, max_tokens), group=topo.rollout_tp_group)
+            start = sum(len(p) for p, _, _ in parts[:topo.rollout_tp_rank])
             mine = slice(start, start + len(prompts))
-            prompts, max_tokens = [x for p, _ in parts for x in p], [c for _, caps in parts for c in caps]
+            prompts, asked = [x for p, _, _ in parts for x in p], [a for _, r, _ in parts for a in r]
+            max_tokens = [c for _, _, caps in parts for c in caps]
         if not prompts:
             return []
-        responses, logps, _ = self._generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                             call_seed(sp.seed, self.group, validate, key), max_tokens)
+        responses, logps, seen = self._generate(asked, sp, call_seed(sp.seed, self.group, validate, key), max_tokens)
+        check_expansions(asked, seen, prompts)
         return turns_from(responses[mine], logps[mine], max_tokens[mine], set(self.stop_ids(validate)))
 
     def any_active(self, active: bool) -> bool:
@@ -362,15 +368,24 @@ def requests(data: DataProto) -> list[dict]:
     return out
 
 
-def check_expansions(asked: list[dict], seen: list[list[int]], data: DataProto) -> None:
-    """Every image prompt ran in vLLM as the trainer computes it: vLLM's expanded ids equal the row's own (the
-    same number of tokens per image). A difference (another image processor, other pixel bounds) would make
-    the trainer score other tokens than the engine sampled from: an error, never a silent wrong model."""
-    ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
+def turn_request(ids: list[int], media: PromptImages | None) -> dict:
+    """vLLM's request for a multi-turn turn: the ids, or for an image prompt its one-placeholder-per-image ids and
+    images, then the turns so far (``ids`` after the trainer's expanded prompt)."""
+    if media is None or not media.images:
+        return {"prompt_token_ids": ids}
+    return {"prompt_token_ids": list(media.engine_prompt_ids) + ids[media.prompt_len:],
+            "multi_modal_data": {"image": list(media.images)}}
+
+
+def check_expansions(asked: list[dict], seen: list[list[int]], expected: list[list[int]]) -> None:
+    """Every image prompt ran in vLLM as the trainer computes it: vLLM's expanded ids equal the trainer's
+    (``expected``, per request: the same number of tokens per image). A difference (another image processor, other
+    pixel bounds) would make the trainer score other tokens than the engine sampled from: an error, never a silent
+    wrong model."""
     for i, request in enumerate(asked):
         if "multi_modal_data" not in request:
             continue
-        own = ids[i][mask[i].bool()].tolist()
+        own = expected[i]
         if seen[i] != own:
             raise RuntimeError(f"vLLM expanded an image prompt to {len(seen[i])} tokens, the trainer's processor to "
                                f"{len(own)}: the two process the images differently (pixel bounds, image "

@@ -6,6 +6,10 @@ log-probs) and the observation that follows (rendered by lib/multi_turn/render.p
 An episode ends at a turn without a tool call (its answer), at ``max_turns``, or when the token budget runs out: a
 turn cut by ``max_tokens_per_turn`` or the episode's budget, or an observation that would not leave room for one
 more sampled token. At every turn the engine's input is checked to be an exact prefix of the final row.
+
+Image prompts (lib/vision): every turn's request carries its prompt's images (the HF engine: the trainer's image
+features and the prompt's 3-D rope rows, the turns continuing from their largest position, as the trainer's row
+does; vLLM: one placeholder per image and the images). Tools answer with text.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from lib.engine import RolloutEngine, build_output, expand_samples
+from lib.engine import RolloutEngine, build_output, expand_samples, prompt_images, rollout_columns
 from lib.multi_turn.parsers import PARSERS, Parsed
 from lib.multi_turn.render import ObservationRenderer, tool_message
 from lib.multi_turn.tools import KINDS, bound_kwargs, failed, is_environment
@@ -87,6 +91,7 @@ class MultiTurn:
         data = expand_samples(data, sp.n)
         nt = data.non_tensor_batch
         episodes = self._episodes(data)
+        media = prompt_images(data)  # a vision-language prompt's rope rows and images, for every turn of it
         counts = dict.fromkeys(KINDS + ("malformed", "over_limit", "truncations"), 0)
         pin = [e.index for e in episodes] if self.environment else None  # an environment lives in one worker
         if pin is not None:
@@ -99,7 +104,8 @@ class MultiTurn:
             caps = [min(self.cfg.max_tokens_per_turn or self.budget, self.budget - len(e.response)) for e in active]
             inputs = [e.prompt + e.response for e in active]
             t_gen = time.perf_counter()
-            outs = engine.generate_ids(inputs, caps, validate, (key, turn))
+            outs = engine.generate_ids(inputs, caps, validate, (key, turn),
+                                       None if media is None else [media[e.index] for e in active])
             gen_s += time.perf_counter() - t_gen
             turn_rows.append(len(active))
             calls: list[tuple] = []  # ("call", episode, name, arguments, bound arguments) to run, in order
@@ -124,9 +130,10 @@ class MultiTurn:
         engine.calls[validate] += 1
         fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
                               [e.response for e in episodes], [e.logps for e in episodes],
-                              self.tokenizer.pad_token_id, sampled_masks=[e.mask for e in episodes])
+                              self.tokenizer.pad_token_id, sampled_masks=[e.mask for e in episodes],
+                              prompt_rope=data.batch.get("rope_position_ids"))
         obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731
-        non_tensor = dict(nt, solution_str=obj(self.tokenizer.batch_decode([e.last_turn for e in episodes],
+        non_tensor = dict(rollout_columns(data), solution_str=obj(self.tokenizer.batch_decode([e.last_turn for e in episodes],
                                                                      skip_special_tokens=True)),
                           num_turns=obj([e.turns for e in episodes]))
         if pin is not None:  # the episode's score, then the instance goes; a failed reset is the episode's result
