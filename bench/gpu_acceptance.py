@@ -1,0 +1,398 @@
+"""The GPU acceptance run (issue 33): the in-process engine path's figures in one command, ready before a GPU is lent.
+
+    python bench/gpu_acceptance.py --out DIR [--device cpu|cuda] [--budget-s 1200] [--check-budget-s 480]
+                                   [--only CHECK ...]
+
+Each check runs in its own process (``--check NAME``), so a crash or an out-of-memory costs that check's rows only;
+one that runs past its budget (``--check-budget-s``, and what is left of ``--budget-s``) is stopped and reported.
+The report: ``DIR/acceptance.md`` (figure, value, goal, pass/fail, the command) and ``DIR/acceptance.json``.
+
+Shapes: on a GPU a Qwen2.5-0.5B-shaped model (tied embeddings, GQA, vocabulary 151936) with random weights in bf16,
+and a Qwen2.5-1.5B-shaped one for the update's throughput; on CPU (``--device cpu``, run by the test suite) tiny ones
+of the same layout in fp32. Prompts and rewards are the embedded toy task's (lib/toy.py; its 15-token tokenizer,
+ids past it decode to nothing). Rows that need vLLM (or its sleep mode, which the CPU build lacks) are reported as
+not run, with the reason, where it is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+SHAPES = {  # name: (hidden, layers, heads, kv heads, intermediate, vocabulary)
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
+    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936),
+    "tiny": (64, 2, 4, 2, 128, 512),
+}
+CHECKS = ("correctness", "sleep_wake", "rollout", "grpo_vllm", "grpo_hf", "update")
+GRPO_STEPS = {"cuda": 20, "cpu": 2}
+
+
+@dataclass
+class Row:
+    figure: str
+    value: str
+    goal: str = ""
+    passed: bool | None = None  # None: a figure without a goal, or not run
+    note: str = ""
+
+
+def has_vllm() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def model_folder(out: str, shape: str, device: str) -> tuple[str, dict]:
+    """A random model of ``shape`` with the toy's tokenizer beside it (built once per run), and the toy's data."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    from lib import toy
+
+    data = toy.prepare(os.path.join(out, "toy_assets"))
+    path = os.path.join(out, "models", shape)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tok = AutoTokenizer.from_pretrained(data["model"])
+        hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
+        cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                          num_key_value_heads=kv, intermediate_size=inter, max_position_embeddings=4096,
+                          tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                          bos_token_id=tok.bos_token_id)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+        tok.save_pretrained(path)
+    return path, data
+
+
+# ---- the checks (each in its own process)
+
+
+def check_update(args) -> list[Row]:
+    """Update throughput: packed rows with dynamic batching against padded sdpa micro-batches, and MFU (GPU)."""
+    import bench_train
+
+    hidden, layers, _, _, _, vocab = SHAPES["qwen2.5-1.5b" if args.device == "cuda" else "tiny"]
+    flags = ["--rows", "64" if args.device == "cuda" else "8", "--max-len", "2048" if args.device == "cuda" else "256",
+             "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab), "--device", args.device,
+             "--repeats", "2" if args.device == "cuda" else "1"]
+    r = bench_train.measure(bench_train.parser().parse_args(flags))
+    rows = [Row("update: packed / padded tokens/s", f"{r['ratio']:.2f}x ({r['packed_tokens_per_s']:.0f} vs "
+                f"{r['padded_tokens_per_s']:.0f})", ">= 1x", r["ratio"] >= 1.0,
+                f"{r['params_m']:.0f}M params, {r['valid_tokens']} valid tokens of {r['rows']} rows")]
+    if r["mfu_packed"] is not None:
+        rows.append(Row("update: MFU packed (bf16 peak)", f"{r['mfu_packed'] * 100:.1f}%", "", None,
+                        f"padded {r['mfu_padded'] * 100:.1f}%"))
+    else:
+        rows.append(Row("update: MFU", "not run", "", None, "needs a GPU with a known bf16 peak"))
+    return rows
+
+
+def _grpo(args, engine: str) -> list[Row]:
+    """GRPO_STEPS steps of train_grpo.py on one rank with ``engine``: completion, the canary, the step's split and
+    the memory per stage."""
+    shape = "qwen2.5-0.5b" if args.device == "cuda" else "tiny"
+    path, data = model_folder(args.out, shape, args.device)
+    steps = GRPO_STEPS[args.device]
+    run_root = os.path.join(args.out, "runs")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
+           os.path.join(ROOT, "train_grpo.py"), "--actor.model.path", path, "--data.train_files", data["train"],
+           "--data.val_files", data["val"], "--trainer.val_every", "0", "--trainer.total_steps", str(steps),
+           "--trainer.output_root", run_root, "--trainer.run_name", f"grpo_{engine}", "--rollout.engine", engine,
+           "--trainer.device", args.device, "--trainer.save_every", "0", "--trainer.no-resume"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    name = f"grpo {engine} engine"
+    if done.returncode:
+        oom = "out of memory" in (done.stdout + done.stderr).lower()
+        return [Row(f"{name}: {steps} steps", "failed" + (" (OOM)" if oom else ""), "all steps, no OOM", False,
+                    (done.stdout + done.stderr)[-600:].replace("\n", " | "))]
+    rows = [json.loads(line) for line in open(os.path.join(run_root, f"grpo_{engine}", "metrics.jsonl"))]
+    train = [r for r in rows if "actor/pg_loss" in r]
+    mean = lambda key: sum(r.get(key, 0.0) for r in train) / max(len(train), 1)  # noqa: E731
+    bound = 5e-2 if args.device == "cuda" else 1e-4  # bf16 kernels on both sides / fp32
+    diff = max(r["rollout/logp_abs_diff"] for r in train)
+    out = [Row(f"{name}: {steps} steps", f"{len(train)} steps in {wall:.0f} s", f"{steps}, no OOM",
+               len(train) == steps),
+           Row(f"{name}: rollout/logp_abs_diff (max)", f"{diff:.2e}", f"< {bound:g}", diff < bound),
+           Row(f"{name}: step seconds (mean)", f"{mean('timing/step_s'):.2f}", "", None,
+               "split: " + ", ".join(f"{k} {mean(f'timing/{k}_s'):.2f}" for k in ("rollout", "log_probs", "update"))
+               + f", sync {mean('sync/seconds'):.2f}")]
+    peaks = {k.removeprefix("memory/").removesuffix("_peak_gb"): max(r.get(k, 0.0) for r in train)
+             for k in train[0] if k.startswith("memory/") and k.endswith("_peak_gb")} if train else {}
+    out.append(Row(f"{name}: peak memory per stage (GB)", ", ".join(f"{k} {v:.2f}" for k, v in peaks.items())
+                   or "n/a", "", None))
+    return out
+
+
+def check_grpo_hf(args) -> list[Row]:
+    return _grpo(args, "hf")
+
+
+def check_grpo_vllm(args) -> list[Row]:
+    if not has_vllm():
+        return [Row("grpo vllm engine", "not run", "", None, "vLLM is not installed here")]
+    return _grpo(args, "vllm")
+
+
+def _engine_setup(args, engine_name: str, packed: bool = True):
+    """One rank: the FSDP model of the 0.5B shape (tiny on CPU; ``packed``: for packed rows), an engine, the toy's
+    prompts."""
+    import numpy as np
+    import torch
+
+    from lib.config import FSDPConfig, ModelConfig
+    from lib.data import collate, load_prompts
+    from lib.dist import init_topology
+    from lib.engine import SamplingConfig
+    from lib.fsdp import build_sharded_model
+    from lib.models import load_config, load_tokenizer, stop_token_ids
+
+    shape = "qwen2.5-0.5b" if args.device == "cuda" else "tiny"
+    path, data = model_folder(args.out, shape, args.device)
+    topo = init_topology(device=args.device)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    tok = load_tokenizer(path)
+    model = build_sharded_model(ModelConfig(path=path), FSDPConfig(), topo, packed=packed)
+    sampling = SamplingConfig(temperature=1.0, n=1, max_new_tokens=32, seed=1)
+    greedy = SamplingConfig(temperature=0.0, n=1, max_new_tokens=32, seed=2)
+    eos = stop_token_ids(path, tok)
+    if engine_name == "vllm":
+        from lib.engine.vllm import VLLMEngine
+
+        engine = VLLMEngine(path, topo, tok.pad_token_id, eos, sampling, greedy, max_model_len=128, max_num_seqs=64,
+                            dtype=str(dtype).removeprefix("torch."))
+    else:
+        from lib.engine.hf import HFEngine
+
+        engine = HFEngine(load_config(path), topo.device, tok.pad_token_id, eos, sampling, greedy, dtype=dtype)
+    prompts = load_prompts([data["val"]], tok, 16, limit=64 if args.device == "cuda" else 16)
+    batch = collate(prompts, np.arange(len(prompts)), 16, tok.pad_token_id)
+    return topo, model, engine, batch, dtype, path
+
+
+def check_correctness(args) -> list[Row]:
+    """After one GRPO update and a sync: the engine's greedy tokens against the trained model's own greedy decode, the
+    canary on sampled tokens, the same seed twice and two steps; the sync's GB/s against an all-gather of the same
+    bytes measured here."""
+    import torch
+    import torch.distributed as dist
+
+    from lib.actor import Trainee, compute_log_probs, update_policy
+    from lib.config import ActorConfig, BatchingConfig, OptimConfig
+    from lib.optim import build_optimizer
+    from lib.sync import enter_rollout, exit_rollout
+
+    engine_name = "vllm" if has_vllm() else "hf"
+    # padded rows throughout: the model's own greedy decode below is a plain padded forward
+    topo, model, engine, batch, dtype, _ = _engine_setup(args, engine_name, packed=False)
+    cfg = ActorConfig(optim=OptimConfig(lr=1e-4),
+                      batching=BatchingConfig(micro_batch_size_per_rank=16, use_remove_padding=False))
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    enter_rollout(model, engine, dtype)
+    batch.meta_info["seed_key"] = 0
+    first = engine.generate(batch)
+    exit_rollout(model, engine, topo.device)
+    first.batch["advantages"] = torch.randn(first.batch["response_mask"].shape) * first.batch["response_mask"]
+    update_policy(Trainee(model, optimizer, scheduler, topo), first, cfg)
+    metrics = enter_rollout(model, engine, dtype)
+    greedy = engine.generate(batch, validate=True)
+    batch.meta_info["seed_key"] = 1
+    sampled, again = engine.generate(batch), engine.generate(batch)
+    batch.meta_info["seed_key"] = 2
+    other = engine.generate(batch)
+    exit_rollout(model, engine, topo.device)
+    # the trained model's own greedy decode of the same prompts (no engine): one token at a time, full forwards
+    b = batch.batch
+    ids, mask = b["input_ids"].to(topo.device), b["attention_mask"].to(topo.device)
+    own = []
+    with torch.no_grad():
+        for _ in range(greedy.batch["responses"].shape[1]):
+            pos = (mask.cumsum(1) - 1).clamp(min=0)
+            nxt = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].argmax(-1)
+            own.append(nxt)
+            ids, mask = torch.cat([ids, nxt[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    own = torch.stack(own, 1).cpu()
+    eng, width = greedy.batch["responses"].cpu(), greedy.batch["response_mask"].cpu().sum(1).long()
+    same = [bool((eng[i, :w] == own[i, :w]).all()) for i, w in enumerate(width.tolist())]
+    share = sum(same) / len(same)
+    logp, _ = compute_log_probs(model, sampled, cfg.batching, topo)
+    m = sampled.batch["response_mask"].to(logp.device)
+    diff = float(((logp - sampled.batch["rollout_log_probs"].to(logp.device)).abs() * m).sum() / m.sum())
+    bound = 5e-2 if args.device == "cuda" else 1e-5
+    same_seed = torch.equal(sampled.batch["responses"], again.batch["responses"])
+    steps_differ = not torch.equal(sampled.batch["responses"], other.batch["responses"])
+    # an all-gather of the sync's bytes on this device, timed the same way (one rank: a device copy)
+    n = max(1, int(metrics["sync/gb"] * 2**30 / dtype.itemsize))
+    src = torch.empty(n, dtype=dtype, device=topo.device)
+    dst = torch.empty(n * topo.world_size, dtype=dtype, device=topo.device)
+    dist.all_gather_into_tensor(dst, src)
+    if topo.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dist.all_gather_into_tensor(dst, src)
+    if topo.device.type == "cuda":
+        torch.cuda.synchronize()
+    gather_gbs = metrics["sync/gb"] / max(time.perf_counter() - t0, 1e-9)
+    sync_gbs = metrics["sync/gb"] / max(metrics["sync/seconds"], 1e-9)
+    where = f"{engine_name} engine"
+    engine.close()
+    return [Row(f"correctness ({where}): greedy tokens = the model's own greedy decode", f"{share:.0%} of "
+                f"{len(same)} prompts", ">= 95%", share >= 0.95),
+            Row(f"correctness ({where}): logp_abs_diff on sampled tokens", f"{diff:.2e}", f"< {bound:g}", diff < bound),
+            Row(f"correctness ({where}): same seed twice, same tokens", str(same_seed), "True", same_seed),
+            Row(f"correctness ({where}): two steps' samples differ", str(steps_differ), "True", steps_differ),
+            Row(f"sync ({where}): GB/s against an all-gather", f"{sync_gbs / gather_gbs:.0%} ({sync_gbs:.2f} vs "
+                f"{gather_gbs:.2f} GB/s, {metrics['sync/gb']:.3f} GB)", ">= 50%", sync_gbs >= 0.5 * gather_gbs)]
+
+
+def check_sleep_wake(args) -> list[Row]:
+    """vLLM's sleep mode on a GPU: memory released by sleep(1) and sleep(2), back after a wake, and wake + sleep
+    seconds."""
+    if args.device != "cuda" or not has_vllm():
+        return [Row("sleep/wake", "not run", "", None, "needs vLLM's sleep mode on a GPU (the CPU build has none)")]
+    import torch
+
+    from lib.sync import enter_rollout
+
+    topo, model, engine, _, dtype, _ = _engine_setup(args, "vllm")
+    enter_rollout(model, engine, dtype)
+    free = lambda: torch.cuda.mem_get_info()[0]  # noqa: E731
+    total = torch.cuda.mem_get_info()[1]
+    base = free()
+    rows = []
+    for level in (1, 2):
+        t0 = time.perf_counter()
+        engine.sleep(level)
+        slept_s = time.perf_counter() - t0
+        released = free() - base
+        t0 = time.perf_counter()
+        engine.wake_up()
+        wake_s = time.perf_counter() - t0
+        if level == 2:
+            enter_rollout(model, engine, dtype)
+        back = base - free()
+        held = total - base
+        rows += [Row(f"sleep({level}): memory released", f"{released / 2**30:.2f} GiB ({released / max(held, 1):.0%} "
+                     f"of what the process held awake)", ">= 90%", released >= 0.9 * held,
+                     "share of the whole process's device memory, training shards included"),
+                 Row(f"sleep({level}) + wake seconds", f"{slept_s + wake_s:.2f}", "<= 1 s", slept_s + wake_s <= 1.0,
+                     f"back after the wake: {back / 2**30:.2f} GiB")]
+    engine.close()
+    rows.append(Row("LoRA adapter after a level-1 sleep (vllm#53888)", "not run", "", None, "not built into this run"))
+    return rows
+
+
+def check_rollout(args) -> list[Row]:
+    """Our vLLM engine's tokens/s against bare LLM.generate on the same prompts and sampling."""
+    if not has_vllm():
+        return [Row("rollout: engine / bare LLM.generate tokens/s", "not run", ">= 0.95x", None,
+                    "vLLM is not installed here")]
+    import bench_rollout
+    import torch
+
+    from lib.engine import SamplingConfig
+
+    topo, model, engine, batch, dtype, path = _engine_setup(args, "hf")
+    engine.close()
+    new_tokens = 256 if args.device == "cuda" else 16
+    r = bench_rollout.bench_vllm(path, model, topo, batch, SamplingConfig(max_new_tokens=new_tokens, seed=0), dtype, 3,
+                                 batch.batch["input_ids"].shape[1] + new_tokens)
+    del torch
+    return [Row("rollout: engine / bare LLM.generate tokens/s", f"{r['ratio']:.2f}x ({r['ours_tokens_per_s']:.0f} vs "
+                f"{r['bare_tokens_per_s']:.0f})", ">= 0.95x", r["ratio"] >= 0.95)]
+
+
+# ---- the run
+
+
+def command(args) -> str:
+    return f"python bench/gpu_acceptance.py --out {args.out} --device {args.device}"
+
+
+def run_check(name: str, args, budget: float) -> tuple[list[Row], float]:
+    """``name`` in a child process within ``budget`` seconds; its rows, or one row saying how it ended."""
+    out_file = os.path.join(args.out, "checks", f"{name}.json")
+    if os.path.exists(out_file):
+        os.remove(out_file)
+    cmd = [sys.executable, os.path.abspath(__file__), "--check", name, "--out", args.out, "--device", args.device]
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget)
+    except subprocess.TimeoutExpired:
+        return [Row(name, "over budget", f"<= {budget:.0f} s", False, f"stopped after {budget:.0f} s")], budget
+    took = time.perf_counter() - t0
+    if done.returncode or not os.path.exists(out_file):
+        tail = (done.stdout + done.stderr)[-800:].replace("\n", " | ")
+        oom = "out of memory" in tail.lower()
+        return [Row(name, "crashed" + (" (OOM)" if oom else ""), "", False, f"exit {done.returncode}: {tail}")], took
+    return [Row(**r) for r in json.load(open(out_file))], took
+
+
+def report(args, results: dict[str, tuple[list[Row], float]], note: str) -> None:
+    table = ["| check | figure | value | goal | result | note |", "|---|---|---|---|---|---|"]
+    for name, (rows, secs) in results.items():
+        for r in rows:
+            verdict = {True: "pass", False: "FAIL", None: "-"}[r.passed]
+            table.append(f"| {name} ({secs:.0f} s) | {r.figure} | {r.value} | {r.goal} | {verdict} | "
+                         f"{r.note.replace('|', '/')} |")
+    import torch
+
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    head = [f"# Acceptance run, {time.strftime('%Y-%m-%d %H:%M')}, {device}", "", f"Command: `{command(args)}`", ""]
+    with open(os.path.join(args.out, "acceptance.md"), "w") as f:
+        f.write("\n".join(head + table + ["", note, ""]))
+    with open(os.path.join(args.out, "acceptance.json"), "w") as f:
+        json.dump({"device": device, "command": command(args), "note": note,
+                   "checks": {n: {"seconds": s, "rows": [asdict(r) for r in rows]} for n, (rows, s) in results.items()}},
+                  f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda where torch sees one")
+    ap.add_argument("--budget-s", type=float, default=1200.0, help="all checks together")
+    ap.add_argument("--check-budget-s", type=float, default=480.0, help="one check")
+    ap.add_argument("--only", nargs="*", choices=CHECKS, default=None)
+    ap.add_argument("--check", choices=CHECKS, help=argparse.SUPPRESS)  # the child process's one check
+    args = ap.parse_args()
+    args.out = os.path.abspath(args.out)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    os.makedirs(os.path.join(args.out, "checks"), exist_ok=True)
+    if args.check:
+        rows = globals()[f"check_{args.check}"](args)
+        with open(os.path.join(args.out, "checks", f"{args.check}.json"), "w") as f:
+            json.dump([asdict(r) for r in rows], f)
+        return
+    start, results, skipped = time.perf_counter(), {}, []
+    for name in args.only or CHECKS:
+        left = args.budget_s - (time.perf_counter() - start)
+        if left <= 1:
+            skipped.append(name)
+            continue
+        results[name] = run_check(name, args, min(args.check_budget_s, left))
+        rows, secs = results[name]
+        print(f"{name} ({secs:.0f} s): " + "; ".join(f"{r.figure} = {r.value}" for r in rows), flush=True)
+    for name in skipped:
+        results[name] = ([Row(name, "not run", "", False, f"the run's budget ({args.budget_s:.0f} s) was spent")], 0.0)
+    note = f"{time.perf_counter() - start:.0f} s in all; budget {args.budget_s:.0f} s, {args.check_budget_s:.0f} s a check"
+    report(args, results, note)
+    print(f"report: {os.path.join(args.out, 'acceptance.md')}")
+
+
+if __name__ == "__main__":
+    main()
