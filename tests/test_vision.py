@@ -281,31 +281,42 @@ def test_image_prompts_take_the_vllm_engine_where_torchvision_imports(vision_roo
         assert check_inputs(cfg, 2, False, str(tmp_path / "run")).vision
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_engine_log_probs_equal_the_trainers_on_image_prompts(name, vision_root, tmp_path):
-    """The HF engine samples with the images; the trainer's packed forward of the same rows gives the same
-    log-probs (the canary at the fp32 level)."""
+def _synced_engine(name: str, vision_root, tmp_path, max_new_tokens: int):
+    """A zoo vision case, 4 geo3k-layout image rows collated, and an HF engine (2 samples a prompt, seed 3) holding
+    the model's weights, awake."""
     model = zoo.build_vision(name, vision_root)
     prompts, tok = load_set(write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet")), model)
     batch = collate(prompts, np.arange(4), 256, tok.pad_token_id)
     config = load_config(model)
     own = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
     engine = HFEngine(config, torch.device("cpu"), tok.pad_token_id, stop_token_ids(model, tok),
-                      SamplingConfig(temperature=1.0, max_new_tokens=10, n=2, seed=3), vision=True)
+                      SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, n=2, seed=3), vision=True)
     engine.wake_up(["weights"])
     engine.load_weights([*own.named_parameters(), *persistent_buffers(own)])
     engine.finish_sync()
     engine.wake_up(["kv_cache"])
-    rollout = engine.generate(batch)
-    assert rollout.batch["rope_position_ids"].shape == (8, 3, rollout.batch["input_ids"].shape[1])
+    return model, tok, batch, config, engine
+
+
+def _trainer_log_probs(model: str, config, rollout):
+    """The trainer's packed forward of a rollout's rows (the packed attention, and the placeholders banned as
+    lib.fsdp.build_sharded_model marks a vision_lm: what the engine never samples has no probability here either)."""
     packed_model = AutoModelForImageTextToText.from_pretrained(
         model, dtype=torch.float32, attn_implementation=attn_implementations(config, attention.register())).eval()
     mixers.bound(packed_model)
-    # as lib.fsdp.build_sharded_model marks a vision_lm: the placeholders the engine never samples have no
-    # probability in the trainer's distribution either
     setattr(packed_model, BANNED_ATTR, placeholder_ids(config))
     with torch.no_grad():
-        trainer, _ = response_log_probs(packed_model, rollout, packed=True)
+        return response_log_probs(packed_model, rollout, packed=True)[0]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_engine_log_probs_equal_the_trainers_on_image_prompts(name, vision_root, tmp_path):
+    """The HF engine samples with the images; the trainer's packed forward of the same rows gives the same
+    log-probs (the canary at the fp32 level)."""
+    model, tok, batch, config, engine = _synced_engine(name, vision_root, tmp_path, 10)
+    rollout = engine.generate(batch)
+    assert rollout.batch["rope_position_ids"].shape == (8, 3, rollout.batch["input_ids"].shape[1])
+    trainer = _trainer_log_probs(model, config, rollout)
     mask = rollout.batch["response_mask"].bool()
     diff = (trainer - rollout.batch["rollout_log_probs"])[mask].abs().max().item()
     assert diff < 1e-5, (name, diff)
@@ -327,17 +338,7 @@ def test_multi_turn_rows_with_image_prompts(name, vision_root, tmp_path):
     from lib.multi_turn.parsers import Call, Parsed
     from tests.test_multi_turn import LocalPool
 
-    model = zoo.build_vision(name, vision_root)
-    prompts, tok = load_set(write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet")), model)
-    batch = collate(prompts, np.arange(4), 256, tok.pad_token_id)
-    config = load_config(model)
-    own = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
-    engine = HFEngine(config, torch.device("cpu"), tok.pad_token_id, stop_token_ids(model, tok),
-                      SamplingConfig(temperature=1.0, max_new_tokens=24, n=2, seed=3), vision=True)
-    engine.wake_up(["weights"])
-    engine.load_weights([*own.named_parameters(), *persistent_buffers(own)])
-    engine.finish_sync()
-    engine.wake_up(["kv_cache"])
+    model, tok, batch, config, engine = _synced_engine(name, vision_root, tmp_path, 24)
     cfg = MultiTurnConfig(tools="lib/toy.py:lookup", max_turns=2, max_tokens_per_turn=8)
     mt = MultiTurn(cfg, tok, 160, pool=LocalPool(cfg.tools))
     mt.parse = lambda text: Parsed(calls=[Call("lookup", {"key": "1234"})])
@@ -352,12 +353,7 @@ def test_multi_turn_rows_with_image_prompts(name, vision_root, tmp_path):
     observed = in_row & ~sampled
     second = sampled & (observed.long().cumsum(1) > 0)  # sampled after an observation: the second turn
     assert observed.any(1).all() and second.any(1).sum() >= 6, "too few second turns to test anything"
-    packed_model = AutoModelForImageTextToText.from_pretrained(
-        model, dtype=torch.float32, attn_implementation=attn_implementations(config, attention.register())).eval()
-    mixers.bound(packed_model)
-    setattr(packed_model, BANNED_ATTR, placeholder_ids(config))
-    with torch.no_grad():
-        trainer, _ = response_log_probs(packed_model, out, packed=True)
+    trainer = _trainer_log_probs(model, config, out)
     diff = (trainer - b["rollout_log_probs"]).abs()
     assert diff[sampled].max().item() < 1e-5 and diff[second].max().item() < 1e-5, (name, diff[sampled].max())
 
