@@ -25,9 +25,29 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import bench_rollout  # noqa: E402
+import bench_train  # noqa: E402
+from lib import toy  # noqa: E402
+from lib.actor import Trainee, compute_log_probs, update_policy  # noqa: E402
+from lib.config import ActorConfig, BatchingConfig, FSDPConfig, ModelConfig, OptimConfig  # noqa: E402
+from lib.data import collate, load_prompts  # noqa: E402
+from lib.dist import init_topology  # noqa: E402
+from lib.engine import SamplingConfig  # noqa: E402
+from lib.engine.hf import HFEngine  # noqa: E402
+from lib.engine.vllm import VLLMEngine  # noqa: E402
+from lib.fsdp import build_sharded_model  # noqa: E402
+from lib.models import load_config, load_tokenizer, stop_token_ids  # noqa: E402
+from lib.optim import build_optimizer  # noqa: E402
+from lib.sync import enter_rollout, exit_rollout  # noqa: E402
 
 SHAPES = {  # name: (hidden, layers, heads, kv heads, intermediate, vocabulary)
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
@@ -53,10 +73,6 @@ def has_vllm() -> bool:
 
 def model_folder(out: str, shape: str, device: str) -> tuple[str, dict]:
     """A random model of ``shape`` with the toy's tokenizer beside it (built once per run), and the toy's data."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-
-    from lib import toy
-
     data = toy.prepare(os.path.join(out, "toy_assets"))
     path = os.path.join(out, "models", shape)
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -76,8 +92,6 @@ def model_folder(out: str, shape: str, device: str) -> tuple[str, dict]:
 
 def check_update(args) -> list[Row]:
     """Update throughput: packed rows with dynamic batching against padded sdpa micro-batches, and MFU (GPU)."""
-    import bench_train
-
     hidden, layers, _, _, _, vocab = SHAPES["qwen2.5-1.5b" if args.device == "cuda" else "tiny"]
     flags = ["--rows", "64" if args.device == "cuda" else "8", "--max-len", "2048" if args.device == "cuda" else "256",
              "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab), "--device", args.device,
@@ -140,24 +154,12 @@ def check_grpo_hf(args) -> list[Row]:
 
 
 def check_grpo_vllm(args) -> list[Row]:
-    if not has_vllm():
-        return [Row("grpo vllm engine", "not run", "", None, "vLLM is not installed here")]
     return _grpo(args, "vllm")
 
 
-def _engine_setup(args, engine_name: str, packed: bool = True):
-    """One rank: the FSDP model of the 0.5B shape (tiny on CPU; ``packed``: for packed rows), an engine, the toy's
-    prompts."""
-    import numpy as np
-    import torch
-
-    from lib.config import FSDPConfig, ModelConfig
-    from lib.data import collate, load_prompts
-    from lib.dist import init_topology
-    from lib.engine import SamplingConfig
-    from lib.fsdp import build_sharded_model
-    from lib.models import load_config, load_tokenizer, stop_token_ids
-
+def _engine_setup(args, engine_name: str | None, packed: bool = True):
+    """One rank: the FSDP model of the 0.5B shape (tiny on CPU; ``packed``: for packed rows), an engine ("hf",
+    "vllm", or None: none), the toy's prompts."""
     shape = "qwen2.5-0.5b" if args.device == "cuda" else "tiny"
     path, data = model_folder(args.out, shape, args.device)
     topo = init_topology(device=args.device)
@@ -167,14 +169,11 @@ def _engine_setup(args, engine_name: str, packed: bool = True):
     sampling = SamplingConfig(temperature=1.0, n=1, max_new_tokens=32, seed=1)
     greedy = SamplingConfig(temperature=0.0, n=1, max_new_tokens=32, seed=2)
     eos = stop_token_ids(path, tok)
+    engine = None
     if engine_name == "vllm":
-        from lib.engine.vllm import VLLMEngine
-
         engine = VLLMEngine(path, topo, tok.pad_token_id, eos, sampling, greedy, max_model_len=128, max_num_seqs=64,
                             dtype=str(dtype).removeprefix("torch."))
-    else:
-        from lib.engine.hf import HFEngine
-
+    elif engine_name == "hf":
         engine = HFEngine(load_config(path), topo.device, tok.pad_token_id, eos, sampling, greedy, dtype=dtype)
     prompts = load_prompts([data["val"]], tok, 16, limit=64 if args.device == "cuda" else 16)
     batch = collate(prompts, np.arange(len(prompts)), 16, tok.pad_token_id)
@@ -185,14 +184,6 @@ def check_correctness(args) -> list[Row]:
     """After one GRPO update and a sync: the engine's greedy tokens against the trained model's own greedy decode, the
     canary on sampled tokens, the same seed twice and two steps; the sync's GB/s against an all-gather of the same
     bytes measured here."""
-    import torch
-    import torch.distributed as dist
-
-    from lib.actor import Trainee, compute_log_probs, update_policy
-    from lib.config import ActorConfig, BatchingConfig, OptimConfig
-    from lib.optim import build_optimizer
-    from lib.sync import enter_rollout, exit_rollout
-
     engine_name = "vllm" if has_vllm() else "hf"
     # padded rows throughout: the model's own greedy decode below is a plain padded forward
     topo, model, engine, batch, dtype, _ = _engine_setup(args, engine_name, packed=False)
@@ -259,12 +250,6 @@ def check_correctness(args) -> list[Row]:
 def check_sleep_wake(args) -> list[Row]:
     """vLLM's sleep mode on a GPU: memory released by sleep(1) and sleep(2), back after a wake, and wake + sleep
     seconds."""
-    if args.device != "cuda" or not has_vllm():
-        return [Row("sleep/wake", "not run", "", None, "needs vLLM's sleep mode on a GPU (the CPU build has none)")]
-    import torch
-
-    from lib.sync import enter_rollout
-
     topo, model, engine, _, dtype, _ = _engine_setup(args, "vllm")
     enter_rollout(model, engine, dtype)
     free = lambda: torch.cuda.mem_get_info()[0]  # noqa: E731
@@ -295,25 +280,27 @@ def check_sleep_wake(args) -> list[Row]:
 
 def check_rollout(args) -> list[Row]:
     """Our vLLM engine's tokens/s against bare LLM.generate on the same prompts and sampling."""
-    if not has_vllm():
-        return [Row("rollout: engine / bare LLM.generate tokens/s", "not run", ">= 0.95x", None,
-                    "vLLM is not installed here")]
-    import bench_rollout
-    import torch
-
-    from lib.engine import SamplingConfig
-
-    topo, model, engine, batch, dtype, path = _engine_setup(args, "hf")
-    engine.close()
+    topo, model, _, batch, dtype, path = _engine_setup(args, None)
     new_tokens = 256 if args.device == "cuda" else 16
     r = bench_rollout.bench_vllm(path, model, topo, batch, SamplingConfig(max_new_tokens=new_tokens, seed=0), dtype, 3,
                                  batch.batch["input_ids"].shape[1] + new_tokens)
-    del torch
     return [Row("rollout: engine / bare LLM.generate tokens/s", f"{r['ratio']:.2f}x ({r['ours_tokens_per_s']:.0f} vs "
                 f"{r['bare_tokens_per_s']:.0f})", ">= 0.95x", r["ratio"] >= 0.95)]
 
 
 # ---- the run
+
+
+def cannot_run(name: str, args) -> list[Row]:
+    """The rows of a check that cannot run here, known before it starts (none: it can)."""
+    if name == "sleep_wake" and (args.device != "cuda" or not has_vllm()):
+        return [Row("sleep/wake", "not run", "", None, "needs vLLM's sleep mode on a GPU (the CPU build has none)")]
+    if name == "rollout" and not has_vllm():
+        return [Row("rollout: engine / bare LLM.generate tokens/s", "not run", ">= 0.95x", None,
+                    "vLLM is not installed here")]
+    if name == "grpo_vllm" and not has_vllm():
+        return [Row("grpo vllm engine", "not run", "", None, "vLLM is not installed here")]
+    return []
 
 
 def command(args) -> str:
@@ -346,8 +333,6 @@ def report(args, results: dict[str, tuple[list[Row], float]], note: str) -> None
             verdict = {True: "pass", False: "FAIL", None: "-"}[r.passed]
             table.append(f"| {name} ({secs:.0f} s) | {r.figure} | {r.value} | {r.goal} | {verdict} | "
                          f"{r.note.replace('|', '/')} |")
-    import torch
-
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     head = [f"# Acceptance run, {time.strftime('%Y-%m-%d %H:%M')}, {device}", "", f"Command: `{command(args)}`", ""]
     with open(os.path.join(args.out, "acceptance.md"), "w") as f:
@@ -369,8 +354,6 @@ def main() -> None:
     args = ap.parse_args()
     args.out = os.path.abspath(args.out)
     if args.device is None:
-        import torch
-
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(os.path.join(args.out, "checks"), exist_ok=True)
     if args.check:
@@ -381,10 +364,13 @@ def main() -> None:
     start, results, skipped = time.perf_counter(), {}, []
     for name in args.only or CHECKS:
         left = args.budget_s - (time.perf_counter() - start)
-        if left <= 1:
+        if rows := cannot_run(name, args):  # reported without a process or a budget
+            results[name] = (rows, 0.0)
+        elif left <= 1:
             skipped.append(name)
             continue
-        results[name] = run_check(name, args, min(args.check_budget_s, left))
+        else:
+            results[name] = run_check(name, args, min(args.check_budget_s, left))
         rows, secs = results[name]
         print(f"{name} ({secs:.0f} s): " + "; ".join(f"{r.figure} = {r.value}" for r in rows), flush=True)
     for name in skipped:

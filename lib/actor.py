@@ -91,6 +91,7 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
                 model, m, temperature, cfg.batching.use_remove_padding, sp=topo))[0]
 
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
+    topk = teacher_kl is not None and teacher_kl[1] == "topk"  # also the student's log-probs at the teacher's ids
     # unset (None) clip bounds leave the loss's own defaults (preflight.resolve fills them for a run)
     clip = {k: v for k, v in (("clip_ratio_low", cfg.clip_ratio_low), ("clip_ratio_high", cfg.clip_ratio_high))
             if v is not None}
@@ -104,7 +105,6 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
         for micro in pieces:
             b = micro.batch
             mask = b["response_mask"].to(torch.float32)
-            topk = teacher_kl is not None and teacher_kl[1] == "topk"  # also the student's log-probs at its ids
             logp, entropy = response_log_probs(model, micro, temperature, cfg.batching.use_remove_padding,
                                                with_entropy=True, sp=topo, at=b["teacher_topk_ids"] if topk else None)
             if topk:

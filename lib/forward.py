@@ -180,20 +180,24 @@ def _response_outputs(model: nn.Module, micro: DataProto, fn: Callable[[Tensor, 
         outs = fn(ban(logits, getattr(model, BANNED_ATTR, None)), labels[p.response_valid][sel])
         if sp is not None and sp.sp_size > 1:
             outs = tuple(None if o is None else _gather_keeps(o, sel, p.keep.numel(), sp.sp_group) for o in outs)
-        return tuple(None if o is None else
-                     torch.zeros((*labels.shape[:2], *o.shape[1:]), dtype=o.dtype, device=o.device).index_put(
-                         torch.nonzero(p.response_valid, as_tuple=True), o) for o in outs)
+        return tuple(_to_rows(o, p.response_valid) for o in outs)
     vision, around = _tower(model, vision, b["input_ids"])
     with around:
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")), use_cache=False,
                        logits_to_keep=response_len + 1, **vision).logits[:, :-1]  # (B, R, V)
     logits = ban(logits, getattr(model, BANNED_ATTR, None))
-    outs = fn(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, *labels.shape[2:]))
-    valid = b["attention_mask"][:, -response_len:]
-    return tuple(None if o is None else
-                 (o.view(*labels.shape[:2], *o.shape[1:]) * valid.view(*valid.shape, *[1] * (o.dim() - 1)).to(o.dtype))
-                 for o in outs)
+    valid = b["attention_mask"][:, -response_len:].bool()
+    outs = fn(logits[valid], labels[valid])
+    return tuple(_to_rows(o, valid) for o in outs)
+
+
+def _to_rows(out: Tensor | None, where: Tensor) -> Tensor | None:
+    """Outputs at the response positions ``where`` (B, R) holds, (N, ...), as (B, R, ...) with zeros elsewhere."""
+    if out is None:
+        return None
+    rows = torch.zeros((*where.shape, *out.shape[1:]), dtype=out.dtype, device=out.device)
+    return rows.index_put(torch.nonzero(where, as_tuple=True), out)
 
 
 def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 1.0, packed: bool = True,
@@ -206,10 +210,9 @@ def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 
     labels = micro.batch["responses"]
     if at is not None:
         labels = torch.cat([labels[..., None], at.to(labels.device)], -1)
-    logp, entropy = _response_outputs(
+    return _response_outputs(
         model, micro, lambda logits, lab: log_probs_from_logits(logits, lab, temperature, with_entropy), labels,
         packed, sp)
-    return logp, entropy
 
 
 def response_top_log_probs(model: nn.Module, micro: DataProto, k: int, temperature: float = 1.0, packed: bool = True,

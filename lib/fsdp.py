@@ -216,10 +216,9 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
         setattr(model, BANNED_ATTR, placeholder_ids(config))
     if pc is None:
         set_trainable(model, trainable)
-        if kind == "vision_lm":
-            if model_cfg.freeze_vision_tower:
-                for name, param in model.named_parameters():
-                    param.requires_grad_(param.requires_grad and not is_vision_param(name))
+        if kind == "vision_lm" and model_cfg.freeze_vision_tower:
+            for name, param in model.named_parameters():
+                param.requires_grad_(param.requires_grad and not is_vision_param(name))
         return model
     if trainable:
         dist.broadcast_object_list(digest, src=0)  # world: every rank checks a resume against the same base

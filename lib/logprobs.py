@@ -70,7 +70,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             e = s + ctx.chunk
             # d/dlogits = d/dz / t: fold 1/t into the incoming gradients instead of a pass over the chunk
             gl = grad_logp[s:e].float() / t  # (n, m)
-            total = gl.sum(-1, keepdim=True) if gl.shape[-1] > 1 else gl
+            total = gl.sum(-1, keepdim=True)
             if use_entropy:
                 # d logp_label/dz = onehot - p ; dH/dz = -p * (log p + H)
                 # => g = p * (-sum(gl) - ge * (log p + H)) + sum of onehot * gl, built in place in log p's memory

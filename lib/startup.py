@@ -370,16 +370,21 @@ def _samplings(cfg: Config) -> tuple[SamplingConfig, SamplingConfig]:
                            seed=cfg.trainer.seed + 1))
 
 
+def _hf_engine(run: Run, path: str, eos: list[int], lora: Any = None) -> HFEngine:
+    """An HF engine of the model at ``path``'s shape with the run's sampling, asleep."""
+    cfg, topo = run.cfg, run.topo
+    sampling, val = _samplings(cfg)
+    return HFEngine(load_config(path, cfg.actor.model.trust_remote_code), topo.device, run.tokenizer.pad_token_id,
+                    eos, sampling, val, dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank,
+                    attn_implementation=cfg.actor.model.attn_implementation, batch_tokens=cfg.rollout.hf_batch_tokens,
+                    lora=lora, vision=run.vision)
+
+
 def build_teacher_engine(run: Run) -> HFEngine:
     """An HF engine of distill.teacher's shape, with the policy's sampling and its own stop tokens, asleep (the teacher's
     own validation, lib.validation.validate_teacher, fills and uses it once)."""
-    cfg, topo, path = run.cfg, run.topo, run.cfg.distill.teacher
-    sampling, val = _samplings(cfg)
-    trust = cfg.actor.model.trust_remote_code
-    return HFEngine(load_config(path, trust), topo.device, run.tokenizer.pad_token_id,
-                    stop_token_ids(path, run.tokenizer, trust), sampling, val, dtype=engine_dtype(run),
-                    rank_seed=topo.rollout_dp_rank, attn_implementation=cfg.actor.model.attn_implementation,
-                    batch_tokens=cfg.rollout.hf_batch_tokens, vision=run.vision)
+    path = run.cfg.distill.teacher
+    return _hf_engine(run, path, stop_token_ids(path, run.tokenizer, run.cfg.actor.model.trust_remote_code))
 
 
 def build_engine(run: Run) -> Any:
@@ -410,10 +415,7 @@ def build_engine(run: Run) -> Any:
                           trust_remote_code=cfg.actor.model.trust_remote_code, lora=engine_lora(run),
                           **vllm_image_kwargs(run))
 
-    return HFEngine(load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code), topo.device,
-                    tok.pad_token_id, eos, sampling, val, dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank,
-                    attn_implementation=cfg.actor.model.attn_implementation, batch_tokens=r.hf_batch_tokens,
-                    lora=engine_lora(run), vision=run.vision)
+    return _hf_engine(run, cfg.actor.model.path, eos, engine_lora(run))
 
 
 def vllm_image_kwargs(run: Run) -> dict[str, Any]:

@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from lib import distill
 from lib.data import collate
-from lib.fsdp import load_model, offload_model
 from lib.rollout import generate
 from lib.scoring import run_scorer
 from lib.startup import Run, build_teacher_engine
@@ -21,15 +20,11 @@ def validate_teacher(run: Run) -> dict[str, float]:
     curve has its target beside it: ``val/teacher/...``. An HF engine of the teacher's shape holds its weights for
     this call only (the policy's engine sleeps meanwhile); an offloaded teacher comes to the device for it."""
     engine = build_teacher_engine(run)
-    offload = distill.offloads(run.cfg, run.topo.device)
-    if offload:
-        load_model(run.teacher, run.topo.device)
     try:
-        metrics = validate_policy(run, 0, other=(run.teacher, engine))
+        with distill.on_device(run.teacher, run.topo.device, distill.offloads(run.cfg, run.topo.device)):
+            metrics = validate_policy(run, 0, other=(run.teacher, engine))
     finally:
         engine.close()
-        if offload:
-            offload_model(run.teacher)
     return {"val/teacher/" + k.removeprefix("val/"): v for k, v in metrics.items()}
 
 

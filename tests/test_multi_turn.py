@@ -57,7 +57,7 @@ class ScriptedEngine:
         text = self.tok.decode(ids, skip_special_tokens=False)
         return next(k for k in self.script if f"user\n{k}<|im_end|>" in text)
 
-    def generate_ids(self, prompts, caps, validate, key):
+    def generate_ids(self, prompts, caps, validate, key, media=None):  # the engines' contract (no images here)
         out = []
         for ids, cap in zip(prompts, caps):
             self.seen.append((list(ids), cap))

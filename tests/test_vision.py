@@ -234,7 +234,7 @@ def test_vllm_gets_one_placeholder_per_image_and_the_images(vision_root, tmp_pat
     prompts, tok = load_set(write_parquet(geo3k_rows(), str(tmp_path / "geo3k.parquet")), model)
     batch = collate(prompts, np.arange(4), 256, tok.pad_token_id)
     image_id = zoo.VISION_IDS["image_token_id"]
-    asked = requests(batch)
+    asked, _ = requests(batch)
     for row, request in enumerate(asked):
         images = request["multi_modal_data"]["image"]
         assert request["prompt_token_ids"].count(image_id) == len(images) == [1, 2, 1, 2][row]

@@ -25,6 +25,8 @@ Metrics: ``distill/reverse_kl`` (the mean of ``-d`` over response tokens), ``dis
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -62,20 +64,29 @@ def offloads(cfg: Any, device: Any) -> bool:
     return cfg.distill.teacher_offload and device.type == "cuda"
 
 
+@contextlib.contextmanager
+def on_device(teacher: Any, device: Any, offload: bool) -> Iterator[None]:
+    """The teacher on ``device`` for the block: an offloaded one (``offloads``) comes and goes back after it."""
+    if offload:
+        load_model(teacher, device)
+    try:
+        yield
+    finally:
+        if offload:
+            offload_model(teacher)
+
+
 def teacher_log_probs(teacher: Any, batch: DataProto, batching: Any, topo: Any, temperature: float,
                       offload: bool = False, topk: int = 0) -> None:
     """The teacher's log-prob of every sampled token, at the rollout temperature, as ``teacher_log_probs``; with
     ``topk``, from the same forward, its top-k tokens at every response position (TOPK_KEYS). An offloaded teacher
     comes to the device for it and goes back."""
-    if offload:
-        load_model(teacher, topo.device)
-    if topk:
-        batch.batch[TEACHER_KEY], *top = compute_top_log_probs(teacher, batch, batching, topo, topk, temperature)
-        batch.batch.update(dict(zip(TOPK_KEYS, top)))
-    else:
-        batch.batch[TEACHER_KEY], _ = compute_log_probs(teacher, batch, batching, topo, temperature)
-    if offload:
-        offload_model(teacher)
+    with on_device(teacher, topo.device, offload):
+        if topk:
+            batch.batch[TEACHER_KEY], *top = compute_top_log_probs(teacher, batch, batching, topo, topk, temperature)
+            batch.batch.update(dict(zip(TOPK_KEYS, top)))
+        else:
+            batch.batch[TEACHER_KEY], _ = compute_log_probs(teacher, batch, batching, topo, temperature)
 
 
 def token_term(batch: DataProto, coef: float) -> Tensor:

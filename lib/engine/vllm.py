@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from lib.dist import Topology, all_gather
-from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, request_seeds,
-                        rollout_columns, stop_ids, turns_from)
+from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, prompt_images,
+                        request_seeds, rollout_columns, stop_ids, turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
 from lib.lora import VLLM_LORA_RANKS, check_engine_load, save_adapter
 from lib.protocol import DataProto
@@ -284,10 +284,9 @@ class VLLMEngine:
             mine = slice(start, start + sizes[topo.rollout_tp_rank])
         else:
             mine = slice(0, len(data))
-        asked = requests(data)
+        asked, own = requests(data)
         responses, logps, seen = self._generate(asked, sp, call_seed(sp.seed, self.group, validate, key))
-        ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
-        check_expansions(asked, seen, [row[m.bool()].tolist() for row, m in zip(ids, mask)])
+        check_expansions(asked, seen, own)
         self.calls[validate] += 1
         data = data[mine]
         responses, logps = responses[mine], logps[mine]
@@ -353,24 +352,19 @@ class VLLMEngine:
                 [list(o.prompt_token_ids or []) for o in outputs])
 
 
-def requests(data: DataProto) -> list[dict]:
-    """vLLM's prompts for a batch: each row's token ids without padding. A row with images is given with ONE
-    placeholder per image (``engine_prompt_ids``) and its images (``multi_modal_data``): vLLM expands each placeholder
-    to its image's tokens itself, so ids already expanded would be expanded a second time."""
+def requests(data: DataProto) -> tuple[list[dict], list[list[int]]]:
+    """vLLM's prompts for a batch (``turn_request`` of each row's prompt), and each row's token ids without padding
+    as the trainer has them (what ``check_expansions`` compares vLLM's expansion with)."""
     ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
-    engine_ids, images = data.non_tensor_batch.get("engine_prompt_ids"), data.non_tensor_batch.get("images")
-    out = []
-    for i, (row, m) in enumerate(zip(ids, mask)):
-        if images is not None and images[i]:
-            out.append({"prompt_token_ids": list(engine_ids[i]), "multi_modal_data": {"image": list(images[i])}})
-        else:
-            out.append({"prompt_token_ids": row[m.bool()].tolist()})
-    return out
+    own = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    return [turn_request(p, m) for p, m in zip(own, prompt_images(data) or [None] * len(own))], own
 
 
 def turn_request(ids: list[int], media: PromptImages | None) -> dict:
-    """vLLM's request for a multi-turn turn: the ids, or for an image prompt its one-placeholder-per-image ids and
-    images, then the turns so far (``ids`` after the trainer's expanded prompt)."""
+    """vLLM's request for a prompt and the turns so far after it (``ids``, the prompt as the trainer expanded it): the
+    ids, or for an image prompt ONE placeholder per image (``engine_prompt_ids``) with its images
+    (``multi_modal_data``), then the turns. vLLM expands each placeholder to its image's tokens itself, so ids already
+    expanded would be expanded a second time."""
     if media is None or not media.images:
         return {"prompt_token_ids": ids}
     return {"prompt_token_ids": list(media.engine_prompt_ids) + ids[media.prompt_len:],
