@@ -16,7 +16,8 @@ built (transformers' sdpa on a packed row builds one and attends over the whole 
 
 The model's own attention features are honoured on every path: a sliding window (varlen kernels take it as a
 window size, the plain path as a band mask), logit soft-capping and attention sinks (flash-attn takes the
-soft-cap; what a kernel lacks goes to ``math_attention``, the attention written out). Another model is never
+soft-cap; what a kernel lacks goes to ``math_attention``, the attention written out), and Gemma-3's image blocks
+(an image's tokens see each other both ways: the plain path's mask, which no varlen kernel takes). Another model is never
 computed silently: tests/test_model_zoo.py checks packed = padded = eager for each architecture.
 """
 
@@ -50,6 +51,7 @@ class Packing:
     sp_size: int = 1
     gather: Tensor | None = None  # (num_segments * max_len,) packed position of each padded slot (0 past the end)
     valid: Tensor | None = None  # (num_segments * max_len,) bool: the padded slots that hold a token
+    blocks: Tensor | None = None  # (total,) image block of each packed token, -1 for text (``image_blocks``)
 
     def padded_index(self) -> tuple[Tensor, Tensor]:
         """Where each sequence's tokens sit in a (num_segments, max_len) right-padded layout; made on first use."""
@@ -63,15 +65,24 @@ class Packing:
         return self.gather, self.valid
 
 
-def packing(position_ids: Tensor, group: dist.ProcessGroup | None = None) -> Packing:
-    """Packed sequences restart their position ids: a new sequence starts wherever the step is not +1."""
+def image_blocks(ids: Tensor, image_token_id: int) -> Tensor:
+    """(S,) for a row of ids (S,): the index of the run of image tokens each token is in, -1 for a text token. The
+    tokens of one run (one image) attend to each other both ways in a model whose family says so (Gemma-3)."""
+    is_image = ids == image_token_id
+    starts = is_image & ~F.pad(is_image, (1, 0))[:-1]
+    return torch.where(is_image, starts.long().cumsum(0) - 1, -1)
+
+
+def packing(position_ids: Tensor, group: dist.ProcessGroup | None = None, blocks: Tensor | None = None) -> Packing:
+    """Packed sequences restart their position ids: a new sequence starts wherever the step is not +1.
+    ``blocks``: the row's ``image_blocks`` where the model's image tokens attend both ways."""
     pos = position_ids.reshape(-1)
     starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1
     bounds = [0] + starts.tolist() + [pos.numel()]  # one host sync per micro-batch
     segments = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     cu = torch.tensor([0] + [b - a for a, b in segments], device=pos.device).cumsum(0).to(torch.int32)
     size = dist.get_world_size(group) if group is not None else 1
-    return Packing(segments, cu, max(b - a for a, b in segments), group if size > 1 else None, size)
+    return Packing(segments, cu, max(b - a for a, b in segments), group if size > 1 else None, size, blocks=blocks)
 
 
 @functools.cache
@@ -119,20 +130,27 @@ def _torch_varlen(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | 
     return varlen_attn(q, k, v, p.cu_seqlens, p.cu_seqlens, p.max_len, p.max_len, **kw)
 
 
-def allowed(length: int, window: int | None, device: torch.device) -> Tensor:
+def allowed(length: int, window: int | None, device: torch.device, blocks: Tensor | None = None) -> Tensor:
     """(L, L) bool: query i sees key j when j <= i and, with a sliding window of W tokens, i - j < W (transformers'
-    sliding_window_overlay: the token itself and the W - 1 before it)."""
+    sliding_window_overlay: the token itself and the W - 1 before it). ``blocks`` (n, L): image blocks (-1 for
+    text); then (n, 1, L, L), a query also seeing the later tokens of its own block, within the window (Gemma-3:
+    AND(window, OR(causal, block)))."""
     i = torch.arange(length, device=device)
     diff = i[:, None] - i[None, :]
-    return (diff >= 0) & (diff < window) if window else diff >= 0
+    seen = diff >= 0
+    if blocks is not None:
+        seen = seen | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))
+        seen = seen[:, None]
+    return seen & (diff < window) if window else seen
 
 
 def math_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float | None, window: int | None = None,
-                   softcap: float | None = None, sinks: Tensor | None = None, dropout: float = 0.0) -> Tensor:
+                   softcap: float | None = None, sinks: Tensor | None = None, dropout: float = 0.0,
+                   blocks: Tensor | None = None) -> Tensor:
     """Causal attention written out, for what sdpa lacks: logit soft-capping (Gemma-2: cap * tanh(s / cap)) and
     attention sinks (GPT-OSS: one learned logit per head joins each softmax and is dropped after it).
-    q (n, H, L, d); k, v (n, KV, L, d); sinks (H,). Returns (n, H, L, d). Softmax in float32, as the eager
-    references do."""
+    q (n, H, L, d); k, v (n, KV, L, d); sinks (H,); blocks (n, L) (``allowed``). Returns (n, H, L, d). Softmax in
+    float32, as the eager references do."""
     heads = q.shape[1]
     if k.shape[1] != heads:
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
@@ -140,7 +158,7 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float | None, windo
     scores = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~allowed(q.shape[2], window, q.device), float("-inf"))
+    scores = scores.masked_fill(~allowed(q.shape[2], window, q.device, blocks), float("-inf"))
     if sinks is not None:
         sink = sinks.to(scores.dtype).reshape(1, heads, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], -1).float(), dim=-1)[..., :-1]
@@ -157,7 +175,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, d
     ``window`` (a sliding window of that many tokens), ``softcap`` and ``sinks`` (one logit per head of q) are
     honoured by every path: a kernel that lacks one hands the call to the next, down to ``math_attention``."""
     window = window if window and window < p.max_len else None  # a window longer than every sequence is none
-    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and p.blocks is None
     kernel = varlen_kernel() if fast else None
     torch_ok = window is None or "window_size" in _varlen_params() if kernel == "torch" else False
     if kernel == "torch" and dropout == 0.0 and softcap is None and sinks is None and torch_ok:
@@ -179,10 +197,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, d
     def padded(x: Tensor) -> Tensor:  # (1, H, S, d) -> (n, H, length, d)
         return x[0][:, gather].unflatten(1, (n, length)).transpose(0, 1)
 
+    blocks = None if p.blocks is None else torch.where(valid, p.blocks[gather], -1).unflatten(0, (n, length))
     if softcap or sinks is not None:
-        out = math_attention(padded(q), padded(k), padded(v), scaling, window, softcap, sinks, dropout)
+        out = math_attention(padded(q), padded(k), padded(v), scaling, window, softcap, sinks, dropout, blocks)
     else:
-        band = {"attn_mask": allowed(length, window, q.device)} if window else {"is_causal": True}
+        masked = window or blocks is not None
+        band = {"attn_mask": allowed(length, window, q.device, blocks)} if masked else {"is_causal": True}
         out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), dropout_p=dropout, scale=scaling,
                                              enable_gqa=k.shape[1] != q.shape[1], **band)
     return out.transpose(0, 1).flatten(1, 2)[:, valid][None]

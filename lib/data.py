@@ -182,7 +182,7 @@ class PromptSet:
         """The most images one prompt holds (its placeholders; 0 without a vision-language model)."""
         if self.vision is None:
             return 0
-        return max((ids.count(self.vision.image_token_id) for ids in self.prompt_ids), default=0)
+        return max((ids.count(self.vision.placeholder_id) for ids in self.prompt_ids), default=0)
 
 
 def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, truncation: str = "filter",
@@ -213,9 +213,9 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
         for number, row in enumerate(rows[:limit] if limit else rows):
             problem = row_problem(row, known_sources)
             entries = column.entries(number) if column is not None and not problem else []
-            image_tokens = 0
+            sizes: list[tuple[int, int]] = []
             if entries:
-                row, image_tokens, problem = _with_images(row, entries, column.base_dir, vision)
+                row, sizes, problem = _with_images(row, entries, column.base_dir)
             if not problem:
                 try:
                     text = _prompt_text(row, tokenizer, apply_chat_template, tool_schemas, bool(entries))
@@ -223,8 +223,8 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
                     text, problem = "", str(e)
                 tokens = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
                 problem = problem or ("" if tokens else "the prompt tokenizes to nothing")
-                if entries and not problem and tokens.count(vision.image_token_id) != len(entries):
-                    problem = (f"the chat template rendered {tokens.count(vision.image_token_id)} image placeholders "
+                if entries and not problem and tokens.count(vision.placeholder_id) != len(entries):
+                    problem = (f"the chat template rendered {tokens.count(vision.placeholder_id)} image placeholders "
                                f"for {len(entries)} images (a template without image parts?)")
             if problem:
                 if bad_rows == "error":
@@ -234,7 +234,7 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
                 first_bad = first_bad or f"{path} row {number}: {problem}"
                 continue
             stats["prompts"] += 1
-            length = len(tokens) + image_tokens  # a prompt with images counts each image's tokens
+            length = vision.model_length(tokens, text, sizes) if entries else len(tokens)  # with its images' tokens
             if length > max_prompt_length:
                 if truncation == "filter" or (entries and truncation != "error"):  # an image is never cut
                     stats["filtered"] += 1
@@ -266,10 +266,10 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
                      _objects(messages), images, columns, vision if images is not None else None)
 
 
-def _with_images(row: dict, entries: list, base_dir: str, vision: VisionProcessor) -> tuple[dict, int, str]:
-    """(the row with one ``<image>`` per image in its prompt, the tokens its images add beyond one placeholder each,
-    the problem ("" if none)). TRL's layout (no placeholder in the text) puts the images before the first user
-    message's text."""
+def _with_images(row: dict, entries: list, base_dir: str) -> tuple[dict, list[tuple[int, int]], str]:
+    """(the row with one ``<image>`` per image in its prompt, the images' (width, height) from their headers, the
+    problem ("" if none)). TRL's layout (no placeholder in the text) puts the images before the first user message's
+    text."""
     prompt = row["prompt"]
     found = count_placeholders(prompt)
     if found == 0:
@@ -281,15 +281,14 @@ def _with_images(row: dict, entries: list, base_dir: str, vision: VisionProcesso
             prompt = [{**m, "content": marks + m["content"]} if i == first else m for i, m in enumerate(prompt)]
         row = {**row, "prompt": prompt}
     elif found != len(entries):
-        return row, 0, f"the prompt holds {found} {PLACEHOLDER} placeholders for {len(entries)} images"
-    extra = 0
+        return row, [], f"the prompt holds {found} {PLACEHOLDER} placeholders for {len(entries)} images"
+    sizes = []
     for k, entry in enumerate(entries):
         try:
-            width, height = image_size(entry, base_dir)
+            sizes.append(image_size(entry, base_dir))
         except ValueError as e:
-            return row, 0, f"image {k}: {e}"
-        extra += vision.tokens_for_size(width, height) - 1
-    return row, extra, ""
+            return row, [], f"image {k}: {e}"
+    return row, sizes, ""
 
 
 def _prompt_text(row: dict, tokenizer: Any, apply_chat_template: bool, tool_schemas: dict | None,
@@ -322,9 +321,9 @@ def left_pad(token_lists: list[list[int]], width: int, pad_id: int) -> tuple[tor
 
 def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> DataProto:
     """Left-pad the rows' prompts to ``width`` (fixed, so every rank's prompts line up). With a vision-language
-    model the rows' images are decoded and processed here: ``multi_modal`` (per row, its ``pixel_values`` and
-    ``image_grid_thw``, or None), the prompt ids with each image's placeholder expanded, ``rope_position_ids``
-    (B, 3, width; 0 on padding), and for vLLM (which processes the images itself) ``engine_prompt_ids`` (one
+    model the rows' images are decoded and processed here: ``multi_modal`` (per row, its image features, or None),
+    the prompt ids with each image's placeholder expanded, with Qwen-VL ``rope_position_ids`` (B, 3, width; 0 on
+    padding), and for vLLM (which processes the images itself) ``engine_prompt_ids`` (one
     placeholder per image) and ``images`` (the decoded images; the engines drop the column from their output)."""
     token_lists = [prompts.prompt_ids[r] for r in rows]
     extra: dict[str, np.ndarray] = {}
@@ -334,12 +333,14 @@ def collate(prompts: PromptSet, rows: np.ndarray, width: int, pad_id: int) -> Da
         decoded = [prompts.row_images(r) for r in rows]
         features = [vision.images(images) if images else None for images in decoded]
         engine_ids = token_lists
-        token_lists = [vision.expand(ids, f["image_grid_thw"]) if f else ids for ids, f in zip(engine_ids, features)]
-        rope_rows = torch.zeros(len(rows), 3, width, dtype=torch.long)
-        for b, (ids, f) in enumerate(zip(token_lists, features)):
-            grid = f["image_grid_thw"] if f else torch.zeros(0, 3, dtype=torch.long)
-            rope_rows[b, :, width - len(ids):] = rope.prompt_positions(torch.tensor(ids), vision.image_token_id,
-                                                                       grid, vision.merge)
+        token_lists = [vision.expand(ids, prompts.texts[r], f) if f else ids
+                       for ids, f, r in zip(engine_ids, features, rows)]
+        if vision.family.rope:
+            rope_rows = torch.zeros(len(rows), 3, width, dtype=torch.long)
+            for b, (ids, f) in enumerate(zip(token_lists, features)):
+                grid = f["image_grid_thw"] if f else torch.zeros(0, 3, dtype=torch.long)
+                rope_rows[b, :, width - len(ids):] = rope.prompt_positions(torch.tensor(ids), vision.image_token_id,
+                                                                           grid, vision.merge)
         extra = {"multi_modal": _objects(features), "engine_prompt_ids": _objects(engine_ids),
                  "images": _objects(decoded)}
     input_ids, mask, position_ids = left_pad(token_lists, width, pad_id)

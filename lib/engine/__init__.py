@@ -60,25 +60,27 @@ class PromptImages:
     first ``prompt_len`` ids are this prompt as the trainer expanded it, the rest the episode's turns so far."""
 
     prompt_len: int
-    rope: torch.Tensor
-    """(3, prompt_len) the prompt's 3-D rope rows (the turns continue from their largest position)."""
+    rope: torch.Tensor | None
+    """(3, prompt_len) a Qwen-VL prompt's 3-D rope rows (the turns continue from their largest position), or None
+    (1-D positions)."""
     features: Any = None
-    """The trainer's image features of the row (lib.vision: ``pixel_values``, ``image_grid_thw``), or None: what the
-    HF engine runs."""
+    """The trainer's image features of the row (lib.vision: ``pixel_values``, with Qwen-VL ``image_grid_thw``), or
+    None: what the HF engine runs."""
     engine_prompt_ids: Any = None
     """The prompt with ONE placeholder per image, and its decoded ``images``: vLLM's request (it expands them)."""
     images: Any = None
 
 
 def prompt_images(data: DataProto) -> list[PromptImages] | None:
-    """Each row's PromptImages (None without rope rows: not a vision-language batch)."""
+    """Each row's PromptImages (None without image features: not a vision-language batch)."""
     b, nt = data.batch, data.non_tensor_batch
-    if "rope_position_ids" not in b:
+    if "multi_modal" not in nt:
         return None
     none = [None] * len(data)
+    ropes = b["rope_position_ids"].cpu() if "rope_position_ids" in b else none
     out = []
-    for i, (m, rope) in enumerate(zip(b["attention_mask"].cpu().bool(), b["rope_position_ids"].cpu())):
-        out.append(PromptImages(int(m.sum()), rope[:, m], nt.get("multi_modal", none)[i],
+    for i, (m, rope) in enumerate(zip(b["attention_mask"].cpu().bool(), ropes)):
+        out.append(PromptImages(int(m.sum()), None if rope is None else rope[:, m], nt["multi_modal"][i],
                                 nt.get("engine_prompt_ids", none)[i], nt.get("images", none)[i]))
     return out
 

@@ -22,7 +22,7 @@ from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_s
 from lib.lora import base_name, check_engine_load, inject, is_adapter_param, peft_name
 from lib.models import padded_attention, persistent_buffers, retie, tied_aliases
 from lib.protocol import DataProto
-from lib.vision import attn_implementations, ban, concat_features, placeholder_ids
+from lib.vision import attn_implementations, ban, concat_features, placeholder_ids, type_ids
 from lib.vision.rope import continue_positions, with_text_row
 
 
@@ -95,6 +95,7 @@ class HFEngine:
                 if is_adapter_param(name):  # the adapter in fp32 whatever the base's dtype (PEFT casts x to it)
                     param.data = param.data.float()
         self.model.eval().requires_grad_(False)
+        self.vision = vision
         self.banned = placeholder_ids(config) if vision else []  # never sampled (lib.vision.placeholder_ids)
         # tied embeddings: lm_head.weight is embed_tokens.weight. Moving to and from meta unties them; they are
         # tied again at every wake, and a sync writes the one tensor under its listed name
@@ -262,11 +263,12 @@ class HFEngine:
         ids, mask, pos = (x.to(self.device) for x in left_pad(prompts, width, self.pad_id))
         rope, images = None, None
         if media is not None:
+            images = [m.features for m in media]
+        if media is not None and media[0].rope is not None:
             rope = torch.zeros(len(prompts), 3, width, dtype=torch.long)
             for i, (p, m) in enumerate(zip(prompts, media)):
                 turns = continue_positions(m.rope, len(p) - m.prompt_len)
                 rope[i, :, width - len(p):] = torch.cat([m.rope, turns], -1)
-            images = [m.features for m in media]
         stop = self.stop_ids(validate)
         responses, logps = self._generate_chunks(ids, mask, pos, one, self._generator(sp.seed, validate, key), stop,
                                                  rope, images)
@@ -311,7 +313,8 @@ class HFEngine:
             rope = None if rope is None else rope.repeat_interleave(sp.n, 0)
             images = None if images is None else [row for row in images for _ in range(sp.n)]
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=with_text_row(pos, rope), past_key_values=cache,
-                            use_cache=True, logits_to_keep=1, **concat_features(images, self.device)).logits[:, -1]
+                            use_cache=True, logits_to_keep=1, **concat_features(images, self.device),
+                            **(type_ids(self.model.config, ids) if self.vision else {})).logits[:, -1]
         logits = ban(logits, self.banned).float()
         if copy:  # one prefill per prompt, its cache copied to the n samples
             cache.batch_repeat_interleave(sp.n)

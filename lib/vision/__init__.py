@@ -1,21 +1,53 @@
 """Vision-language models: which ones train with images, and what the trainer needs to know of each.
 
 A vision-language checkpoint is recognised by its config (a ``vision_config``). The families listed in FAMILIES train
-with their images (every one follows Qwen-VL's 3-D rope rule, lib/vision/rope.py); another vision model is refused
-at start-up with the list.
+with their images; another vision model is refused at start-up with the list. Two kinds:
+
+- Qwen-VL (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): images of any size, each ``t x h x w`` patches merged into
+  ``t * h * w / merge^2`` tokens, positioned by the 3-D rope rule (lib/vision/rope.py); attention stays causal.
+- Gemma-3: every image resized to the tower's fixed size and pooled to ``mm_tokens_per_image`` tokens between its
+  begin and end tokens; positions stay 1-D; an image's tokens attend to each other both ways in every layer (the
+  model builds that mask from ``token_type_ids``; the packed attention from the image blocks, lib/attention.py).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 
-FAMILIES: dict[str, str] = {name: "<|image_pad|>" for name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5",
-                                                                "qwen3_5_moe")}
-"""Model type -> the placeholder a prompt holds once per image, which the processor expands to the image's tokens."""
+@dataclass(frozen=True)
+class Family:
+    """What the trainer needs to know of a vision-language family."""
+
+    placeholder: str
+    """The token the chat template renders once per image (the prompt vLLM gets), which the processor expands."""
+    rope: bool = True
+    """Qwen-VL's 3-D rope rows (lib/vision/rope.py) travel beside the text positions; else positions are 1-D."""
+    type_ids: str = ""
+    """The model argument marking image tokens (1) among text (0), from which it makes an image's tokens attend to
+    each other both ways ("" for a causal model)."""
+
+
+QWEN_VL = Family("<|image_pad|>")
+FAMILIES: dict[str, Family] = {**{name: QWEN_VL for name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5",
+                                                               "qwen3_5_moe")},
+                               "gemma3": Family("<start_of_image>", rope=False, type_ids="token_type_ids")}
+"""Model type -> its Family."""
+
+
+def family(config: Any) -> Family:
+    return FAMILIES[config.model_type]
+
+
+def type_ids(config: Any, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model argument that marks image tokens, for a family whose image tokens attend both ways ({} otherwise):
+    what its own forward takes to build that mask."""
+    name = FAMILIES[config.model_type].type_ids if config.model_type in FAMILIES else ""
+    return {name: (input_ids == config.image_token_id).long()} if name else {}
 
 
 def has_vision(config: Any) -> bool:
@@ -78,8 +110,13 @@ def ban(logits: torch.Tensor, ids: list[int] | None) -> torch.Tensor:
 
 
 def merge_size(config: Any) -> int:
-    """Patches merged per side into one language-model token."""
+    """Patches merged per side into one language-model token (Qwen-VL)."""
     return int(config.vision_config.spatial_merge_size)
+
+
+def num_images(features: dict[str, torch.Tensor]) -> int:
+    """Images in one row's features (Qwen-VL: one grid row each; Gemma-3: one pixel tensor each)."""
+    return len(features["image_grid_thw"]) if "image_grid_thw" in features else len(features["pixel_values"])
 
 
 def attn_implementations(config: Any, text: str, vision: str = "sdpa") -> dict[str, str]:
@@ -92,16 +129,19 @@ def attn_implementations(config: Any, text: str, vision: str = "sdpa") -> dict[s
 
 def batch_metrics(images: Any, input_ids: torch.Tensor, image_token_id: int) -> dict[str, float]:
     """Images per sample and image tokens per sample of a rollout batch (``images``: per row, its features or None)."""
-    counts = [len(f["image_grid_thw"]) if f else 0 for f in images]
+    counts = [num_images(f) if f else 0 for f in images]
     tokens = (input_ids == image_token_id).sum(1).float()
     return {"vision/images_per_sample": sum(counts) / max(len(counts), 1),
             "vision/image_tokens_mean": float(tokens.mean()) if tokens.numel() else 0.0}
 
 
 def blank_image(config: Any, device: Any = None) -> dict[str, torch.Tensor]:
-    """The features of the smallest image the vision tower takes (one merged token: merge x merge black patches): what a
-    micro-batch without images runs through the tower so that every rank runs it (lib.forward)."""
+    """The features of the smallest image the vision tower takes (Qwen-VL: one merged token, merge x merge black
+    patches; Gemma-3: one black image of the tower's size): what a micro-batch without images runs through the tower
+    so that every rank runs it (lib.forward)."""
     vc = config.vision_config
+    if not family(config).rope:
+        return {"pixel_values": torch.zeros(1, vc.num_channels, vc.image_size, vc.image_size, device=device)}
     merge = merge_size(config)
     temporal = vc.temporal_patch_size if isinstance(vc.temporal_patch_size, int) else vc.temporal_patch_size[0]
     patch = vc.in_channels * temporal * vc.patch_size ** 2
@@ -110,9 +150,9 @@ def blank_image(config: Any, device: Any = None) -> dict[str, torch.Tensor]:
 
 
 def concat_features(rows: Any, device: Any = None) -> dict:
-    """The image features of several rows (each a dict of ``pixel_values`` and ``image_grid_thw``, or None), in row
-    order, as one model call takes them; empty when no row has images."""
+    """The image features of several rows (each a dict of ``pixel_values``, with Qwen-VL ``image_grid_thw``, or None),
+    in row order, as one model call takes them; empty when no row has images."""
     rows = [] if rows is None else [r for r in rows if r]
     if not rows:
         return {}
-    return {key: torch.cat([r[key] for r in rows]).to(device) for key in ("pixel_values", "image_grid_thw")}
+    return {key: torch.cat([r[key] for r in rows]).to(device) for key in rows[0]}

@@ -2,13 +2,16 @@
 
 transformers 5 builds a Qwen-VL ``AutoProcessor`` only with a video processor, which needs torchvision (PyPI has no
 CPU build of it for recent torch). Images need none of that: ``AutoImageProcessor`` gives the PIL image processor
-where torchvision is absent, and the one step the processor adds (each image's placeholder expanded into as many
-tokens as the image has after merging) is done here, on token ids. So a prompt exists in two forms:
+where torchvision is absent, and the one step the processor adds (each image's placeholder expanded into the
+image's tokens) is done here. So a prompt exists in two forms:
 
 - engine ids: the chat template's rendering, ONE placeholder per image; vLLM takes these with the images and
   expands them itself (sending expanded ids with the images expands them twice: trl#6294, trl#6401);
-- model ids: each placeholder expanded to t * h * w / merge^2 tokens; the trainer and the HF engine use these, with
-  ``pixel_values`` and ``image_grid_thw`` from the image processor.
+- model ids: each placeholder expanded; the trainer and the HF engine use these, with the image processor's
+  features. Qwen-VL: the placeholder repeated t * h * w / merge^2 times (on ids; ``pixel_values``, ``image_grid_thw``).
+  Gemma-3: the placeholder (its begin-of-image token) replaced in the prompt's text by "\n\n", the begin token,
+  ``mm_tokens_per_image`` image tokens, the end token and "\n\n", and the text tokenized again, as its processor does
+  (the newlines may merge with the text's own; ``pixel_values`` of the tower's fixed size, pan-and-scan off).
 
 The k-th ``<image>`` of a prompt's text is its k-th image (verl's layout); a count mismatch is a bad row.
 """
@@ -23,7 +26,7 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from lib.vision import FAMILIES, merge_size
+from lib.vision import family, merge_size
 
 PLACEHOLDER = "<image>"
 """Where an image sits in a prompt's text (verl's geo3k layout; TRL's image columns are placed before the text)."""
@@ -94,11 +97,18 @@ def image_size(entry: Any, base_dir: str = "") -> tuple[int, int]:
 
 
 class VisionProcessor:
-    """The image side of a vision-language model: pixel bounds as configured (the same for rollout and training)."""
+    """The image side of a vision-language model: pixel bounds as configured (the same for rollout and training).
+    ``placeholder_id``: the token prompts hold once per image (engine ids); ``image_token_id``: the model's image token
+    (model ids). Qwen-VL: the same token."""
 
     def __init__(self, path: str, config: Any, tokenizer: Any, min_pixels: int = 0, max_pixels: int = 0,
                  trust_remote_code: bool = False):
+        self.family = family(config)
         kwargs = {}
+        if (min_pixels or max_pixels) and not self.family.rope:
+            raise ValueError(f"{config.model_type} resizes every image to its vision tower's size "
+                             f"({config.vision_config.image_size} pixels square): actor.model.min_pixels and "
+                             f"max_pixels do not apply to it; unset them")
         if min_pixels or max_pixels:
             probe = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
             size = dict(probe.size) if isinstance(getattr(probe, "size", None), dict) else {
@@ -108,29 +118,42 @@ class VisionProcessor:
         self.image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code,
                                                                   **kwargs)
         self.tokenizer = tokenizer
-        self.merge = merge_size(config)
-        self.image_token = FAMILIES[config.model_type]
+        self.image_token = self.family.placeholder
+        self.placeholder_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
         self.image_token_id = int(config.image_token_id)
-        if tokenizer.convert_tokens_to_ids(self.image_token) != self.image_token_id:
-            raise ValueError(f"the tokenizer at {path} maps {self.image_token!r} to "
-                             f"{tokenizer.convert_tokens_to_ids(self.image_token)}, the model's config to "
-                             f"{self.image_token_id}: tokenizer and model do not belong together")
+        own = self.image_token_id if self.family.rope else int(config.boi_token_id)
+        if self.placeholder_id != own:
+            raise ValueError(f"the tokenizer at {path} maps {self.image_token!r} to {self.placeholder_id}, the model's "
+                             f"config to {own}: tokenizer and model do not belong together")
+        if self.family.rope:
+            self.merge = merge_size(config)
+        else:
+            self.per_image = int(config.mm_tokens_per_image)
+            soft, end = tokenizer.convert_ids_to_tokens([self.image_token_id, int(config.eoi_token_id)])
+            self.sequence = f"\n\n{self.image_token}{soft * self.per_image}{end}\n\n"
 
     def images(self, images: list[Image.Image]) -> dict[str, torch.Tensor]:
-        """``pixel_values`` (patches, patch features) and ``image_grid_thw`` (images, 3) of a prompt's images."""
+        """A prompt's image features: ``pixel_values`` (Qwen-VL: patches x patch features, with ``image_grid_thw``
+        (images, 3); Gemma-3: images x channels x size x size)."""
+        if not self.family.rope:
+            return {"pixel_values": self.image_processor(images=images, do_pan_and_scan=False,
+                                                         return_tensors="pt")["pixel_values"]}
         out = self.image_processor(images=images, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
 
-    def tokens_for_size(self, width: int, height: int) -> int:
-        """Language-model tokens of an image of this size, after resizing within the pixel bounds and merging."""
-        return self.image_processor.get_number_of_image_patches(height, width, {}) // self.merge ** 2
+    def model_length(self, ids: list[int], text: str, sizes: list[tuple[int, int]]) -> int:
+        """Tokens of a prompt (``ids``, rendered from ``text``) once its images (``sizes``: (width, height) each) are
+        expanded, read from the images' headers alone."""
+        if not self.family.rope:
+            return len(self.expand(ids, text))
+        return len(ids) + sum(self.image_processor.get_number_of_image_patches(h, w, {}) // self.merge ** 2 - 1
+                              for w, h in sizes)
 
-    def tokens_per_image(self, grid_thw: torch.Tensor) -> list[int]:
-        return (grid_thw.prod(-1) // self.merge ** 2).tolist()
-
-    def expand(self, ids: list[int], grid_thw: torch.Tensor) -> list[int]:
-        """Engine ids (one placeholder per image) -> model ids (each placeholder as many tokens as its image)."""
-        counts = iter(self.tokens_per_image(grid_thw))
+    def expand(self, ids: list[int], text: str, features: dict[str, torch.Tensor] | None = None) -> list[int]:
+        """Engine ids (one placeholder per image, rendered from ``text``) -> model ids (each image expanded)."""
+        if not self.family.rope:
+            return self.tokenizer(text.replace(self.image_token, self.sequence), add_special_tokens=False)["input_ids"]
+        counts = iter((features["image_grid_thw"].prod(-1) // self.merge ** 2).tolist())
         out: list[int] = []
         for token in ids:
             out.extend([token] * next(counts) if token == self.image_token_id else [token])
