@@ -41,7 +41,7 @@ from lib.optim import build_optimizer
 from lib.preflight import Sizes, picks_vllm, resolve, validate
 from lib.rewards import RULES, check_truth_source, load_custom
 from lib.rewards.scorer import RewardModel, Scorer
-from lib.vision import FAMILIES, has_vision, placeholder_ids
+from lib.vision import FAMILIES, family, has_vision, placeholder_ids
 from lib.vision import problem as vision_problem
 from lib.vision import vllm_problem as vision_vllm_problem
 from lib.vision import toy as vision_toy
@@ -258,6 +258,10 @@ def vision_processor(cfg: Config, model_config: Any, tokenizer: Any) -> tuple[Vi
     refusal = vision_problem(model_config)
     if refusal:
         return None, refusal
+    if (m.min_pixels or m.max_pixels) and not family(model_config).rope:
+        return None, (f"{model_config.model_type} resizes every image to its vision tower's size "
+                      f"({model_config.vision_config.image_size} pixels square): actor.model.min_pixels and "
+                      f"max_pixels do not apply to it; unset them")
     try:
         return VisionProcessor(m.path, model_config, tokenizer, m.min_pixels, m.max_pixels, m.trust_remote_code), ""
     except (OSError, ValueError) as e:

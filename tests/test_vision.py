@@ -621,11 +621,16 @@ def test_the_visual_preset_with_the_vllm_engine(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     ({"attn": "sdpa"}, "attend across the packed sequences"),
+    ({"model": "gemma3_vl", "min_pixels": 3136}, "gemma3 resizes every image to its vision tower's size .56 pixels "
+                                                 "square.: actor.model.min_pixels and max_pixels do not apply"),
 ])
 def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, message, vision_root, tmp_path):
     from lib.startup import check_inputs
 
     cfg = image_config(vision_root, tmp_path)
+    if "model" in flags:
+        cfg.actor.model.path = zoo.build_vision(flags["model"], vision_root)
+    cfg.actor.model.min_pixels = flags.get("min_pixels", 0)
     cfg.actor.model.attn_implementation = flags.get("attn", "auto")
     cfg.rollout.engine = flags.get("engine", "hf")
     with pytest.raises(ValueError, match=message):

@@ -105,11 +105,7 @@ class VisionProcessor:
                  trust_remote_code: bool = False):
         self.family = family(config)
         kwargs = {}
-        if (min_pixels or max_pixels) and not self.family.rope:
-            raise ValueError(f"{config.model_type} resizes every image to its vision tower's size "
-                             f"({config.vision_config.image_size} pixels square): actor.model.min_pixels and "
-                             f"max_pixels do not apply to it; unset them")
-        if min_pixels or max_pixels:
+        if min_pixels or max_pixels:  # Qwen-VL's (a fixed-size family is refused them at start-up)
             probe = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
             size = dict(probe.size) if isinstance(getattr(probe, "size", None), dict) else {
                 "shortest_edge": probe.size.shortest_edge, "longest_edge": probe.size.longest_edge}
