@@ -430,8 +430,9 @@ def vllm_image_kwargs(run: Run) -> dict[str, Any]:
     m = run.cfg.actor.model
     bounds = {k: v for k, v in (("min_pixels", m.min_pixels), ("max_pixels", m.max_pixels)) if v}
     most = max(run.train.max_images, run.val.max_images if run.val is not None else 0)
-    return {"images_per_prompt": most, "mm_processor_kwargs": bounds,
-            "banned_ids": placeholder_ids(load_config(m.path, m.trust_remote_code))}
+    config = load_config(m.path, m.trust_remote_code)
+    return {"images_per_prompt": most, "mm_processor_kwargs": bounds, "banned_ids": placeholder_ids(config),
+            "videos": getattr(config, "video_token_id", None) is not None}
 
 
 def engine_lora(run: Run) -> Any:

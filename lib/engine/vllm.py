@@ -65,7 +65,7 @@ class VLLMEngine:
                  max_num_seqs: int = 256, kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", enforce_eager: bool = False, trust_remote_code: bool = False,
                  lora: Any = None, images_per_prompt: int = 0, mm_processor_kwargs: dict | None = None,
-                 banned_ids: list[int] | None = None):
+                 banned_ids: list[int] | None = None, videos: bool = True):
         """``kv_cache_bytes``: the KV cache of this rank in bytes (0: ``kv_cache_bytes()`` for ``max_num_seqs``
         sequences of ``max_model_len`` tokens; the trainer passes lib.engine.plan_kv_cache's size). ``gpu_memory_utilization`` is only vLLM's start-up check on GPU
         (that share of the device must be free); the CPU build ignores it once the KV size is given in bytes.
@@ -75,7 +75,8 @@ class VLLMEngine:
         (``limit_mm_per_prompt``); vLLM then processes each prompt's images itself, with the tokenizer and the
         image processor of ``model_path`` and ``mm_processor_kwargs`` (the trainer's min/max pixels), and every
         image prompt's expansion is checked against the trainer's. ``banned_ids``: never sampled (image
-        placeholders, lib.vision.placeholder_ids)."""
+        placeholders, lib.vision.placeholder_ids). ``videos``: the model takes videos too (vLLM is told none come;
+        a model without them is told nothing of them)."""
         strip_expandable_segments()
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -112,7 +113,7 @@ class VLLMEngine:
                            trust_remote_code=trust_remote_code, enable_prefix_caching=True,
                            **_logprobs_mode_kwargs(), **_lora_kwargs(lora),
                            **_cpu_prefill_kwargs(self.device, max_model_len),
-                           **_image_kwargs(images_per_prompt, mm_processor_kwargs))
+                           **_image_kwargs(images_per_prompt, mm_processor_kwargs, videos))
         # the parameters a sync must write, read before any reload: a tied lm_head is the embedding's own tensor
         # here (during a layerwise reload it sits on meta apart from it, and finalising puts the shared one back)
         names: list[str] = []
@@ -428,12 +429,14 @@ def _cpu_prefill_kwargs(device: torch.device, max_model_len: int) -> dict:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
 
 
-def _image_kwargs(images_per_prompt: int, mm_processor_kwargs: dict | None) -> dict:
+def _image_kwargs(images_per_prompt: int, mm_processor_kwargs: dict | None, videos: bool = True) -> dict:
     """Text prompts: token ids only (no tokenizer). Image prompts: vLLM's multimodal processor needs the tokenizer,
-    at most ``images_per_prompt`` images per prompt and no video, processed with the trainer's pixel bounds."""
+    at most ``images_per_prompt`` images per prompt and no video (where the model takes them), processed with the
+    trainer's pixel bounds."""
     if not images_per_prompt:
         return {"skip_tokenizer_init": True}
-    return {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": images_per_prompt, "video": 0},
+    limits = {"image": images_per_prompt, **({"video": 0} if videos else {})}
+    return {"skip_tokenizer_init": False, "limit_mm_per_prompt": limits,
             "mm_processor_kwargs": dict(mm_processor_kwargs or {})}
 
 
