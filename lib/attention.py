@@ -52,6 +52,7 @@ class Packing:
     gather: Tensor | None = None  # (num_segments * max_len,) packed position of each padded slot (0 past the end)
     valid: Tensor | None = None  # (num_segments * max_len,) bool: the padded slots that hold a token
     blocks: Tensor | None = None  # (total,) image block of each packed token, -1 for text (``image_blocks``)
+    two_way: str = ""  # the layers where the blocks attend both ways: "all" or "sliding" (lib.vision.two_way)
 
     def padded_index(self) -> tuple[Tensor, Tensor]:
         """Where each sequence's tokens sit in a (num_segments, max_len) right-padded layout; made on first use."""
@@ -73,16 +74,18 @@ def image_blocks(ids: Tensor, image_token_id: int) -> Tensor:
     return torch.where(is_image, starts.long().cumsum(0) - 1, -1)
 
 
-def packing(position_ids: Tensor, group: dist.ProcessGroup | None = None, blocks: Tensor | None = None) -> Packing:
+def packing(position_ids: Tensor, group: dist.ProcessGroup | None = None, blocks: Tensor | None = None,
+            two_way: str = "") -> Packing:
     """Packed sequences restart their position ids: a new sequence starts wherever the step is not +1.
-    ``blocks``: the row's ``image_blocks`` where the model's image tokens attend both ways."""
+    ``blocks``: the row's ``image_blocks``, attending both ways in the layers ``two_way`` names."""
     pos = position_ids.reshape(-1)
     starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1
     bounds = [0] + starts.tolist() + [pos.numel()]  # one host sync per micro-batch
     segments = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     cu = torch.tensor([0] + [b - a for a, b in segments], device=pos.device).cumsum(0).to(torch.int32)
     size = dist.get_world_size(group) if group is not None else 1
-    return Packing(segments, cu, max(b - a for a, b in segments), group if size > 1 else None, size, blocks=blocks)
+    return Packing(segments, cu, max(b - a for a, b in segments), group if size > 1 else None, size, blocks=blocks,
+                   two_way=two_way)
 
 
 @functools.cache
@@ -169,13 +172,16 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float | None, windo
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, dropout: float = 0.0,
-           window: int | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+           window: int | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+           blocks: Tensor | None = None) -> Tensor:
     """Causal attention within each packed sequence. q: (1, H, S, d); k, v: (1, KV, S, d) with KV dividing H
     (GQA: the kernels share each kv head, so no repeated copy is kept for backward). Returns (1, H, S, d).
     ``window`` (a sliding window of that many tokens), ``softcap`` and ``sinks`` (one logit per head of q) are
-    honoured by every path: a kernel that lacks one hands the call to the next, down to ``math_attention``."""
+    honoured by every path: a kernel that lacks one hands the call to the next, down to ``math_attention``.
+    ``blocks`` (the packed row's ``image_blocks``): each image's tokens also see the later ones of their image (the
+    plain path's mask; no varlen kernel takes one)."""
     window = window if window and window < p.max_len else None  # a window longer than every sequence is none
-    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and p.blocks is None
+    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and blocks is None
     kernel = varlen_kernel() if fast else None
     torch_ok = window is None or "window_size" in _varlen_params() if kernel == "torch" else False
     if kernel == "torch" and dropout == 0.0 and softcap is None and sinks is None and torch_ok:
@@ -197,7 +203,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, d
     def padded(x: Tensor) -> Tensor:  # (1, H, S, d) -> (n, H, length, d)
         return x[0][:, gather].unflatten(1, (n, length)).transpose(0, 1)
 
-    blocks = None if p.blocks is None else torch.where(valid, p.blocks[gather], -1).unflatten(0, (n, length))
+    blocks = None if blocks is None else torch.where(valid, blocks[gather], -1).unflatten(0, (n, length))
     if softcap or sinks is not None:
         out = math_attention(padded(q), padded(k), padded(v), scaling, window, softcap, sinks, dropout, blocks)
     else:
@@ -222,8 +228,10 @@ def packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, att
     # what the model's attention does besides causal softmax(q k / sqrt(d)) v: Mistral/Gemma/GPT-OSS sliding
     # windows, Gemma-2 soft-capping, GPT-OSS sinks (the names transformers' attention calls pass)
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    # Gemma-3's image blocks attend both ways in every layer, Gemma-4's in its sliding-window layers only
+    blocks = p.blocks if p.two_way == "all" or (p.two_way == "sliding" and window) else None
     if p.group is None:
-        out = attend(query, key, value, p, scaling, dropout, window, softcap, sinks)
+        out = attend(query, key, value, p, scaling, dropout, window, softcap, sinks, blocks)
         return out.transpose(1, 2).contiguous(), None
     sp, kv_heads = p.sp_size, key.shape[1]
     if kv_heads < sp:  # sp % kv_heads == 0 (checked before loading): one repeated kv head per rank
@@ -234,7 +242,7 @@ def packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, att
     v = ulysses.all_to_all(value, p.group, scatter_dim=1, gather_dim=2)
     if sinks is not None:  # this rank holds the sp_rank-th slice of the heads
         sinks = sinks.chunk(sp)[dist.get_rank(p.group)]
-    out = attend(q, k, v, p, scaling, dropout, window, softcap, sinks)  # (1, H/sp, S, d)
+    out = attend(q, k, v, p, scaling, dropout, window, softcap, sinks, blocks)  # (1, H/sp, S, d)
     out = ulysses.all_to_all(out, p.group, scatter_dim=2, gather_dim=1)  # (1, H, S_local, d)
     return out.transpose(1, 2).contiguous(), None
 

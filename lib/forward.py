@@ -32,7 +32,7 @@ from torch import nn
 from lib import attention, ulysses
 from lib.logprobs import log_probs_from_logits, top_log_probs
 from lib.protocol import DataProto
-from lib.vision import BANNED_ATTR, ban, blank_image, concat_features, type_ids
+from lib.vision import BANNED_ATTR, ban, blank_image, concat_features, two_way, type_ids
 from lib.vision.rope import with_text_row
 
 Tensor = torch.Tensor
@@ -139,13 +139,13 @@ def _images_cut_to_slice(model: nn.Module, input_ids: Tensor, start: int, length
 
 def _packing(model: nn.Module, ids: Tensor, pos: Tensor, group: Any = None) -> attention.Packing:
     """The packed row's sequence bounds (``pos``: the whole row's positions, with SP padded to a multiple of sp) and,
-    where the model's image tokens attend both ways (lib.vision.type_ids), its image blocks (``ids``: the packed row
+    where the model's image tokens attend both ways (lib.vision.two_way), its image blocks (``ids``: the packed row
     before any padding)."""
-    blocks = None
-    if getattr(model, BANNED_ATTR, None) is not None and type_ids(model.config, ids):  # built as the VL class
+    blocks, mode = None, two_way(model.config) if getattr(model, BANNED_ATTR, None) is not None else ""
+    if mode:  # built as the vision-language class, whose image tokens attend both ways
         blocks = attention.image_blocks(ids[0], model.config.image_token_id)
         blocks = F.pad(blocks, (0, pos.shape[-1] - blocks.numel()), value=-1)
-    return attention.packing(pos, group, blocks)
+    return attention.packing(pos, group, blocks, mode)
 
 
 def _slice_rope(rope: Tensor, full_pos: Tensor, start: int, length: int) -> Tensor:

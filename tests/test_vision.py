@@ -101,8 +101,8 @@ def test_packed_and_padded_equal_the_models_own_forward(name, vision_root):
                                                   attention_mask=b["attention_mask"])
             assert torch.equal(hf_rope.transpose(0, 1) * b["attention_mask"][:, None], b["rope_position_ids"])
         else:
-            logits = own(input_ids=b["input_ids"], attention_mask=b["attention_mask"], token_type_ids=marks,
-                         **features).logits
+            logits = own(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **features,
+                         **{proc.family.type_ids: marks}).logits
         R = b["responses"].shape[1]
         logits = ban(logits[:, -R - 1:-1].float(), placeholder_ids(config))  # never sampled, as the engines do
         reference = torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None])[..., 0]
@@ -392,16 +392,12 @@ def _update_body(path: str, which: list[int]):
     return {"metrics": metrics, "weights": weights if topo.is_main else None}
 
 
-@pytest.mark.parametrize("name, which", [("qwen2_vl", [0, 1] * 4), ("qwen2_vl", [0, 1, 2, 2]),
-                                         ("gemma3_vl", [0, 1, 2, 2])],
-                         ids=["images", "text_rows_on_one_rank", "gemma3_text_rows_on_one_rank"])
-def test_an_update_on_image_rows_is_the_same_on_one_and_two_ranks(name, which, vision_root):
+@pytest.mark.parametrize("which", [[0, 1] * 4, [0, 1, 2, 2]], ids=["images", "text_rows_on_one_rank"])
+def test_an_update_on_image_rows_is_the_same_on_one_and_two_ranks(which, vision_root):
     """FSDP over decoder layers and vision blocks: the vision tower's gradients reduce like the rest. Rows without
     images mix in, and one rank's micro-batches may hold none: its tower runs on a blank image cut to nothing, so the
     other rank's tower collectives are met (without it, a hang) and the numbers are those of one rank."""
-    if name not in CASES:
-        pytest.skip(f"this transformers has no {name}")
-    path = zoo.build_vision(name, vision_root)
+    path = zoo.build_vision("qwen2_vl", vision_root)
     (one,) = run_distributed(_update_body, path, which, world_size=1)
     two, _ = run_distributed(_update_body, path, which, world_size=2)
     for key in ("actor/pg_loss", "actor/grad_norm"):
@@ -409,6 +405,38 @@ def test_an_update_on_image_rows_is_the_same_on_one_and_two_ranks(name, which, v
     assert any(is_vision_param(n) for n in one["weights"])
     for n, tensor in one["weights"].items():
         torch.testing.assert_close(two["weights"][n], tensor, rtol=1e-5, atol=2e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_micro_batch_without_images_runs_the_tower_on_nothing(name, vision_root):
+    """Each family's blank image (lib.vision.blank_image) goes through its tower, which FSDP needs every rank to run
+    (1 rank = 2 ranks above), and is cut to nothing: the text rows' log-probs are those of the model without images,
+    packed and padded, and the tower's parameters are in the graph."""
+    path = zoo.build_vision(name, vision_root)
+    config = load_config(path)
+    micro, _ = micro_batch(path, [ROWS[2], ROWS[2]])
+    assert not any(micro.non_tensor_batch["multi_modal"])
+    b = micro.batch
+    own = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    R = b["responses"].shape[1]
+    with torch.no_grad():
+        logits = own(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, -R - 1:-1].float()
+    reference = torch.log_softmax(ban(logits, placeholder_ids(config)), -1).gather(-1, b["responses"][..., None])[..., 0]
+    def tower_grads(data: DataProto, packed: bool) -> tuple[torch.Tensor, set[str]]:
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=torch.float32,
+            attn_implementation=attn_implementations(config, attention.register() if packed else "sdpa"))
+        mixers.bound(model)
+        setattr(model, BANNED_ATTR, placeholder_ids(config))
+        logp, _ = response_log_probs(model, data, packed=packed)
+        logp.sum().backward()
+        return logp, {n for n, p in model.named_parameters() if is_vision_param(n) and p.grad is not None}
+
+    _, with_images = tower_grads(micro_batch(path, ROWS[:1])[0], True)  # what the tower's forward reaches
+    for packed in (True, False):
+        logp, grads = tower_grads(micro, packed)
+        torch.testing.assert_close(logp, reference * b["response_mask"], rtol=0, atol=1e-5)
+        assert with_images and grads == with_images, (name, sorted(with_images - grads)[:3])
 
 
 def _sp_body(path: str, sp: int):
@@ -433,10 +461,10 @@ def _sp_body(path: str, sp: int):
     return {"logp": logp, "entropy": entropy, "metrics": metrics, "weights": weights if topo.is_main else None}
 
 
-# Qwen3-VL (deepstack features cut per slice), Qwen3.5 (linear-attention layers gathering the sequence) and Gemma-3
-# (pooled features cut per slice, image blocks over the gathered row); Qwen2-VL runs at sp=2 end to end in the preset
-# test below (measured: Qwen2-VL and Qwen2.5-VL pass here too)
-@pytest.mark.parametrize("name", [n for n in CASES if n in ("qwen3_vl", "qwen3_5_vl", "gemma3_vl")])
+# Qwen3-VL (deepstack features cut per slice), Qwen3.5 (linear-attention layers gathering the sequence), Gemma-3
+# (pooled features cut per slice, image blocks over the gathered row) and Gemma-4 (the blocks in its sliding layers
+# only); Qwen2-VL runs at sp=2 end to end in the preset test below (measured: Qwen2-VL and Qwen2.5-VL pass here too)
+@pytest.mark.parametrize("name", [n for n in CASES if n in ("qwen3_vl", "qwen3_5_vl", "gemma3_vl", "gemma4_vl")])
 def test_sequence_parallel_on_image_rows_equals_one_rank(name, vision_root):
     """Ulysses sp=2 against sp=1, gradient checkpointing on: every SP rank runs the vision tower and merges the
     features of its own slice's image tokens (Qwen3-VL's deepstack features too); log-probs, entropy, the update's
@@ -494,25 +522,27 @@ def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(tmp_path
     assert diff < 1e-5 and moved > 1e-4, (diff, moved)
 
 
-def test_gemma3_trains_with_its_images_and_exports_with_its_processor(vision_root, tmp_path):
-    """Gemma-3 with images as users run it: 2 ranks, packed rows (its image blocks in the packed attention), two GRPO
-    steps with the engine and the trainer agreeing at the fp32 level; the export reloads through AutoProcessor (its
-    own expansion of the image placeholder) and the model class to the trained logits on an image prompt."""
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("gemma")])
+def test_gemma_trains_with_its_images_end_to_end(name, vision_root, tmp_path):
+    """Gemma-3 and Gemma-4 with images as users run them: 2 ranks, packed rows (their image blocks in the packed
+    attention), two GRPO steps with the engine and the trainer agreeing at the fp32 level. Gemma-3's export reloads
+    through AutoProcessor (its own expansion of the image placeholder) and the model class to the trained logits on
+    an image prompt (Gemma-4's AutoProcessor asks for its video processor, which needs torchvision)."""
     from transformers import AutoProcessor
 
-    if "gemma3_vl" not in CASES:
-        pytest.skip("this transformers has no Gemma-3")
-    model = zoo.build_vision("gemma3_vl", vision_root)
+    model = zoo.build_vision(name, vision_root)
     data = write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet"))
     torchrun("train_grpo.py", tmp_path, "--actor.model.path", model, "--data.train_files", data,
-             "--data.max_prompt_length", "256", "--rollout.n", "2", "--trainer.train_batch_size", "2",
+             "--data.max_prompt_length", "400", "--rollout.n", "2", "--trainer.train_batch_size", "2",
              "--actor.mini_batch_size", "4", "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward",
              "--trainer.total_steps", "2", "--trainer.val_every", "0", "--trainer.device", "cpu")
     run = tmp_path / "run"
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-5, rows
-    assert all(r["vision/image_tokens_mean"] == 16 * r["vision/images_per_sample"] > 0 for r in rows), rows
+    assert all(r["vision/image_tokens_mean"] > 10 * r["vision/images_per_sample"] > 0 for r in rows), rows
+    if name != "gemma3_vl":
+        return
     processor = AutoProcessor.from_pretrained(run / "hf_final")
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                        {"type": "text", "text": "Colour?"}]}],

