@@ -407,6 +407,22 @@ def test_an_update_on_image_rows_is_the_same_on_one_and_two_ranks(which, vision_
         torch.testing.assert_close(two["weights"][n], tensor, rtol=1e-5, atol=2e-6, msg=n)
 
 
+def test_gemma4_tokens_per_image_from_the_header_equal_its_processors(vision_root):
+    """A prompt's length is counted before its images are decoded (lib.data.load_prompts): Gemma-4's tokens for an
+    image of each size, from our port of its resize rule, equal its image processor's, extreme aspect ratios included
+    (sides that round to nothing, a tall image past the patch budget)."""
+    if "gemma4_vl" not in CASES:
+        pytest.skip("this transformers has no Gemma-4")
+    path = zoo.build_vision("gemma4_vl", vision_root)
+    proc = VisionProcessor(path, load_config(path), load_tokenizer(path))
+    rng = np.random.default_rng(0)
+    sizes = [(56, 56), (84, 56), (56, 112), (640, 480), (10, 780), (780, 10), (7, 900), (900, 7), (2000, 20)]
+    sizes += [tuple(int(x) for x in rng.integers(8, 1200, 2)) for _ in range(40)]
+    for width, height in sizes:
+        out = proc.image_processor(images=[Image.new("RGB", (width, height))], return_tensors="pt")
+        assert proc.tokens_for_size(width, height) == int(out["num_soft_tokens_per_image"][0]), (width, height)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_a_micro_batch_without_images_runs_the_tower_on_nothing(name, vision_root):
     """Each family's blank image (lib.vision.blank_image) goes through its tower, which FSDP needs every rank to run

@@ -185,7 +185,8 @@ class VisionProcessor:
 def gemma4_tokens(height: int, width: int, patch: int, max_tokens: int, pool: int) -> int:
     """Gemma-4's tokens for an image of this size: resized, aspect kept, to the largest size of at most
     ``max_tokens * pool^2`` patches whose sides are multiples of ``pool * patch`` (a side that rounds to nothing takes
-    one such unit, the other then ``floor(ratio)`` units within the budget), then ``pool x pool`` patches per token."""
+    one such unit, a wide image's other side then ``floor(ratio)`` units), then ``pool x pool`` patches per token, at
+    most ``max_tokens`` (a very tall image's patches past the budget are dropped)."""
     unit = pool * patch
     scale = math.sqrt(max_tokens * pool ** 2 * patch ** 2 / (height * width))
     rows, cols = math.floor(scale * height / unit), math.floor(scale * width / unit)
@@ -195,4 +196,4 @@ def gemma4_tokens(height: int, width: int, patch: int, max_tokens: int, pool: in
         rows, cols = 1, min(math.floor(width / height), max_tokens)
     elif cols == 0:
         cols = 1
-    return rows * cols
+    return min(rows * cols, max_tokens)
