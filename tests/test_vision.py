@@ -424,6 +424,16 @@ def test_gemma4_tokens_per_image_from_the_header_equal_its_processors(vision_roo
 
 
 @pytest.mark.parametrize("name", CASES)
+def test_the_vision_parameters_are_all_but_the_language_models(name, vision_root):
+    """What freeze_vision_tower freezes, LoRA leaves bare and the export reads as the tower (lib.vision.is_vision_param)
+    is every parameter outside the language model and its head (Gemma-4's projector, ``embed_vision``, was missed)."""
+    model = AutoModelForImageTextToText.from_pretrained(zoo.build_vision(name, vision_root), dtype=torch.float32)
+    names = [n for n, _ in model.named_parameters()]
+    language = [n for n in names if n.startswith(("model.language_model.", "lm_head."))]
+    assert {n for n in names if is_vision_param(n)} == set(names) - set(language), name
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_a_micro_batch_without_images_runs_the_tower_on_nothing(name, vision_root):
     """Each family's blank image (lib.vision.blank_image) goes through its tower, which FSDP needs every rank to run
     (1 rank = 2 ranks above), and is cut to nothing: the text rows' log-probs are those of the model without images,

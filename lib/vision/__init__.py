@@ -100,11 +100,13 @@ def vllm_problem() -> str:
     return ""
 
 
-VISION_MODULES = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector)\.")
+VISION_MODULES = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector|embed_vision)\.")
 
 
 def is_vision_param(name: str) -> bool:
-    """A parameter of the vision tower or its merger / projector (Qwen-VL: ``model.visual.*``)."""
+    """A parameter of the vision tower or its merger / projector (Qwen-VL: ``model.visual.*``; Gemma-3:
+    ``model.vision_tower.*``, ``model.multi_modal_projector.*``; Gemma-4: ``model.vision_tower.*``,
+    ``model.embed_vision.*``)."""
     return VISION_MODULES.search(name) is not None
 
 
