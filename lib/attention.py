@@ -16,9 +16,10 @@ built (transformers' sdpa on a packed row builds one and attends over the whole 
 
 The model's own attention features are honoured on every path: a sliding window (varlen kernels take it as a
 window size, the plain path as a band mask), logit soft-capping and attention sinks (flash-attn takes the
-soft-cap; what a kernel lacks goes to ``math_attention``, the attention written out), and Gemma-3's image blocks
-(an image's tokens see each other both ways: the plain path's mask, which no varlen kernel takes). Another model is never
-computed silently: tests/test_model_zoo.py checks packed = padded = eager for each architecture.
+soft-cap; what a kernel lacks goes to ``math_attention``, the attention written out), and Gemma-3's and Gemma-4's
+image blocks (an image's tokens see each other both ways: the plain path's mask, which no varlen kernel takes, so
+such rows run the plain path on a GPU too). Another model is never computed silently: tests/test_model_zoo.py checks
+packed = padded = eager for each architecture, tests/test_vision.py for each vision-language family.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class Packing:
 
 def image_blocks(ids: Tensor, image_token_id: int) -> Tensor:
     """(S,) for a row of ids (S,): the index of the run of image tokens each token is in, -1 for a text token. The
-    tokens of one run (one image) attend to each other both ways in a model whose family says so (Gemma-3)."""
+    tokens of one run (one image) attend to each other both ways in a model whose family says so (Gemma-3, -4)."""
     is_image = ids == image_token_id
     starts = is_image & ~F.pad(is_image, (1, 0))[:-1]
     return torch.where(is_image, starts.long().cumsum(0) - 1, -1)
