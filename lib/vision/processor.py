@@ -189,10 +189,8 @@ def gemma4_tokens(height: int, width: int, patch: int, max_tokens: int, pool: in
     most ``max_tokens`` (a very tall image's patches past the budget are dropped)."""
     unit = pool * patch
     scale = math.sqrt(max_tokens * pool ** 2 * patch ** 2 / (height * width))
-    rows, cols = math.floor(scale * height / unit), math.floor(scale * width / unit)
-    if rows == 0 and cols == 0:
-        raise ValueError(f"an image of {width}x{height} pixels resizes to nothing in Gemma-4's patch budget")
-    if rows == 0:
+    rows, cols = math.floor(scale * height / unit), math.floor(scale * width / unit)  # their product is ~max_tokens:
+    if rows == 0:  # never both 0
         rows, cols = 1, min(math.floor(width / height), max_tokens)
     elif cols == 0:
         cols = 1
