@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,6 +54,7 @@ class Packing:
     valid: Tensor | None = None  # (num_segments * max_len,) bool: the padded slots that hold a token
     blocks: Tensor | None = None  # (total,) image block of each packed token, -1 for text (``image_blocks``)
     two_way: str = ""  # the layers where the blocks attend both ways: "all" or "sliding" (lib.vision.two_way)
+    masks: dict = field(default_factory=dict)  # the plain path's masks, by (window, two-way), made on first use
 
     def padded_index(self) -> tuple[Tensor, Tensor]:
         """Where each sequence's tokens sit in a (num_segments, max_len) right-padded layout; made on first use."""
@@ -65,6 +66,18 @@ class Packing:
             self.gather = torch.where(valid, starts[:, None] + offset[None], 0).flatten()
             self.valid = valid.flatten()
         return self.gather, self.valid
+
+    def mask(self, window: int | None, two_way: bool, device: torch.device) -> Tensor:
+        """The plain path's ``allowed`` mask for a layer of this kind, made once per micro-batch (every layer, and
+        gradient checkpointing's recompute, gets the same Packing)."""
+        key = (window, two_way)
+        if key not in self.masks:
+            blocks = None
+            if two_way:
+                gather, valid = self.padded_index()
+                blocks = torch.where(valid, self.blocks[gather], -1).unflatten(0, (len(self.segments), self.max_len))
+            self.masks[key] = allowed(self.max_len, window, device, blocks)
+        return self.masks[key]
 
 
 def image_blocks(ids: Tensor, image_token_id: int) -> Tensor:
@@ -148,13 +161,12 @@ def allowed(length: int, window: int | None, device: torch.device, blocks: Tenso
     return seen & (diff < window) if window else seen
 
 
-def math_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float | None, window: int | None = None,
-                   softcap: float | None = None, sinks: Tensor | None = None, dropout: float = 0.0,
-                   blocks: Tensor | None = None) -> Tensor:
-    """Causal attention written out, for what sdpa lacks: logit soft-capping (Gemma-2: cap * tanh(s / cap)) and
-    attention sinks (GPT-OSS: one learned logit per head joins each softmax and is dropped after it).
-    q (n, H, L, d); k, v (n, KV, L, d); sinks (H,); blocks (n, L) (``allowed``). Returns (n, H, L, d). Softmax in
-    float32, as the eager references do."""
+def math_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float | None, mask: Tensor,
+                   softcap: float | None = None, sinks: Tensor | None = None, dropout: float = 0.0) -> Tensor:
+    """Attention written out, for what sdpa lacks: logit soft-capping (Gemma-2: cap * tanh(s / cap)) and attention
+    sinks (GPT-OSS: one learned logit per head joins each softmax and is dropped after it).
+    q (n, H, L, d); k, v (n, KV, L, d); mask: ``allowed``'s; sinks (H,). Returns (n, H, L, d). Softmax in float32,
+    as the eager references do."""
     heads = q.shape[1]
     if k.shape[1] != heads:
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
@@ -162,7 +174,7 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float | None, windo
     scores = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~allowed(q.shape[2], window, q.device, blocks), float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
         sink = sinks.to(scores.dtype).reshape(1, heads, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], -1).float(), dim=-1)[..., :-1]
@@ -174,15 +186,15 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, scaling: float | None, windo
 
 def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, dropout: float = 0.0,
            window: int | None = None, softcap: float | None = None, sinks: Tensor | None = None,
-           blocks: Tensor | None = None) -> Tensor:
+           two_way: bool = False) -> Tensor:
     """Causal attention within each packed sequence. q: (1, H, S, d); k, v: (1, KV, S, d) with KV dividing H
     (GQA: the kernels share each kv head, so no repeated copy is kept for backward). Returns (1, H, S, d).
     ``window`` (a sliding window of that many tokens), ``softcap`` and ``sinks`` (one logit per head of q) are
     honoured by every path: a kernel that lacks one hands the call to the next, down to ``math_attention``.
-    ``blocks`` (the packed row's ``image_blocks``): each image's tokens also see the later ones of their image (the
-    plain path's mask; no varlen kernel takes one)."""
+    ``two_way``: each image's tokens also see the later ones of their image (``Packing.blocks``: the plain path's
+    mask; no varlen kernel takes one)."""
     window = window if window and window < p.max_len else None  # a window longer than every sequence is none
-    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and blocks is None
+    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not two_way
     kernel = varlen_kernel() if fast else None
     torch_ok = window is None or "window_size" in _varlen_params() if kernel == "torch" else False
     if kernel == "torch" and dropout == 0.0 and softcap is None and sinks is None and torch_ok:
@@ -204,12 +216,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, p: Packing, scaling: float | None, d
     def padded(x: Tensor) -> Tensor:  # (1, H, S, d) -> (n, H, length, d)
         return x[0][:, gather].unflatten(1, (n, length)).transpose(0, 1)
 
-    blocks = None if blocks is None else torch.where(valid, blocks[gather], -1).unflatten(0, (n, length))
     if softcap or sinks is not None:
-        out = math_attention(padded(q), padded(k), padded(v), scaling, window, softcap, sinks, dropout, blocks)
+        out = math_attention(padded(q), padded(k), padded(v), scaling, p.mask(window, two_way, q.device), softcap,
+                             sinks, dropout)
     else:
-        masked = window or blocks is not None
-        band = {"attn_mask": allowed(length, window, q.device, blocks)} if masked else {"is_causal": True}
+        band = {"attn_mask": p.mask(window, two_way, q.device)} if window or two_way else {"is_causal": True}
         out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), dropout_p=dropout, scale=scaling,
                                              enable_gqa=k.shape[1] != q.shape[1], **band)
     return out.transpose(0, 1).flatten(1, 2)[:, valid][None]
@@ -230,9 +241,9 @@ def packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, att
     # windows, Gemma-2 soft-capping, GPT-OSS sinks (the names transformers' attention calls pass)
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     # Gemma-3's image blocks attend both ways in every layer, Gemma-4's in its sliding-window layers only
-    blocks = p.blocks if p.two_way == "all" or (p.two_way == "sliding" and window) else None
+    two_way = p.two_way == "all" or (p.two_way == "sliding" and bool(window))
     if p.group is None:
-        out = attend(query, key, value, p, scaling, dropout, window, softcap, sinks, blocks)
+        out = attend(query, key, value, p, scaling, dropout, window, softcap, sinks, two_way)
         return out.transpose(1, 2).contiguous(), None
     sp, kv_heads = p.sp_size, key.shape[1]
     if kv_heads < sp:  # sp % kv_heads == 0 (checked before loading): one repeated kv head per rank
@@ -243,7 +254,7 @@ def packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, att
     v = ulysses.all_to_all(value, p.group, scatter_dim=1, gather_dim=2)
     if sinks is not None:  # this rank holds the sp_rank-th slice of the heads
         sinks = sinks.chunk(sp)[dist.get_rank(p.group)]
-    out = attend(q, k, v, p, scaling, dropout, window, softcap, sinks, blocks)  # (1, H/sp, S, d)
+    out = attend(q, k, v, p, scaling, dropout, window, softcap, sinks, two_way)  # (1, H/sp, S, d)
     out = ulysses.all_to_all(out, p.group, scatter_dim=2, gather_dim=1)  # (1, H, S_local, d)
     return out.transpose(1, 2).contiguous(), None
 

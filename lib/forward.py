@@ -82,6 +82,12 @@ def vision_inputs(micro: DataProto) -> dict[str, Tensor]:
     return concat_features(micro.non_tensor_batch.get("multi_modal"), micro.batch["input_ids"].device)
 
 
+def _vision_class(model: nn.Module) -> bool:
+    """Built as the vision-language class (lib.fsdp marks it with BANNED_ATTR; a whole checkpoint's language model
+    trained text-only is not, though it keeps the whole config)."""
+    return getattr(model, BANNED_ATTR, None) is not None
+
+
 def _tower(model: nn.Module, vision: dict[str, Tensor], input_ids: Tensor, cut: tuple[int, int] | None = None
            ) -> tuple[dict[str, Tensor], Any]:
     """The image inputs of one model call and the context it runs in. With images: all of them, their features cut to
@@ -91,7 +97,7 @@ def _tower(model: nn.Module, vision: dict[str, Tensor], input_ids: Tensor, cut: 
     rank that skipped them would hang the others) while the rows' numbers are those of their text alone."""
     if vision:
         return vision, contextlib.nullcontext() if cut is None else _images_cut_to_slice(model, input_ids, *cut)
-    if getattr(model, BANNED_ATTR, None) is None:
+    if not _vision_class(model):
         return {}, contextlib.nullcontext()
     return blank_image(model.config, input_ids.device), _images_cut_to_slice(model, input_ids, 0, 0)
 
@@ -141,8 +147,8 @@ def _packing(model: nn.Module, ids: Tensor, pos: Tensor, group: Any = None) -> a
     """The packed row's sequence bounds (``pos``: the whole row's positions, with SP padded to a multiple of sp) and,
     where the model's image tokens attend both ways (lib.vision.two_way), its image blocks (``ids``: the packed row
     before any padding)."""
-    blocks, mode = None, two_way(model.config) if getattr(model, BANNED_ATTR, None) is not None else ""
-    if mode:  # built as the vision-language class, whose image tokens attend both ways
+    blocks, mode = None, two_way(model.config) if _vision_class(model) else ""
+    if mode:
         blocks = attention.image_blocks(ids[0], model.config.image_token_id)
         blocks = F.pad(blocks, (0, pos.shape[-1] - blocks.numel()), value=-1)
     return attention.packing(pos, group, blocks, mode)
@@ -197,7 +203,7 @@ def _response_outputs(model: nn.Module, micro: DataProto, fn: Callable[[Tensor, 
             outs = tuple(None if o is None else _gather_keeps(o, sel, p.keep.numel(), sp.sp_group) for o in outs)
         return tuple(_to_rows(o, p.response_valid) for o in outs)
     vision, around = _tower(model, vision, b["input_ids"])
-    marks = type_ids(model.config, b["input_ids"]) if getattr(model, BANNED_ATTR, None) is not None else {}
+    marks = type_ids(model.config, b["input_ids"]) if _vision_class(model) else {}
     with around:
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")), use_cache=False,

@@ -32,24 +32,25 @@ class ObservationRenderer:
         self._base = [{"role": "user", "content": "SPMDRL-USER"}, {"role": "assistant", "content": SENTINEL}]
         self.with_calls = False
         probe = [tool_message("f", PROBE)]
-        try:
+        try:  # tool messages after the assistant's content, where they show (Gemma-4's show only after a call)
             self.tail = self._after_sentinel(self._apply(self._base, False))
-            if PROBE not in self.observation_text(probe, ""):  # a template that renders tool messages only after a
-                raise ValueError("the tool message is not rendered")  # call (Gemma-4's) would drop them silently
+            if PROBE in self.observation_text(probe, ""):
+                return
         except Exception:  # noqa: BLE001 - jinja's TemplateError, raise_exception in the template, or no sentinel
-            self.with_calls, self.tail = True, ""
-            try:
-                shown = PROBE in self.observation_text(probe, "")  # raises where this way fails too
-            except ValueError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the template refuses tool messages (Gemma-3's: roles alternate)
-                raise ValueError(f"the chat template cannot render a tool message ({type(e).__name__}: "
-                                 f"{str(e)[:120]}): multi-turn tools need a template with a tool role; give the "
-                                 f"model folder such a chat_template.jinja, or train without multi_turn.tools") from None
-            if not shown:
-                raise ValueError("the chat template renders no tool message's content, after an assistant message or "
-                                 "after a tool call: multi-turn tools need a template that shows tool results; give "
-                                 "the model folder such a chat_template.jinja, or train without multi_turn.tools")
+            pass
+        self.with_calls, self.tail = True, ""  # else after an assistant tool call
+        try:
+            shown = PROBE in self.observation_text(probe, "")  # its ValueErrors name what this way lacks
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the template refuses tool messages (Gemma-3's: roles alternate)
+            raise ValueError(f"the chat template cannot render a tool message ({type(e).__name__}: {str(e)[:120]}): "
+                             f"multi-turn tools need a template with a tool role; give the model folder such a "
+                             f"chat_template.jinja, or train without multi_turn.tools") from None
+        if not shown:
+            raise ValueError("the chat template renders no tool message's content, after an assistant message or "
+                             "after a tool call: multi-turn tools need a template that shows tool results; give "
+                             "the model folder such a chat_template.jinja, or train without multi_turn.tools")
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
         kwargs = {"chat_template": self.template} if self.template else {}

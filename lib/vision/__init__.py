@@ -28,8 +28,6 @@ class Family:
 
     placeholder: str
     """The token the chat template renders once per image (the prompt vLLM gets), which the processor expands."""
-    rope: bool = True
-    """Qwen-VL's 3-D rope rows (lib/vision/rope.py) travel beside the text positions; else positions are 1-D."""
     type_ids: str = ""
     """The model argument marking image tokens (1) among text (0), from which it makes an image's tokens attend to
     each other both ways ("" for a causal model)."""
@@ -41,12 +39,17 @@ class Family:
     replaced in the prompt's text, which is tokenized again), "bracket" (Gemma-4: the begin token, the image token
     once per image token, the end token)."""
 
+    @property
+    def rope(self) -> bool:
+        """Qwen-VL's 3-D rope rows (lib/vision/rope.py) travel beside the text positions; else positions are 1-D."""
+        return self.expansion == "repeat"
+
 
 QWEN_VL = Family("<|image_pad|>")
 FAMILIES: dict[str, Family] = {
     **{name: QWEN_VL for name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")},
-    "gemma3": Family("<start_of_image>", rope=False, type_ids="token_type_ids", two_way="all", expansion="text"),
-    "gemma4": Family("<|image|>", rope=False, type_ids="mm_token_type_ids", two_way="sliding", expansion="bracket"),
+    "gemma3": Family("<start_of_image>", type_ids="token_type_ids", two_way="all", expansion="text"),
+    "gemma4": Family("<|image|>", type_ids="mm_token_type_ids", two_way="sliding", expansion="bracket"),
 }
 """Model type -> its Family."""
 
@@ -140,7 +143,7 @@ def merge_size(config: Any) -> int:
 
 
 def num_images(features: dict[str, torch.Tensor]) -> int:
-    """Images in one row's features (Qwen-VL: one grid row each; Gemma-3: one pixel tensor each)."""
+    """Images in one row's features (Qwen-VL: one grid row each; Gemma: one pixel tensor each)."""
     return len(features["image_grid_thw"]) if "image_grid_thw" in features else len(features["pixel_values"])
 
 
@@ -162,15 +165,16 @@ def batch_metrics(images: Any, input_ids: torch.Tensor, image_token_id: int) -> 
 
 def blank_image(config: Any, device: Any = None) -> dict[str, torch.Tensor]:
     """The features of the smallest image the vision tower takes (Qwen-VL: one merged token, merge x merge black
-    patches; Gemma-3: one black image of the tower's size): what a micro-batch without images runs through the tower
+    patches; Gemma-3: one black image of the tower's size; Gemma-4: one token's patches): what a micro-batch without images runs through the tower
     so that every rank runs it (lib.forward)."""
     vc = config.vision_config
-    if family(config).expansion == "bracket":  # Gemma-4: one token, its k x k patches (x, y), no padding
+    expansion = family(config).expansion
+    if expansion == "bracket":  # Gemma-4: one token, its k x k patches (x, y), no padding
         k = vc.pooling_kernel_size
         grid = torch.stack(torch.meshgrid(torch.arange(k), torch.arange(k), indexing="xy"), -1).reshape(1, k * k, 2)
         return {"pixel_values": torch.zeros(1, k * k, 3 * vc.patch_size ** 2, device=device),
                 "image_position_ids": grid.to(device)}
-    if not family(config).rope:
+    if expansion == "text":  # Gemma-3: one image of the tower's fixed size
         return {"pixel_values": torch.zeros(1, vc.num_channels, vc.image_size, vc.image_size, device=device)}
     merge = merge_size(config)
     temporal = vc.temporal_patch_size if isinstance(vc.temporal_patch_size, int) else vc.temporal_patch_size[0]

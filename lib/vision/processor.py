@@ -105,7 +105,6 @@ class VisionProcessor:
     def __init__(self, path: str, config: Any, tokenizer: Any, min_pixels: int = 0, max_pixels: int = 0,
                  trust_remote_code: bool = False):
         self.family = family(config)
-        self.expansion = self.family.expansion
         kwargs = {}
         if min_pixels or max_pixels:  # Qwen-VL's (a fixed-size family is refused them at start-up)
             probe = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -132,6 +131,10 @@ class VisionProcessor:
         else:
             self.begin, self.end = int(config.boi_token_id), int(config.eoi_token_id)
             self.pool = int(config.vision_config.pooling_kernel_size)
+
+    @property
+    def expansion(self) -> str:
+        return self.family.expansion
 
     def images(self, images: list[Image.Image]) -> dict[str, torch.Tensor]:
         """A prompt's image features: ``pixel_values`` (Qwen-VL: patches x patch features, with ``image_grid_thw``
