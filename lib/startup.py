@@ -259,9 +259,11 @@ def vision_processor(cfg: Config, model_config: Any, tokenizer: Any) -> tuple[Vi
     if refusal:
         return None, refusal
     if (m.min_pixels or m.max_pixels) and not family(model_config).rope:
-        return None, (f"{model_config.model_type} resizes every image to its vision tower's size "
-                      f"({model_config.vision_config.image_size} pixels square): actor.model.min_pixels and "
-                      f"max_pixels do not apply to it; unset them")
+        side = getattr(model_config.vision_config, "image_size", None)  # Gemma-3's fixed size; Gemma-4 has a budget
+        size = (f"to its vision tower's size ({side} pixels square)" if side else
+                "within its image processor's patch budget (max_soft_tokens in its preprocessor config)")
+        return None, (f"{model_config.model_type} resizes every image {size}: actor.model.min_pixels and max_pixels "
+                      f"do not apply to it; unset them")
     try:
         return VisionProcessor(m.path, model_config, tokenizer, m.min_pixels, m.max_pixels, m.trust_remote_code), ""
     except (OSError, ValueError) as e:

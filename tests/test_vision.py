@@ -679,6 +679,8 @@ def test_the_visual_preset_with_the_vllm_engine(tmp_path):
     ({"attn": "sdpa"}, "attend across the packed sequences"),
     ({"model": "gemma3_vl", "min_pixels": 3136}, "gemma3 resizes every image to its vision tower's size .56 pixels "
                                                  "square.: actor.model.min_pixels and max_pixels do not apply"),
+    ({"model": "gemma4_vl", "min_pixels": 3136}, "gemma4 resizes every image within its image processor's patch "
+                                                 "budget .*: actor.model.min_pixels and max_pixels do not apply"),
 ])
 def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, message, vision_root, tmp_path):
     from lib.startup import check_inputs
