@@ -104,6 +104,7 @@ def main() -> None:
 def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len) -> dict:
     """VLLMEngine against bare ``LLM.generate`` on the same prompts and sampling (best of ``rounds`` alternating
     rounds), its sync, and sleep/wake seconds where vLLM has a sleep mode. Prints and returns the figures."""
+    from lib.engine import request_seeds
     from lib.engine.vllm import VLLMEngine, _sampling_params
     from lib.sync import enter_rollout, exit_rollout
 
@@ -111,7 +112,7 @@ def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len) -> 
                         dtype=str(dtype).removeprefix("torch."))
     metrics, _ = timed(lambda: enter_rollout(model, engine, dtype))
     reqs = [{"prompt_token_ids": row.tolist()} for row in prompts.batch["input_ids"]]
-    params = _sampling_params(sampling, [1])
+    params = _sampling_params(sampling, [1], request_seeds(sampling.seed, len(reqs)), [])  # seeded like ours
 
     def ours():
         out = engine.generate(prompts)

