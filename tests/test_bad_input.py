@@ -1,9 +1,15 @@
-"""Bad input through the real entry point (``bash launch.sh``): each case exits 2 with one message that names the
-problem, printed once, before any rank starts; no traceback, no torchrun failure block, nothing written."""
+"""Bad input: each case exits 2 with one message that names the problem, printed once, before any rank starts; no
+traceback, no torchrun failure block, nothing written.
+
+``bash launch.sh`` runs every input check in one process (``python -m lib.check SCRIPT WORLD_SIZE ...``) before
+torchrun starts a rank. Every case runs that check, in one process for all of them (``lib.check.main`` with the
+arguments launch.sh gives it, its output captured per case: each case's own process would spend its seconds on
+imports); the cases of THROUGH_LAUNCH also run through the real entry point, ``bash launch.sh`` with two ranks."""
 
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -131,18 +137,69 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_gives_one_clean_message(case, files):
-    _, script, args, expected = case
-    argv = ["bash", "launch.sh", script, "--trainer.output_root", files["root"], *args.format(**files).split()]
+THROUGH_LAUNCH = {"unknown-flag", "group-n", "ppo-estimator", "garbage-jsonl", "changed-config"}
+"""A command-line error (tyro's), a config check, train_ppo.py's own, a data row and an existing run folder."""
+
+DRIVER = """
+import contextlib, io, json, sys, traceback
+from lib import check
+out = {}
+for name, argv in json.load(sys.stdin):
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        try:
+            code = check.main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    out[name] = [code, text.getvalue()]
+json.dump(out, sys.stdout)
+"""
+
+
+def _argv(case, files):
+    _, script, args, _ = case
+    return [script, "--trainer.output_root", files["root"], *args.format(**files).split()]
+
+
+@pytest.fixture(scope="module")
+def checked(files):
+    """Every case through lib.check.main in one process, as launch.sh calls it with two ranks: name -> (exit code,
+    output), and the written files' times before and after."""
     before = {p: os.path.getmtime(p) for p in _written(files["root"])}
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "NPROC": "2"})
-    text = out.stdout + out.stderr
-    assert out.returncode == 2, text[-3000:]
+    cases = [[c[0], [c[1], "2", *_argv(c, files)[1:]]] for c in CASES]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout), before, {p: os.path.getmtime(p) for p in _written(files["root"])}
+
+
+def _one_clean_message(code, text, expected):
+    assert code == 2, text[-3000:]
     assert expected in text, text[-3000:]
     assert text.count(expected) == 1, text  # once, not once per rank
     assert not any(n in text for n in NOISE), text[-3000:]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_clean_message(case, checked):
+    results, before, after = checked
+    code, text = results[case[0]]
+    _one_clean_message(code, text, case[3])
+    assert after == before  # no case wrote or touched a file
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in THROUGH_LAUNCH], ids=sorted(THROUGH_LAUNCH, key=[
+    c[0] for c in CASES].index))
+def test_bad_input_through_launch_sh(case, files):
+    argv = ["bash", "launch.sh", *_argv(case, files)]
+    before = {p: os.path.getmtime(p) for p in _written(files["root"])}
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NPROC": "2"})
+    _one_clean_message(out.returncode, out.stdout + out.stderr, case[3])
     assert {p: os.path.getmtime(p) for p in _written(files["root"])} == before  # nothing written or touched
 
 
