@@ -1,11 +1,15 @@
 """The GPU acceptance run (issue 33): the in-process engine path's figures in one command, ready before a GPU is lent.
 
-    python bench/gpu_acceptance.py --out DIR [--device cpu|cuda] [--budget-s 1200] [--check-budget-s 480]
-                                   [--only CHECK ...]
+    python bench/gpu_acceptance.py --out DIR [--device cpu|cuda] [--budget-s 480] [--check-budget-s 300]
+                                   [--only CHECK ...] [--mirror DIR2] [--grpo-steps N]
 
 Each check runs in its own process (``--check NAME``), so a crash or an out-of-memory costs that check's rows only;
 one that runs past its budget (``--check-budget-s``, and what is left of ``--budget-s``) is stopped and reported.
-The report: ``DIR/acceptance.md`` (figure, value, goal, pass/fail, the command) and ``DIR/acceptance.json``.
+The report: ``DIR/acceptance.md`` (figure, value, goal, pass/fail, the command) and ``DIR/acceptance.json``, written
+again after every check (a run stopped from outside keeps what it measured) and copied to ``--mirror``. A check's
+result stays in ``DIR/checks/NAME.json``: a later run into the same folder adds its checks to the report (the GPU
+session runs the checks that need no vLLM while vLLM is still being staged: bench/gpu_session.sh), and one run
+again replaces its earlier result.
 
 Shapes: on a GPU a Qwen2.5-0.5B-shaped model (tied embeddings, GQA, vocabulary 151936) with random weights in bf16,
 and a Qwen2.5-1.5B-shaped one for the update's throughput; on CPU (``--device cpu``, run by the test suite) tiny ones
@@ -20,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -56,6 +61,12 @@ SHAPES = {  # name: (hidden, layers, heads, kv heads, intermediate, vocabulary)
 }
 CHECKS = ("correctness", "sleep_wake", "lora_sleep", "rollout", "grpo_vllm", "grpo_hf", "update")
 GRPO_STEPS = {"cuda": 20, "cpu": 2}
+# GRPO runs in the 0.5B preset's configuration (configs/qwen2.5_0.5b_gsm8k_grpo.yaml: dynamic batching, gradient
+# checkpointing, the k3 KL loss with its reference model), sized for one GPU and a 15-minute lease: prompts per step
+# and the response budget (random weights rarely sample an eos, so every response runs to it)
+GRPO_SIZES = {"cuda": (64, 256), "cpu": (8, 16)}
+GRPO_N = 5  # the preset's samples per prompt; one mini-batch a step (the preset's 256 samples need 52 prompts)
+PRESET = os.path.join(ROOT, "configs", "qwen2.5_0.5b_gsm8k_grpo.yaml")
 TIMING_ON_CPU = "measured, no verdict on CPU: the tiny model's figure is overhead, the goal is the GPU's"
 
 
@@ -83,8 +94,11 @@ def model_folder(out: str, shape: str, device: str) -> tuple[str, dict]:
                           num_key_value_heads=kv, intermediate_size=inter, max_position_embeddings=4096,
                           tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                           bos_token_id=tok.bos_token_id)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-        tok.save_pretrained(path)
+        part = path + ".part"  # a check stopped while it writes leaves no half model behind it
+        shutil.rmtree(part, ignore_errors=True)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(part)
+        tok.save_pretrained(part)
+        os.replace(part, path)
     return path, data
 
 
@@ -115,11 +129,18 @@ def _grpo(args, engine: str) -> list[Row]:
     the memory per stage."""
     shape = "qwen2.5-0.5b" if args.device == "cuda" else "tiny"
     path, data = model_folder(args.out, shape, args.device)
-    steps = GRPO_STEPS[args.device]
+    steps = args.grpo_steps or GRPO_STEPS[args.device]
+    prompts, response_len = GRPO_SIZES[args.device]
     run_root = os.path.join(args.out, "runs")
+    run_dir = os.path.join(run_root, f"grpo_{engine}")
+    if os.path.exists(run_dir):  # a check run again starts its run afresh
+        shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
-           os.path.join(ROOT, "train_grpo.py"), "--actor.model.path", path, "--data.train_files", data["train"],
-           "--data.val_files", data["val"], "--trainer.val_every", "0", "--trainer.total_steps", str(steps),
+           os.path.join(ROOT, "train_grpo.py"), "--config", PRESET, "--actor.model.path", path,
+           "--data.train_files", data["train"], "--data.val_files", data["val"], "--data.max_prompt_length", "16",
+           "--trainer.train_batch_size", str(prompts), "--rollout.n", str(GRPO_N),
+           "--actor.mini_batch_size", str(prompts * GRPO_N), "--rollout.max_response_length", str(response_len),
+           "--trainer.val_every", "0", "--trainer.total_steps", str(steps), "--trainer.logger", "console", "jsonl",
            "--trainer.output_root", run_root, "--trainer.run_name", f"grpo_{engine}", "--rollout.engine", engine,
            "--trainer.device", args.device, "--trainer.save_every", "0", "--trainer.no-resume"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -130,16 +151,20 @@ def _grpo(args, engine: str) -> list[Row]:
     wall = time.perf_counter() - t0
     name = f"grpo {engine} engine"
     if done.returncode:
-        oom = "out of memory" in (done.stdout + done.stderr).lower()
+        said = done.stdout + done.stderr
+        oom = "out of memory" in said.lower()
+        # the run's own message (one clear error, or a rank's traceback) sits before torchrun's summary
+        lines = [ln for ln in said.splitlines() if "Error" in ln or "error:" in ln or ln.startswith("  - ")]
         return [Row(f"{name}: {steps} steps", "failed" + (" (OOM)" if oom else ""), "all steps, no OOM", False,
-                    (done.stdout + done.stderr)[-600:].replace("\n", " | "))]
-    rows = [json.loads(line) for line in open(os.path.join(run_root, f"grpo_{engine}", "metrics.jsonl"))]
+                    " | ".join(lines[-8:])[-800:] or said[-800:].replace("\n", " | "))]
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train = [r for r in rows if "actor/pg_loss" in r]
     mean = lambda key: sum(r.get(key, 0.0) for r in train) / max(len(train), 1)  # noqa: E731
     bound = 5e-2 if args.device == "cuda" else 1e-4  # bf16 kernels on both sides / fp32
     diff = max(r["rollout/logp_abs_diff"] for r in train)
     out = [Row(f"{name}: {steps} steps", f"{len(train)} steps in {wall:.0f} s", f"{steps}, no OOM",
-               len(train) == steps),
+               len(train) == steps, f"{prompts} prompts a step, responses up to {response_len} tokens, the 0.5B "
+               "preset's configuration"),
            Row(f"{name}: rollout/logp_abs_diff (max)", f"{diff:.2e}", f"< {bound:g}", diff < bound),
            Row(f"{name}: step seconds (mean)", f"{mean('timing/step_s'):.2f}", "", None,
                "split: " + ", ".join(f"{k} {mean(f'timing/{k}_s'):.2f}" for k in ("rollout", "log_probs", "update"))
@@ -362,49 +387,78 @@ def command(args) -> str:
     return f"python bench/gpu_acceptance.py --out {args.out} --device {args.device}"
 
 
+def result_path(out: str, name: str) -> str:
+    """Where a check's result stays: its seconds and rows (written by the parent, whatever the check did)."""
+    return os.path.join(out, "checks", f"{name}.json")
+
+
 def run_check(name: str, args, budget: float) -> tuple[list[Row], float]:
     """``name`` in a child process within ``budget`` seconds; its rows, or one row saying how it ended."""
-    out_file = os.path.join(args.out, "checks", f"{name}.json")
-    if os.path.exists(out_file):
-        os.remove(out_file)
+    rows_file = os.path.join(args.out, "checks", f"{name}.rows.json")  # the child's, when it ends by itself
+    if os.path.exists(rows_file):
+        os.remove(rows_file)
     cmd = [sys.executable, os.path.abspath(__file__), "--check", name, "--out", args.out, "--device", args.device]
+    if args.grpo_steps:
+        cmd += ["--grpo-steps", str(args.grpo_steps)]
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget)
     except subprocess.TimeoutExpired:
         return [Row(name, "over budget", f"<= {budget:.0f} s", False, f"stopped after {budget:.0f} s")], budget
     took = time.perf_counter() - t0
-    if done.returncode or not os.path.exists(out_file):
+    if done.returncode or not os.path.exists(rows_file):
         tail = (done.stdout + done.stderr)[-800:].replace("\n", " | ")
         oom = "out of memory" in tail.lower()
         return [Row(name, "crashed" + (" (OOM)" if oom else ""), "", False, f"exit {done.returncode}: {tail}")], took
-    return [Row(**r) for r in json.load(open(out_file))], took
+    return [Row(**r) for r in json.load(open(rows_file))], took
 
 
-def report(args, results: dict[str, tuple[list[Row], float]], note: str) -> None:
+def save_result(args, name: str, rows: list[Row], seconds: float) -> None:
+    with open(result_path(args.out, name), "w") as f:
+        json.dump({"seconds": seconds, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device_name(args),
+                   "command": command(args), "rows": [asdict(r) for r in rows]}, f)
+
+
+def saved_results(out: str) -> dict[str, dict]:
+    """Every check's result in the folder, this run's and earlier runs', in the order of CHECKS."""
+    return {n: json.load(open(result_path(out, n))) for n in CHECKS if os.path.exists(result_path(out, n))}
+
+
+def device_name(args) -> str:
+    return torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+
+
+def report(args, note: str) -> None:
+    """acceptance.md and acceptance.json from every result in the folder, into --out and --mirror."""
+    results = saved_results(args.out)
     table = ["| check | figure | value | goal | result | note |", "|---|---|---|---|---|---|"]
-    for name, (rows, secs) in results.items():
-        for r in rows:
-            verdict = {True: "pass", False: "FAIL", None: "-"}[r.passed]
-            table.append(f"| {name} ({secs:.0f} s) | {r.figure} | {r.value} | {r.goal} | {verdict} | "
-                         f"{r.note.replace('|', '/')} |")
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    head = [f"# Acceptance run, {time.strftime('%Y-%m-%d %H:%M')}, {device}", "", f"Command: `{command(args)}`", ""]
-    with open(os.path.join(args.out, "acceptance.md"), "w") as f:
-        f.write("\n".join(head + table + ["", note, ""]))
-    with open(os.path.join(args.out, "acceptance.json"), "w") as f:
-        json.dump({"device": device, "command": command(args), "note": note,
-                   "checks": {n: {"seconds": s, "rows": [asdict(r) for r in rows]} for n, (rows, s) in results.items()}},
-                  f, indent=1)
+    for name, res in results.items():
+        for r in res["rows"]:
+            verdict = {True: "pass", False: "FAIL", None: "-"}[r["passed"]]
+            table.append(f"| {name} ({res['seconds']:.0f} s) | {r['figure']} | {r['value']} | {r['goal']} | "
+                         f"{verdict} | {r['note'].replace('|', '/')} |")
+    runs = sorted({(res["command"], res["device"]) for res in results.values()})
+    head = [f"# Acceptance run, {time.strftime('%Y-%m-%d %H:%M')}, {device_name(args)}", ""]
+    head += [f"Command: `{c}` ({d})" for c, d in runs] + [""]
+    text = "\n".join(head + table + ["", note, ""])
+    payload = {"device": device_name(args), "command": command(args), "note": note, "checks": results}
+    for folder in [args.out] + ([args.mirror] if args.mirror else []):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "acceptance.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(folder, "acceptance.json"), "w") as f:
+            json.dump(payload, f, indent=1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda where torch sees one")
-    ap.add_argument("--budget-s", type=float, default=1200.0, help="all checks together")
-    ap.add_argument("--check-budget-s", type=float, default=480.0, help="one check")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="all checks of this run together")
+    ap.add_argument("--check-budget-s", type=float, default=300.0, help="one check")
     ap.add_argument("--only", nargs="*", choices=CHECKS, default=None)
+    ap.add_argument("--mirror", default="", help="a second folder the report is written to after every check")
+    ap.add_argument("--grpo-steps", type=int, default=0, help=f"GRPO steps (0: {GRPO_STEPS})")
     ap.add_argument("--check", choices=CHECKS, help=argparse.SUPPRESS)  # the child process's one check
     args = ap.parse_args()
     args.out = os.path.abspath(args.out)
@@ -413,25 +467,23 @@ def main() -> None:
     os.makedirs(os.path.join(args.out, "checks"), exist_ok=True)
     if args.check:
         rows = globals()[f"check_{args.check}"](args)
-        with open(os.path.join(args.out, "checks", f"{args.check}.json"), "w") as f:
+        with open(os.path.join(args.out, "checks", f"{args.check}.rows.json"), "w") as f:
             json.dump([asdict(r) for r in rows], f)
         return
-    start, results, skipped = time.perf_counter(), {}, []
-    for name in args.only or CHECKS:
+    start, names = time.perf_counter(), args.only or list(CHECKS)
+    for k, name in enumerate(names):
         left = args.budget_s - (time.perf_counter() - start)
         if rows := cannot_run(name, args):  # reported without a process or a budget
-            results[name] = (rows, 0.0)
+            secs = 0.0
         elif left <= 1:
-            skipped.append(name)
-            continue
+            rows, secs = [Row(name, "not run", "", False, f"the run's budget ({args.budget_s:.0f} s) was spent")], 0.0
         else:
-            results[name] = run_check(name, args, min(args.check_budget_s, left))
-        rows, secs = results[name]
+            rows, secs = run_check(name, args, min(args.check_budget_s, left))
+        save_result(args, name, rows, secs)
+        done = k + 1 == len(names)
+        report(args, f"{time.perf_counter() - start:.0f} s in this run ({'all' if done else k + 1} of {len(names)} "
+               f"checks); budget {args.budget_s:.0f} s, {args.check_budget_s:.0f} s a check")
         print(f"{name} ({secs:.0f} s): " + "; ".join(f"{r.figure} = {r.value}" for r in rows), flush=True)
-    for name in skipped:
-        results[name] = ([Row(name, "not run", "", False, f"the run's budget ({args.budget_s:.0f} s) was spent")], 0.0)
-    note = f"{time.perf_counter() - start:.0f} s in all; budget {args.budget_s:.0f} s, {args.check_budget_s:.0f} s a check"
-    report(args, results, note)
     print(f"report: {os.path.join(args.out, 'acceptance.md')}")
 
 

@@ -1,16 +1,21 @@
 """The GPU acceptance run (bench/gpu_acceptance.py) on CPU: every check runs, or says why it does not, and the report
 comes back whatever a check does."""
 
+import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
+from bench.gpu_acceptance import CHECKS
 from tests.test_e2e import ROOT
 
 SCRIPT = os.path.join(ROOT, "bench", "gpu_acceptance.py")
+SESSION = os.path.join(ROOT, "bench", "gpu_session.sh")
 
 
 def _run(out, *flags):
@@ -21,28 +26,78 @@ def _run(out, *flags):
     return json.load(open(out / "acceptance.json")), (out / "acceptance.md").read_text()
 
 
-@pytest.mark.slow
-def test_the_acceptance_run_on_cpu(tmp_path):
-    """Each check in its own process: on CPU the HF engine's correctness after an update and a sync (greedy tokens =
-    the model's own decode, the fp32 canary, seeds), 2 GRPO steps, the update's packed/padded ratio all measured and
-    passing; the rows that need vLLM (or its GPU sleep mode) not run, with the reason where vLLM is missing."""
-    from bench.gpu_acceptance import CHECKS, has_vllm
+def _stage(folder, parts: int) -> None:
+    """A staged set laid out as shared/tools/stage_vllm.sh lays it out (x/ in a tar, split into parts, SHA256SUMS,
+    one folder a part), whose install script installs nothing: vLLM stays missing, as where the staging fails."""
+    x = folder / "build" / "x"
+    x.mkdir(parents=True)
+    (x / "remote_install.sh").write_text('echo "torch (the machine\'s own): nothing installed"\n')
+    tar = folder / "build" / "vstage.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(x, arcname="x")
+    data = tar.read_bytes()
+    step = len(data) // parts + 1
+    chunks = {f"vstage.tar.part{k:02d}": data[k * step:(k + 1) * step] for k in range(parts)}
+    sums = "".join(f"{hashlib.sha256(b).hexdigest()}  {n}\n" for n, b in [("vstage.tar", data), *chunks.items()])
+    for k, (name, chunk) in enumerate(chunks.items()):
+        part = folder / "vstage" / f"p{k:02d}"
+        part.mkdir(parents=True)
+        (part / name).write_bytes(chunk)
+        (part / "SHA256SUMS").write_text(sums)
+    (folder / "vstage" / "deps").mkdir()
 
-    report, table = _run(tmp_path)
-    assert list(report["checks"]) == list(CHECKS)
+
+@pytest.mark.slow
+def test_the_gpu_session_on_cpu(tmp_path):
+    """bench/gpu_session.sh as the lease runs it, on CPU: part 0 starts the checks that need no vLLM and the
+    gpu-marked tests in the background and returns; the last call waits for them (a state: their process ends),
+    runs the vLLM checks and writes one report with every check into OUT. Each check in its own process: the HF
+    engine's correctness after an update and a sync (greedy tokens = the model's own decode, the fp32 canary,
+    seeds), 2 GRPO steps in the 0.5B preset's configuration, the update's packed/padded ratio, all measured and
+    passing; the rows that need vLLM (or its GPU sleep mode) not run, with the reason."""
+    _stage(tmp_path, parts=2)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DEVICE": "cpu", "PY": sys.executable,
+           "STAGE": str(tmp_path / "stage"), "SITE": str(tmp_path / "site"), "ACC": str(tmp_path / "acc"),
+           "VSTAGE": str(tmp_path / "vstage"), "OUT": str(tmp_path / "out")}
+    said = []
+    for call in (["part", "0"], ["part", "1"], ["finish", "900"]):
+        done = subprocess.run(["bash", SESSION, *call], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=1200)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert "FAILED" not in done.stdout, done.stdout
+        said.append(done.stdout)
+    assert "background started" in said[0] and "torch" in (tmp_path / "out" / "versions.txt").read_text()
+    report = json.load(open(tmp_path / "out" / "acceptance.json"))
+    table = (tmp_path / "out" / "acceptance.md").read_text()
+    assert list(report["checks"]) == list(CHECKS)  # the background's two checks merged with the last call's
     assert "| check | figure | value | goal | result | note |" in table and "--device cpu" in table
     rows = {r["figure"]: r for c in report["checks"].values() for r in c["rows"]}
     for name in ("correctness (hf engine): greedy tokens = the model's own greedy decode",
                  "correctness (hf engine): logp_abs_diff on sampled tokens",
                  "correctness (hf engine): same seed twice, same tokens", "correctness (hf engine): two steps' samples differ",
                  "grpo hf engine: 2 steps", "grpo hf engine: rollout/logp_abs_diff (max)"):
-        if name.startswith("correctness") and has_vllm():
-            name = name.replace("hf engine", "vllm engine")
         assert rows[name]["passed"] is True, rows.get(name)
     assert "update: packed / padded tokens/s" in rows
     assert rows["sleep/wake"]["value"] == "not run" and "GPU" in rows["sleep/wake"]["note"]
-    if not has_vllm():
-        assert rows["grpo vllm engine"]["value"] == "not run" and "not installed" in rows["grpo vllm engine"]["note"]
+    assert rows["grpo vllm engine"]["value"] == "not run" and "not installed" in rows["grpo vllm engine"]["note"]
+    gpu_tests = (tmp_path / "out" / "pytest_gpu.txt").read_text()
+    assert "skipped" in gpu_tests and "pytest -m gpu: exit 0" in gpu_tests, gpu_tests
+
+
+def test_a_report_is_written_after_every_check(tmp_path):
+    """A run stopped from outside (the device call's time limit) leaves a report of the checks it finished: the
+    parent is killed once the first check's result is on disk, and the report holds that check."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen([sys.executable, SCRIPT, "--out", str(tmp_path), "--device", "cpu", "--only", "sleep_wake",
+                            "update", "--mirror", str(tmp_path / "mirror")], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in run.stdout:  # the parent prints a check's line once its result and the report are written
+        if line.startswith("sleep_wake"):
+            break
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    report = json.load(open(tmp_path / "mirror" / "acceptance.json"))
+    assert list(report["checks"]) == ["sleep_wake"] and "(1 of 2 checks)" in report["note"]
 
 
 @pytest.mark.vllm

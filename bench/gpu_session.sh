@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The GPU acceptance run inside one lease of the device tool (15 minutes of device time, 10 minutes a call, /tmp kept
+# only while the machine stays warm, 30 s after a call). Runs on the device machine, in the repository root; the
+# calls, and bench/prepare_gpu.sh that stages what they carry, are in bench/README.md.
+#
+#   bash bench/gpu_session.sh part K     call K+1: the staged part .vstage/p0K (vLLM's wheels, shared/tools/
+#                                        stage_vllm.sh) copied to $STAGE and checked. Part 0 also installs our own
+#                                        dependencies (.vstage/deps) into $SITE, prints the machine's versions, and
+#                                        starts the checks that need no vLLM (update, grpo_hf) and the gpu-marked
+#                                        tests in the background, in a session of their own, so that they use the
+#                                        GPU while the other parts travel.
+#   bash bench/gpu_session.sh finish S   the last call, after the last part: vLLM installed into $SITE, the
+#                                        background waited for (stopped if it runs on past WAIT_S), then the vLLM
+#                                        checks in what is left of S seconds; the report, merged with the
+#                                        background's rows, is written into $OUT after every check.
+#
+# A part that fails its checksum, or an install that fails, costs the vLLM rows only: they then say "not run".
+# Settings (defaults for the device machine): STAGE=/tmp/stage SITE=/tmp/site ACC=/tmp/acc VSTAGE=.vstage
+# DEVICE=cuda PY=python3 BG_BUDGET_S=300 WAIT_S=120.
+set -uo pipefail
+STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} ACC=${ACC:-/tmp/acc} VSTAGE=${VSTAGE:-.vstage}
+DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} WAIT_S=${WAIT_S:-120}
+OUT=${OUT:-$ACC/out}
+VLLM_CHECKS=(correctness sleep_wake rollout grpo_vllm lora_sleep)  # in the order of what they prove
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+mkdir -p "$STAGE" "$SITE" "$ACC" "$OUT"
+
+versions() {
+  "$PY" - <<'EOF'
+import importlib.metadata as md, platform, shutil, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU",
+      "| /tmp free GB", round(shutil.disk_usage("/tmp").free / 2**30, 1))
+names = ["transformers", "peft", "accelerate", "safetensors", "tokenizers", "huggingface-hub", "pyarrow", "pandas",
+         "fsspec", "numpy", "datasets", "tyro", "vllm"]
+found = {}
+for n in names:
+    try:
+        found[n] = md.version(n)
+    except md.PackageNotFoundError:
+        found[n] = "-"
+print(" ".join(f"{n}={v}" for n, v in found.items()))
+EOF
+}
+
+case "${1:-}" in
+part)
+  k=$(printf %02d "${2:?usage: gpu_session.sh part K}")
+  cp "$VSTAGE/p$k"/* "$STAGE"/ && (cd "$STAGE" && grep "part$k\$" SHA256SUMS | sha256sum -c -) \
+    || echo "PART $k FAILED: the vLLM rows will not run"
+  if [ "$k" = 00 ]; then
+    if ls "$VSTAGE"/deps/*.whl >/dev/null 2>&1; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$VSTAGE"/deps/*.whl || echo "DEPS FAILED"
+    fi
+    versions | tee "$ACC/versions.txt"
+    # the background runs from its own copy: the next calls send the working tree again
+    rm -rf "$ACC/repo" && mkdir -p "$ACC/repo"
+    tar --exclude=./.git --exclude='./.venv*' --exclude="./$VSTAGE" --exclude=./runs -cf - . | tar -xf - -C "$ACC/repo"
+    (cd "$ACC/repo" && setsid nohup bash bench/gpu_session.sh background > "$ACC/background.log" 2>&1 < /dev/null &
+     echo $! > "$ACC/background.pid")
+    echo "background started (pid $(cat "$ACC/background.pid")): update, grpo_hf, the gpu-marked tests"
+  fi
+  ;;
+background)
+  "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only update grpo_hf --budget-s "$BG_BUDGET_S"
+  "$PY" -m pytest -q -p no:cacheprovider --basetemp "$ACC/pytest-tmp" -m gpu tests/test_gpu_engine.py \
+    tests/test_attention.py tests/test_rollout.py > "$ACC/pytest_gpu.txt" 2>&1
+  echo "pytest -m gpu: exit $?" >> "$ACC/pytest_gpu.txt"
+  touch "$ACC/background.done"
+  ;;
+finish)
+  limit=${2:?usage: gpu_session.sh finish SECONDS}
+  start=$SECONDS
+  (
+    set -e
+    cd "$STAGE"
+    cat vstage.tar.part?? > vstage.tar
+    grep ' vstage.tar$' SHA256SUMS | sha256sum -c -
+    rm -f vstage.tar.part?? && rm -rf x && tar -xf vstage.tar && rm vstage.tar
+    SITE=$SITE bash x/remote_install.sh
+  ) > "$ACC/install.log" 2>&1 || { echo "vLLM STAGING FAILED (install.log): the vLLM rows will say not run"
+                                    rm -rf "$SITE/vllm"; }
+  grep -E "^(vllm|torch|FAIL|INSTALL_FAILED|IMPORT_FAILED|FA3)" "$ACC/install.log"
+  echo "vLLM staged in $((SECONDS - start)) s"
+  pid=$(cat "$ACC/background.pid" 2>/dev/null || echo 0)
+  while [ "$pid" != 0 ] && kill -0 "$pid" 2>/dev/null; do
+    if [ $((SECONDS - start)) -ge "$WAIT_S" ]; then
+      echo "background still running after ${WAIT_S} s: stopped (its finished checks stay in the report)"
+      kill -- "-$pid" 2>/dev/null
+      break
+    fi
+    sleep 2
+  done
+  left=$((limit - (SECONDS - start) - 15))  # 15 s for the copies below
+  echo "vLLM checks: ${left} s"
+  "$PY" bench/gpu_acceptance.py --out "$ACC" --mirror "$OUT" --device "$DEVICE" --only "${VLLM_CHECKS[@]}" \
+    --budget-s "$left" --check-budget-s "${CHECK_BUDGET_S:-240}"
+  for f in versions.txt background.log pytest_gpu.txt install.log; do
+    [ -f "$ACC/$f" ] && tail -c 200000 "$ACC/$f" > "$OUT/$f"
+  done
+  cat "$ACC/acceptance.md"
+  ;;
+*)
+  echo "usage: bash bench/gpu_session.sh part K | finish SECONDS (see the header)" >&2
+  exit 2
+  ;;
+esac

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Run here, on a machine that reaches PyPI, before the first device call: stages what the GPU acceptance session
+# carries (bench/gpu_session.sh; the calls are in bench/README.md) into .vstage/, which git ignores:
+#   .vstage/p00 .. p03   vLLM 0.25.0's wheels for torch 2.11+cu130 (shared/tools/stage_vllm.sh), one folder a call
+#   .vstage/deps         our dependencies that the device image lacks (bench/gpu_deps.txt), Python 3.12 wheels
+# and checks that each call's carried folders plus the working tree fit the 64 MiB a call carries.
+#   STAGE_VLLM   the staging script (default: ../shared/tools/stage_vllm.sh beside this checkout)
+#   PART_MIB     the size of one part (default 56: the deps travel with part 0)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+STAGE_VLLM=${STAGE_VLLM:-$ROOT/../shared/tools/stage_vllm.sh}
+LIMIT=$((64 * 1048576))
+grep -qx '/.vstage/' .git/info/exclude 2>/dev/null || echo '/.vstage/' >> .git/info/exclude
+
+[ -f "$STAGE_VLLM" ] || { echo "error: $STAGE_VLLM not found; set STAGE_VLLM=path/to/stage_vllm.sh" >&2; exit 1; }
+PART_MIB=${PART_MIB:-56} LAYOUT=.vstage bash "$STAGE_VLLM" /tmp/vstage-build
+
+mkdir -p .vstage/deps
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any)
+python3 -m pip download -q --no-deps "${plat[@]}" -d .vstage/deps -r bench/gpu_deps.txt 2>&1 | grep -v 'is ignored' || true
+want=$(grep -cE '^[A-Za-z]' bench/gpu_deps.txt)
+have=$(ls .vstage/deps/*.whl | wc -l)
+[ "$want" = "$have" ] || { echo "error: .vstage/deps holds $have wheels, bench/gpu_deps.txt names $want" >&2; exit 1; }
+
+# what one call carries: the working tree git would send (tracked and untracked-not-ignored files) and its folders
+tree=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+parts=(.vstage/p??)
+ok=1
+for i in "${!parts[@]}"; do
+  extra=""
+  [ "$i" = 0 ] && extra=.vstage/deps
+  size=$((tree + $(du -sb "${parts[$i]}" $extra | awk '{s += $1} END {print s}')))
+  printf 'call %d carries %s%s: %.1f MiB (limit 64)\n' $((i + 1)) "${parts[$i]}" "${extra:+ and $extra}" \
+    "$(echo "$size / 1048576" | bc -l)"
+  [ "$size" -lt "$LIMIT" ] || ok=0
+done
+[ "$ok" = 1 ] || { echo "error: a call carries more than 64 MiB; lower PART_MIB" >&2; exit 1; }
+last=$((${#parts[@]} - 1))
+echo
+echo "The calls, back to back (the machine is given back 30 s after a call; /tmp goes with it):"
+for i in "${!parts[@]}"; do
+  carry="[\"${parts[$i]}\"]"
+  [ "$i" = 0 ] && carry="[\"${parts[$i]}\", \".vstage/deps\"]"
+  if [ "$i" = "$last" ]; then
+    echo "  run(carry=$carry, timeout_s=T, command=\"bash bench/gpu_session.sh part $i && bash bench/gpu_session.sh finish \$((T - 20))\")"
+  else
+    echo "  run(carry=$carry, timeout_s=120, command=\"bash bench/gpu_session.sh part $i\")"
+  fi
+done
+echo "  T: what status's budget_left_s leaves after the first $last calls, less a minute; at most 600."
