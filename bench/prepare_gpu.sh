@@ -44,9 +44,9 @@ for i in "${!parts[@]}"; do
   carry="[\"${parts[$i]}\"]"
   [ "$i" = 0 ] && carry="[\"${parts[$i]}\", \".vstage/deps\"]"
   if [ "$i" = "$last" ]; then
-    echo "  run(carry=$carry, timeout_s=T, command=\"bash bench/gpu_session.sh part $i && bash bench/gpu_session.sh finish \$((T - 20))\")"
+    echo "  run(carry=$carry, timeout_s=T, command=\"bash bench/gpu_session.sh part $i && bash bench/gpu_session.sh finish S\")"
   else
     echo "  run(carry=$carry, timeout_s=120, command=\"bash bench/gpu_session.sh part $i\")"
   fi
 done
-echo "  T: what status's budget_left_s leaves after the first $last calls, less a minute; at most 600."
+echo "  T: what status's budget_left_s leaves after the first $last calls, less a minute (at most 600); S = T - 20."
