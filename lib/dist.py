@@ -14,6 +14,7 @@ Meshes (all over the same ranks, built once):
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import zlib
 from dataclasses import dataclass
@@ -273,8 +274,6 @@ def reshard(data: DataProto, assignment: Sequence[Sequence[int]], group: dist.Pr
 def _all_to_all_objects(columns: Mapping[str, np.ndarray], sends: list[np.ndarray],
                         group: dist.ProcessGroup | None) -> dict[str, np.ndarray]:
     """Object-array rows to their ranks (pickled, through the CPU group); the received rows grouped by sender."""
-    import pickle
-
     world = dist.get_world_size(group)
     blobs = [pickle.dumps({k: v[rows] for k, v in columns.items()}) for rows in sends]
     send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -72,7 +74,7 @@ def read_adapter_config(path: str) -> dict:
 
 def peft_config(cfg: Any) -> Any:
     """The PEFT LoraConfig of a run: from actor.lora, or from the starting adapter's own adapter_config.json."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # deferred, as in inject
 
     if cfg.adapter_path:
         saved = read_adapter_config(cfg.adapter_path)
@@ -167,9 +169,7 @@ def inject(model: nn.Module, pc: Any) -> nn.Module:
     """Wrap the targeted Linear layers of ``model`` in place (on any device; on meta nothing is allocated). Only the
     adapter requires grad. A fresh adapter is PEFT's default init: A Kaiming-uniform, B zero (the base's outputs).
     A vision-language model's vision tower gets none (``VISION_EXCLUDED``)."""
-    import copy
-
-    from peft import inject_adapter_in_model
+    from peft import inject_adapter_in_model  # deferred: peft is heavy to import and only LoRA runs use it
 
     pc = copy.deepcopy(pc)
     if any(is_vision_param(name + ".") for name, _ in model.named_modules()):
@@ -185,7 +185,7 @@ def is_adapter_param(name: str) -> bool:
 
 
 def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # deferred, as in inject
 
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
 
@@ -219,8 +219,6 @@ def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
 
 def load_adapter_weights(model: nn.Module, path: str) -> None:
     """Fill a full (unsharded) model's adapter from a PEFT folder; every adapter tensor must be there."""
-    from safetensors.torch import load_file
-
     file = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(file):
         raise ValueError(f"actor.lora.adapter_path={path!r} holds no adapter_model.safetensors")
@@ -348,10 +346,6 @@ def save_adapter(out_dir: str, tensors: dict[str, torch.Tensor], pc: Any, base_m
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) that ``PeftModel.from_pretrained`` and
     vLLM's ``LoRARequest`` load. ``target_modules`` is written as the layers' short names; ``vision`` (the base is a
     vision-language model): with ``VISION_EXCLUDED``, so that a vision tower's layers of those names stay bare."""
-    import copy
-
-    from safetensors.torch import save_file
-
     if not tensors:
         raise RuntimeError("an adapter with no tensors: the model holds no LoRA layer")
     pc = copy.deepcopy(pc)

@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -133,8 +134,6 @@ class VLLMEngine:
         self._lora_request: Any = None
         self._adapter_root = ""
         if lora is not None:
-            import tempfile
-
             # adapter folders in memory where the machine has /dev/shm: a few MB per version, removed when replaced;
             # named after this process, so that the next engine removes what a crashed run left (remove_stale_shm)
             root = SHM_DIR if os.path.isdir(SHM_DIR) else None
@@ -216,7 +215,6 @@ class VLLMEngine:
         through a stock ``LoRARequest``; the previous version is removed. Generation uses it from then on."""
         from vllm.lora.request import LoRARequest  # vllm imported only where an engine is built (optional package)
 
-
         check_engine_load(bool(self.asleep), self.lora, version, tensors)
         folder = os.path.join(self._adapter_root, f"v{version}")
         save_adapter(folder, tensors, self.lora, vision=self.images)
@@ -263,8 +261,6 @@ class VLLMEngine:
         self._finish_load()
         _shutdown(self.llm)
         if self._adapter_root:
-            import shutil
-
             shutil.rmtree(self._adapter_root, ignore_errors=True)
 
     def generate(self, data: DataProto, validate: bool = False) -> DataProto:
@@ -539,8 +535,6 @@ def remove_stale_shm(shm_dir: str = SHM_DIR) -> list[str]:
             path = os.path.join(shm_dir, name)
             with contextlib.suppress(OSError):
                 if os.path.isdir(path) and not os.path.islink(path):  # a crashed run's LoRA adapter folders
-                    import shutil
-
                     shutil.rmtree(path)
                 else:
                     os.unlink(path)
