@@ -118,7 +118,13 @@ def test_toy_assets_built_by_several_nodes_at_once(tmp_path):
     import sys
 
     path = str(tmp_path / "toy_assets")
-    code = f"from lib import toy; print(toy.prepare({path!r})['model'])"
+    # every node is inside its build before any renames (a state, not a timing): each waits in its first step for
+    # the three build folders; a one-step warm start keeps the builds short, the renaming is the same
+    code = (f"import glob, time\nfrom lib import toy\nsplit = toy.split_pairs\n"
+            f"def inside(*a, **k):\n"
+            f"    while len(glob.glob({path!r} + '.tmp-*')) < 3:\n        time.sleep(0.05)\n"
+            f"    return split(*a, **k)\n"
+            f"toy.split_pairs = inside\nprint(toy.prepare({path!r}, warm_steps=1)['model'])")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(3)]
     outs = [p.communicate(timeout=300) for p in procs]
