@@ -123,12 +123,16 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
         got, want = ([{k: v for k, v in r.items() if not k.startswith(("sync/", "engine/mem_"))} for r in x]
                      for x in (got, want))
         assert any(r.get("actor/kl_loss", 0) > 0 for r in got)
-    if extra is TOOLS:
-        assert all(r["multi_turn/tool_calls_mean"] > 0.5 for r in got if "multi_turn/tool_calls_mean" in r)
-    if extra is VISION:
-        assert all(r["vision/images_per_sample"] == 1.0 for r in got if "vision/images_per_sample" in r)
-    if extra is DISTILL:
-        assert all(r["distill/reverse_kl"] > 0 for r in got if "distill/reverse_kl" in r)
+    # the mode's own path ran in each of the 6 steps, the resumed ones included (a step that logs no such figure
+    # fails). Tool calls: their share falls as this short, small-batch run trains (lowest step measured: 0.79 with the
+    # tool task built in 1 thread, 0.36 built in 2 threads on an AVX-512 Xeon, where the former bound, 0.5, failed),
+    # so the bound is that every step calls the tool
+    own = {TOOLS: ("multi_turn/tool_calls_mean", lambda v: v > 0), VISION: ("vision/images_per_sample",
+           lambda v: v == 1.0), DISTILL: ("distill/reverse_kl", lambda v: v > 0)}
+    if extra in own:
+        key, holds = own[extra]
+        seen = {r["step"]: r.get(key) for r in got if "actor/lr" in r}  # the training rows
+        assert sorted(seen) == list(range(1, 7)) and all(v is not None and holds(v) for v in seen.values()), seen
     assert [r["step"] for r in got] == [r["step"] for r in want]  # no step twice, none missing
     for a, b in zip(got, want):
         assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
