@@ -10,6 +10,8 @@ Task: write a sequence of digits backwards. The prompt shows four digits ("3,7,1
 few seconds of supervised training so that it knows the format and gets some answers partly right; RL does
 the rest.
 Everything is built offline, deterministically, under ``<dir>`` (default ``runs/toy_assets``).
+torch, tokenizers and transformers are imported inside the builders: the tool task's ``lookup`` is loaded from this
+module by every tool worker process, which must start without them.
 """
 
 from __future__ import annotations

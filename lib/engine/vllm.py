@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from lib.dist import Topology, all_gather
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, prompt_images,
@@ -93,8 +94,6 @@ class VLLMEngine:
             log.warning("vLLM has no sleep mode on this platform (%s): the engine stays resident between rollouts",
                         current_platform.device_name)
         if not kv_cache_bytes:
-            from transformers import AutoConfig
-
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
             kv_cache_bytes = engine_kv_cache_bytes(config, max_num_seqs, max_model_len,
                                                    torch.empty((), dtype=getattr(torch, dtype)).element_size(),
