@@ -133,8 +133,7 @@ def _grpo(args, engine: str) -> list[Row]:
     prompts, response_len = GRPO_SIZES[args.device]
     run_root = os.path.join(args.out, "runs")
     run_dir = os.path.join(run_root, f"grpo_{engine}")
-    if os.path.exists(run_dir):  # a check run again starts its run afresh
-        shutil.rmtree(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a check run again starts its run afresh
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
            os.path.join(ROOT, "train_grpo.py"), "--config", PRESET, "--actor.model.path", path,
            "--data.train_files", data["train"], "--data.val_files", data["val"], "--data.max_prompt_length", "16",
@@ -387,14 +386,15 @@ def command(args) -> str:
     return f"python bench/gpu_acceptance.py --out {args.out} --device {args.device}"
 
 
-def result_path(out: str, name: str) -> str:
-    """Where a check's result stays: its seconds and rows (written by the parent, whatever the check did)."""
-    return os.path.join(out, "checks", f"{name}.json")
+def result_path(out: str, name: str, child: bool = False) -> str:
+    """Where a check's result stays: its seconds and rows (written by the parent, whatever the check did); with
+    ``child``, the rows its child process writes when it ends by itself."""
+    return os.path.join(out, "checks", f"{name}.rows.json" if child else f"{name}.json")
 
 
 def run_check(name: str, args, budget: float) -> tuple[list[Row], float]:
     """``name`` in a child process within ``budget`` seconds; its rows, or one row saying how it ended."""
-    rows_file = os.path.join(args.out, "checks", f"{name}.rows.json")  # the child's, when it ends by itself
+    rows_file = result_path(args.out, name, child=True)
     if os.path.exists(rows_file):
         os.remove(rows_file)
     cmd = [sys.executable, os.path.abspath(__file__), "--check", name, "--out", args.out, "--device", args.device]
@@ -467,7 +467,7 @@ def main() -> None:
     os.makedirs(os.path.join(args.out, "checks"), exist_ok=True)
     if args.check:
         rows = globals()[f"check_{args.check}"](args)
-        with open(os.path.join(args.out, "checks", f"{args.check}.rows.json"), "w") as f:
+        with open(result_path(args.out, args.check, child=True), "w") as f:
             json.dump([asdict(r) for r in rows], f)
         return
     start, names = time.perf_counter(), args.only or list(CHECKS)

@@ -16,10 +16,11 @@
 #
 # A part that fails its checksum, or an install that fails, costs the vLLM rows only: they then say "not run".
 # Settings (defaults for the device machine): STAGE=/tmp/stage SITE=/tmp/site ACC=/tmp/acc VSTAGE=.vstage
-# DEVICE=cuda PY=python3 BG_BUDGET_S=300 WAIT_S=120.
+# DEVICE=cuda PY=python3 BG_BUDGET_S=300 WAIT_S=120 CHECK_BUDGET_S=240 (one vLLM check).
 set -uo pipefail
 STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} ACC=${ACC:-/tmp/acc} VSTAGE=${VSTAGE:-.vstage}
 DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} WAIT_S=${WAIT_S:-120}
+CHECK_BUDGET_S=${CHECK_BUDGET_S:-240}
 OUT=${OUT:-$ACC/out}
 VLLM_CHECKS=(correctness sleep_wake rollout grpo_vllm lora_sleep)  # in the order of what they prove
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -60,7 +61,7 @@ part)
     tar --exclude=./.git --exclude='./.venv*' --exclude="./$VSTAGE" --exclude=./runs -cf - . | tar -xf - -C "$ACC/repo"
     (cd "$ACC/repo" && setsid nohup bash bench/gpu_session.sh background > "$ACC/background.log" 2>&1 < /dev/null &
      echo $! > "$ACC/background.pid")
-    echo "background started (pid $(cat "$ACC/background.pid")): update, grpo_hf, the gpu-marked tests"
+    echo "background started (pid $(cat "$ACC/background.pid")): update, the gpu-marked tests, grpo_hf"
   fi
   ;;
 background)
@@ -101,7 +102,7 @@ finish)
   left=$((limit - (SECONDS - start) - 15))  # 15 s for the copies below
   echo "vLLM checks: ${left} s"
   "$PY" bench/gpu_acceptance.py --out "$ACC" --mirror "$OUT" --device "$DEVICE" --only "${VLLM_CHECKS[@]}" \
-    --budget-s "$left" --check-budget-s "${CHECK_BUDGET_S:-240}"
+    --budget-s "$left" --check-budget-s "$CHECK_BUDGET_S"
   for f in versions.txt background.log pytest_gpu.txt install.log; do
     [ -f "$ACC/$f" ] && tail -c 200000 "$ACC/$f" > "$OUT/$f"
   done

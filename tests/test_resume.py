@@ -127,8 +127,9 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
     # fails). Tool calls: their share falls as this short, small-batch run trains (lowest step measured: 0.79 with the
     # tool task built in 1 thread, 0.36 built in 2 threads on an AVX-512 Xeon, where the former bound, 0.5, failed),
     # so the bound is that every step calls the tool
-    own = {TOOLS: ("multi_turn/tool_calls_mean", lambda v: v > 0), VISION: ("vision/images_per_sample",
-           lambda v: v == 1.0), DISTILL: ("distill/reverse_kl", lambda v: v > 0)}
+    own = {TOOLS: ("multi_turn/tool_calls_mean", lambda v: v > 0),
+           VISION: ("vision/images_per_sample", lambda v: v == 1.0),
+           DISTILL: ("distill/reverse_kl", lambda v: v > 0)}
     if extra in own:
         key, holds = own[extra]
         seen = {r["step"]: r.get(key) for r in got if "actor/lr" in r}  # the training rows
