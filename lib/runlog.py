@@ -66,7 +66,9 @@ def stage(name: str, metrics: dict[str, float]) -> Iterator[None]:
         if cuda:
             torch.cuda.synchronize()
             _fold_peak()
-        _OPEN.remove(mine)
+        # by identity: an inner stage's dict often equals its outer stage's ({"peak": p} after a fold), and
+        # list.remove takes the first equal one (the GPU's step 1 crashed on it, 2026-11-26)
+        del _OPEN[next(i for i, s in enumerate(_OPEN) if s is mine)]
     if cuda:
         peak = mine["peak"] / 2**30
     else:

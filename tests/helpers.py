@@ -12,6 +12,7 @@ import torch
 
 from lib.protocol import DataProto
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 2048
 EOS_IDS = [1, 3]  # the tokenizer's eos and a second one, as Qwen2.5-Instruct's generation config lists
 
@@ -65,3 +66,11 @@ def rl_batch(num_rows: int, prompt_len: int = 6, response_len: int = 5, seed: in
         "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
         "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": r_mask.float(),
     }, {"uid": [f"g{i // 2}" for i in range(num_rows)]})
+
+
+def fake_cuda_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process (torchrun's launcher and ranks) that runs under lib.fake_device: the fake
+    installs itself at interpreter start (tests/fake_device/sitecustomize.py), the GPUs are hidden, one thread."""
+    path = os.pathsep.join([os.path.join(ROOT, "tests", "fake_device"), ROOT, os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "RL_FAKE_CUDA": "1", "PYTHONPATH": path.rstrip(os.pathsep), "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}

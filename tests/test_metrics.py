@@ -1,48 +1,92 @@
 """Step metrics: stage peaks that nest, response metrics under rollout correction's mask."""
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
+from lib import fake_device
 from lib import runlog as run_logging
 from lib.metrics import response_metrics
 from lib.protocol import DataProto
+from tests.helpers import ROOT, fake_cuda_env
 
 
-class FakeAllocator:
-    """The allocator's peak counter as torch.cuda keeps it: reset to the current allocation, raised by allocs."""
+GIB = 2**30
 
-    def __init__(self):
-        self.current = self.peak = 0
 
-    def alloc(self, n):
-        self.current += n
-        self.peak = max(self.peak, self.current)
-
-    def free(self, n):
-        self.current -= n
-
-    def reset(self):
-        self.peak = self.current
+def _fake(monkeypatch, burst_bytes=0):
+    return fake_device.install(fake_device.FakeDevice(base_bytes=0, burst_bytes=burst_bytes), monkeypatch.setattr)
 
 
 def test_an_outer_stage_keeps_the_peak_its_inner_stages_reset(monkeypatch):
     """memory/step_peak_gb was the update stage's peak only: each nested stage reset the counter."""
-    gib = 2**30
-    a = FakeAllocator()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", a.reset)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: a.peak)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    a = _fake(monkeypatch)
     m = {}
     with run_logging.stage("step", m):
         with run_logging.stage("rollout", m):
-            a.alloc(10 * gib)
-            a.free(10 * gib)
-        a.alloc(7 * gib)  # between stages
-        a.free(7 * gib)
+            a.alloc(10 * GIB)
+            a.free(10 * GIB)
+        a.alloc(7 * GIB)  # between stages
+        a.free(7 * GIB)
         with run_logging.stage("update", m):
-            a.alloc(4 * gib)
-            a.free(4 * gib)
+            a.alloc(4 * GIB)
+            a.free(4 * GIB)
     assert (m["memory/rollout_peak_gb"], m["memory/update_peak_gb"], m["memory/step_peak_gb"]) == (10, 4, 10)
+
+
+def test_a_later_stage_that_peaks_higher_closes_every_stage(monkeypatch):
+    """The first GPU run: the update peaked above everything before it, so at its end its dict equalled the step's
+    and list.remove took the step's; the step's own exit then raised ValueError at the end of step 1 (and would
+    have hidden an error raised inside the stage). Fails before the fix with that ValueError."""
+    a = _fake(monkeypatch)
+    m = {}
+    with run_logging.stage("step", m):
+        with run_logging.stage("rollout", m):
+            a.alloc(2 * GIB)
+            a.free(2 * GIB)
+        with run_logging.stage("update", m):
+            a.alloc(5 * GIB)
+            a.free(5 * GIB)
+    assert (m["memory/rollout_peak_gb"], m["memory/update_peak_gb"], m["memory/step_peak_gb"]) == (2, 5, 5)
+    assert run_logging._OPEN == []
+    with pytest.raises(KeyError, match="inside"):  # an error inside a stage comes out as itself
+        with run_logging.stage("step", m):
+            with run_logging.stage("update", m):
+                a.alloc(GIB)
+                a.free(GIB)
+                raise KeyError("inside")
+    assert run_logging._OPEN == []
+
+
+def test_grpo_runs_three_steps_under_the_fake_device(tmp_path):
+    """The real launch path (torchrun, 2 gloo ranks, the toy default) with torch.cuda faked in every process: the
+    branches that ask torch.cuda.is_available() (stage peaks, empty_cache, synchronize) run as on a GPU, each stage
+    peaking higher than the one before. Before the stage fix the run crashed at the end of step 1, as on the H200."""
+    env = fake_cuda_env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run",
+           "--trainer.device", "cpu", "--trainer.total_steps", "3", "--trainer.val_every", "0",
+           "--trainer.save_every", "2"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        peaks = {k: v for k, v in r.items() if k.startswith("memory/") and k.endswith("_peak_gb")}
+        inner = {k: v for k, v in peaks.items() if k in STEP_STAGES}
+        # the fake's peaks are whole quarters of a GiB above 1 GiB (its base), not the process's RSS as on a CPU
+        assert set(inner) == STEP_STAGES and all(v >= 1.25 and (v * 4).is_integer() for v in peaks.values()), peaks
+        # each stage peaks higher than the one before (the fake's bursts), and the step covers all of them
+        order = [inner[k] for k in ("memory/rollout_peak_gb", "memory/score_peak_gb", "memory/log_probs_peak_gb",
+                                    "memory/update_peak_gb")]
+        assert order == sorted(order) and r["memory/step_peak_gb"] == max(order), peaks
+
+
+STEP_STAGES = {f"memory/{s}_peak_gb" for s in ("step", "rollout", "score", "log_probs", "update")}
 
 
 def test_response_metrics_count_sampled_tokens_under_a_correction_mask():
