@@ -210,11 +210,17 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
 
 
 def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
-    """The frozen base in ``dtype`` (bf16 on GPU: no fp32 master copy is needed for weights never stepped)."""
+    """The frozen base in ``dtype`` (bf16 on GPU: no fp32 master copy is needed for weights never stepped). A
+    parameter held by several modules (tied embeddings: the input embedding and lm_head) is cast once and the one
+    new parameter goes in every slot, so the tie holds (a new parameter per slot made lm_head a matrix of its own,
+    which the sync then sent apart; found on the first GPU run)."""
+    cast: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, param in list(module._parameters.items()):
             if param is not None and not param.requires_grad and param.dtype != dtype:
-                module._parameters[key] = nn.Parameter(param.to(dtype), requires_grad=False)
+                if id(param) not in cast:
+                    cast[id(param)] = nn.Parameter(param.to(dtype), requires_grad=False)
+                module._parameters[key] = cast[id(param)]
 
 
 def load_adapter_weights(model: nn.Module, path: str) -> None:

@@ -197,6 +197,39 @@ def test_a_sync_that_loses_the_adapter_raises(engine_run):
     assert "missing" in partial
 
 
+def test_a_tied_model_keeps_its_tie_through_the_bf16_cast_and_syncs_one_tensor(model_dir):
+    """LoRA on a GPU casts the frozen base to bf16 (lib/fsdp.py, on CUDA with mixed precision): the cast made a new
+    Parameter per module slot, so lm_head came out a matrix of its own and the sync sent it apart, which the engine
+    refused (the first GPU run's pytest_gpu.txt). Here the same cast on CPU, on the tied Qwen2-shaped model; fails
+    before the fix (lm_head is not embed_tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    from lib import lora
+    from lib.config import LoraConfig
+    from lib.engine import SamplingConfig
+    from lib.engine.hf import HFEngine
+    from lib.models import load_config
+    from lib.sync import enter_rollout
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    cfg = LoraConfig(rank=4, alpha=8)
+    lora.inject(model, lora.peft_config(cfg))
+    lora.cast_frozen(model, torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16 and not model.lm_head.weight.requires_grad
+    assert {str(p.dtype) for n, p in model.named_parameters() if lora.is_adapter_param(n)} == {"torch.float32"}
+    names = [n for n, _ in lora.iter_base(model, torch.bfloat16)]
+    assert names.count("model.embed_tokens.weight") == 1 and "lm_head.weight" not in names
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=4)
+    engine = HFEngine(load_config(model_dir), torch.device("cpu"), 0, EOS_IDS, greedy, greedy, dtype=torch.bfloat16,
+                      lora=lora.peft_config(cfg))
+    sync = lora.Sync(merge=False, sleep_level=1, num_modules=lora.num_modules(model))
+    enter_rollout(model, engine, torch.bfloat16, adapter=sync)  # the engine refused an untied lm_head here
+    out = engine.generate(_prompts(), validate=True)
+    assert out.batch["responses"].shape[0] == 6
+
+
 @pytest.mark.parametrize("shard_size", [0, 1])  # FSDP2 over both ranks; a plain replica per rank
 def test_two_ranks_match_one_process(model_dir, shard_size):
     """LoRA training (two epochs, two mini-batches, clipping) gives the same log-probs, metrics and adapter on 1 and
