@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any, Iterator
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lib import lora, models, ulysses
@@ -50,10 +51,7 @@ def apply_fsdp(model: nn.Module, topo: Topology, mixed_precision: bool = True, r
     numbers throughout."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if mixed_precision and topo.device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp = MixedPrecisionPolicy()
+    mp = compute_policy(topo, mixed_precision)
     replicated = topo.fsdp_mesh.mesh.shape[-1] == 1
     if replicated and mp.param_dtype is None:
         setattr(model, REPLICA_FLAG, True)
@@ -65,6 +63,13 @@ def apply_fsdp(model: nn.Module, topo: Topology, mixed_precision: bool = True, r
 
 
 REPLICA_FLAG = "_rl_plain_replica"
+
+
+def compute_policy(topo: Topology, mixed_precision: bool) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction on GPU (fsdp.mixed_precision), fp32 throughout on CPU."""
+    if mixed_precision and topo.device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 @torch.no_grad()
@@ -109,6 +114,62 @@ def load_from_rank0(model: nn.Module, full_model: nn.Module | None, topo: Topolo
 def set_trainable(model: nn.Module, trainable: bool) -> nn.Module:
     model.requires_grad_(trainable)
     return model.train(trainable)
+
+
+# ---- fp32 forwards of a mixed-precision model (the start-up self-check)
+
+FP32_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=None, output_dtype=None,
+                                    cast_forward_inputs=True)
+
+
+def _fsdp_groups(model: nn.Module) -> list[tuple[Any, Any]]:
+    """(FSDP state, its parameter group or None) of every fully_shard unit of ``model``."""
+    states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+    return [(s, s._fsdp_param_group) for s in states]
+
+
+def _drop_unsharded(model: nn.Module, groups: list[tuple[Any, Any]]) -> None:
+    """Every unit resharded and its all-gather buffers and unsharded parameters forgotten: FSDP2 makes them once, in
+    the dtype of the first all-gather, and reuses them after; a change of compute dtype needs them made again."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()  # the root keeps its parameters unsharded after a forward
+    for _, group in groups:
+        for param in group.fsdp_params if group is not None else []:
+            param.all_gather_outputs = []
+            if hasattr(param, "_unsharded_param"):
+                del param._unsharded_param
+
+
+@contextlib.contextmanager
+def fp32_compute(model: nn.Module) -> Iterator[None]:
+    """Forwards inside the block compute in fp32 on a model that FSDP2 runs in bf16 (mixed precision on GPU; a LoRA
+    base stored in bf16 is cast up too): every unit all-gathers fp32 parameters. The start-up self-check runs in
+    it, so its tolerance is fp32's on a GPU as on a CPU (in bf16 the packed and padded forwards differ by ~2e-2,
+    and a leak across packed bounds of 1e-4 hides there). On the way out each unit's own policy is restored and its
+    buffers are made again in the training dtype at the next forward. A model without mixed precision (CPU, a
+    plain replica) is left as it is. FSDP2 offers no public switch of the compute dtype: this sets the policy that
+    its lazy init reads and drops the buffers it keeps between all-gathers (the same attributes from torch 2.4 to
+    2.13); tests/test_selfcheck.py checks it on gloo with bf16 mixed precision."""
+    groups = _fsdp_groups(model)
+    if not any(state._mp_policy.param_dtype not in (None, torch.float32) for state, _ in groups):
+        yield
+        return
+    saved = [(state._mp_policy, group.mp_policy if group is not None else None) for state, group in groups]
+
+    def use(policies: list[tuple[Any, Any]]) -> None:
+        _drop_unsharded(model, groups)
+        for (state, group), (state_policy, group_policy) in zip(groups, policies):
+            state._mp_policy = state_policy
+            if group is not None:
+                group.mp_policy = group_policy
+                group._init_mp_dtypes()
+
+    use([(FP32_COMPUTE, FP32_COMPUTE)] * len(groups))
+    try:
+        yield
+    finally:
+        use(saved)
 
 
 # ---- offload between phases (rollout frees the training state, training brings it back)

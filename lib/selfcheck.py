@@ -5,8 +5,11 @@ batch does: every layer that mixes along the sequence must keep to each packed s
 lib/mixers.py) and see the whole sequence under SP. An architecture nobody has tested may have a layer that does
 not, and would then train another model without a word. So before the first step the packed forward (split over
 the SP group when sp_size > 1) is compared with the padded one on two short random sequences of the real model,
-and a difference beyond the dtype's tolerance stops the run naming the mode and the fix. Cost: two forwards of
-about 40 tokens (the log line gives the seconds).
+and a difference beyond the dtype's tolerance stops the run naming the mode and the fix. The check computes in fp32
+on every device (lib/startup.py runs it under lib.fsdp.fp32_compute), so its tolerance is fp32's on a GPU too; there
+the packed attention then takes its plain path (the varlen kernels take half precision only), and the kernels are
+checked against that path by tests/test_attention.py's gpu-marked tests. Cost: two forwards of about 40 tokens
+(the log line gives the seconds).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from lib.protocol import DataProto
 
 # max |log p| difference allowed between the packed and the padded forward of the probe. fp32: the zoo's 21
 # architectures differ by at most 4.8e-7 on it; a mixer blind to the packed bounds differs by 6.5e-5 (LFM2) to 0.22
-# (Granite-4). Half precision: the two paths round differently (~1e-2); not yet measured on a GPU, and a leak as
-# small as LFM2's cannot be told from rounding there.
+# (Granite-4). Half precision: the two paths round differently (2.3e-2 on the 0.5B shape on an H200), so a leak as
+# small as LFM2's cannot be told from rounding there: the start-up check runs in fp32 on every device
+# (lib.fsdp.fp32_compute; the master weights are fp32), and the half-precision entries serve other callers only.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-1, torch.float16: 1e-1}
 
 
