@@ -129,3 +129,66 @@ def test_a_check_past_its_budget_costs_its_row_only(tmp_path):
     assert update["value"] == "over budget" and update["passed"] is False
     assert report["checks"]["sleep_wake"]["rows"][0]["value"] == "not run"
     assert "over budget" in table
+
+
+def _greedy_judge_cases(out: str) -> dict:
+    """One rank, the HF engine in fp32: the greedy judge after a correct sync, with the head left stale (the
+    engine keeps the embedding from before an update), and with a wrong rope (the engine's rope_theta 1)."""
+    import argparse
+
+    import torch
+
+    from bench import gpu_acceptance as ga
+    from lib.actor import Trainee, update_policy
+    from lib.config import ActorConfig, BatchingConfig, OptimConfig
+    from lib.engine.hf import HFEngine
+    from lib.models import load_config
+    from lib.optim import build_optimizer
+    from lib.sync import enter_rollout, exit_rollout
+
+    torch.manual_seed(0)
+    args = argparse.Namespace(out=out, device="cpu")
+    topo, model, engine, batch, dtype, path = ga._engine_setup(args, "hf", packed=False)
+    cfg = ActorConfig(optim=OptimConfig(lr=1e-2), batching=BatchingConfig(micro_batch_size_per_rank=16,
+                                                                          use_remove_padding=False))
+    enter_rollout(model, engine, dtype)
+    first = engine.generate(batch)
+    exit_rollout(model, engine, topo.device)
+    stale = model.get_input_embeddings().weight.detach().clone()
+    first.batch["advantages"] = torch.randn(first.batch["response_mask"].shape) * first.batch["response_mask"]
+    update_policy(Trainee(model, *build_optimizer(model, cfg.optim), topo), first, cfg)
+
+    def judge(eng, after_sync=None) -> tuple[float, bool]:
+        enter_rollout(model, eng, dtype)
+        if after_sync:
+            after_sync(eng)
+        greedy = eng.generate(batch, validate=True)
+        exit_rollout(model, eng, topo.device)
+        margins = ga.greedy_margins(model, greedy)
+        own = ga.own_greedy_decode(model, batch, greedy.batch["responses"].shape[1], topo.device)
+        margin_row, tokens_row = ga.greedy_rows("hf engine", margins, greedy, own, dtype)
+        return float(margins.max()), bool(margin_row.passed and tokens_row.passed)
+
+    def stale_head(eng) -> None:
+        with torch.no_grad():
+            eng.model.get_input_embeddings().weight.copy_(stale)  # tied: the head too
+
+    config = load_config(path)
+    config.rope_theta = 1.0
+    config.rope_parameters = {**(getattr(config, "rope_parameters", None) or {}), "rope_theta": 1.0}
+    wrong_rope = HFEngine(config, topo.device, engine.pad_id, engine.eos_ids, engine.sampling, engine.val_sampling,
+                          dtype=dtype)
+    return {"synced": judge(engine), "stale head": judge(engine, stale_head), "wrong rope": judge(wrong_rope),
+            "tolerance": ga.GREEDY_MARGIN[dtype]}
+
+
+def test_the_greedy_judge_passes_a_synced_engine_and_fails_a_stale_head_and_a_wrong_rope(tmp_path):
+    """The correctness check judges the trainer's margin at the engine's greedy tokens (token equality judged bf16
+    rounding on the GPU): it must still fail the engine that computes another model."""
+    from lib.testing import run_distributed
+
+    (r,) = run_distributed(_greedy_judge_cases, str(tmp_path), world_size=1, timeout=300)
+    print(r)
+    assert r["synced"][1] and r["synced"][0] < 1e-6, r
+    for case in ("stale head", "wrong rope"):
+        assert not r[case][1] and r[case][0] > 10 * r["tolerance"], (case, r)

@@ -387,6 +387,70 @@ def test_export_round_trips_through_peft_and_merges_in_fp32(tmp_path):
     assert os.path.isdir(run / "checkpoints" / "step_2")
 
 
+def _vllm_lora_body(path, as_oldest):
+    """One rank: a LoRA policy after an update, served by vLLM as an adapter; the base synced into vLLM's LoRA layers,
+    then the adapter. ``as_oldest``: vLLM's LoRA layers lose what 0.32 added to them (``load_weights`` and forwarding
+    of the base layer's attributes), which is vLLM 0.25 as the first GPU run met it (``no module or parameter named
+    ...qkv_proj.weight``)."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    from lib import lora
+    from lib.actor import Trainee, compute_log_probs, update_policy
+    from lib.config import ActorConfig, BatchingConfig, LoraConfig, ModelConfig, OptimConfig
+    from lib.dist import init_topology
+    from lib.engine import SamplingConfig
+    from lib.engine.vllm import VLLMEngine
+    from lib.fsdp import build_sharded_model
+    from lib.optim import build_optimizer
+    from lib.sync import enter_rollout, exit_rollout
+
+    removed = []
+    if as_oldest:
+        for name in ("__getattr__", "load_weights"):
+            if name in BaseLayerWithLoRA.__dict__:
+                delattr(BaseLayerWithLoRA, name)
+                removed.append(name)
+    topo = init_topology(device="cpu")
+    cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-2, weight_decay=0.0),
+                      batching=BatchingConfig(use_remove_padding=False), lora=LoraConfig(rank=8, alpha=8))
+    model = build_sharded_model(cfg.model, cfg.fsdp, topo, lora_cfg=cfg.lora, packed=False, seed=3)
+    update_policy(Trainee(model, *build_optimizer(model, cfg.optim), topo), _train_batch(1), cfg)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5)
+    engine = VLLMEngine(path, topo, 0, EOS_IDS, sampling, SamplingConfig(temperature=0.0, max_new_tokens=8),
+                        max_model_len=64, max_num_seqs=8, dtype="float32", enforce_eager=True,
+                        lora=lora.peft_config(cfg.lora))
+    sync = lora.Sync(merge=False, sleep_level=1, num_modules=lora.num_modules(model))
+    diffs = []
+    for _ in range(2):  # the base and the adapter, then the adapter alone after a level-1 sleep
+        metrics = enter_rollout(model, engine, torch.float32, adapter=sync)
+        out = engine.generate(_prompts())
+        exit_rollout(model, engine, topo.device, level=1)
+        ours, _ = compute_log_probs(model, out, cfg.batching, topo)
+        m = out.batch["response_mask"]
+        diffs.append((float(((ours - out.batch["rollout_log_probs"]).abs() * m).max()), metrics["sync/gb"]))
+    with lora.adapters_off(model):
+        base, _ = compute_log_probs(model, out, cfg.batching, topo)
+    off = float(((base - out.batch["rollout_log_probs"]).abs() * out.batch["response_mask"]).max())
+    engine.close()
+    return {"removed": removed, "diffs": diffs, "off": off}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("as_oldest", [False, True], ids=["vllm_as_installed", "lora_layers_as_in_0.25"])
+def test_the_base_syncs_into_vllm_lora_layers_of_every_supported_release(tmp_path, as_oldest):
+    """The first GPU run (vLLM 0.25) crashed syncing the base into vLLM's LoRA layers, which the test pass's vLLM
+    (0.32) forwards to their base layers and 0.25 does not. The engine now loads the base into the model as vLLM
+    built it (each LoRA layer's base_layer in its place during the reload), on both. Fails before the fix with
+    ``lora_layers_as_in_0.25``: ValueError, no module or parameter named 'layers.0.self_attn.qkv_proj.weight'."""
+    # tied embeddings, GQA, 2048 ids, two eos ids (tests/helpers.py); head size 32, which vLLM's CPU attention takes
+    path = save_tiny_model(str(tmp_path / "m"), "qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    (r,) = run_distributed(_vllm_lora_body, path, as_oldest, world_size=1, timeout=600)
+    assert r["removed"] == (["__getattr__", "load_weights"] if as_oldest else []), r
+    (first, gb1), (second, gb2) = r["diffs"]
+    assert gb1 > 0 and gb2 == 0, r  # the base once, then only the adapter across the level-1 sleep
+    assert first < 1e-5 and second < 1e-5 and r["off"] > 100 * max(first, second, 1e-7), r
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_lora_with_the_vllm_engine(tmp_path):

@@ -441,3 +441,19 @@ def test_request_seeds_are_shared_by_a_tp_group_and_distinct_otherwise():
     for other in others:  # next step, another rollout group, validation, another run seed
         assert not set(other) & set(step3_group0)
     assert all(0 <= s < 2**63 for s in step3_group0)
+
+
+def test_only_the_rotary_layers_reload_warning_is_dropped():
+    """vLLM warns "RotaryEmbedding: Failed to load weights" at every sync (its cos/sin cache is a buffer of the
+    config's, which no checkpoint carries, and its own is put back): dropped. The same warning for any other layer
+    means a weight the sync did not send: kept."""
+    import logging
+
+    from lib.engine.vllm import RotaryReloadFilter
+
+    def record(layer):
+        return logging.LogRecord("vllm", logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None)
+
+    f = RotaryReloadFilter()
+    assert not f.filter(record("RotaryEmbedding")) and not f.filter(record("Llama3RotaryEmbedding"))
+    assert f.filter(record("QKVParallelLinear")) and f.filter(record("VocabParallelEmbedding"))

@@ -104,6 +104,7 @@ class VLLMEngine:
         self.kv_cache_bytes = kv_cache_bytes
         if self.device.type == "cpu":
             _unique_cpu_shm_names(topo)
+        quiet_rotary_reload_warning()
         with rng_kept_apart(self.device):  # vLLM seeds the global generators at start-up
             self.llm = LLM(model=model_path, tensor_parallel_size=topo.rollout_tp_size,
                            distributed_executor_backend="external_launcher", enable_sleep_mode=self.sleep_mode,
@@ -117,7 +118,7 @@ class VLLMEngine:
         # the parameters a sync must write, read before any reload: a tied lm_head is the embedding's own tensor
         # here (during a layerwise reload it sits on meta apart from it, and finalising puts the shared one back)
         names: list[str] = []
-        _run_on_model(self.llm, lambda model: names.extend(n for n, _ in model.named_parameters()))
+        run_on_model(self.llm, lambda model: names.extend(n for n, _ in model.named_parameters()))
         # with LoRA a layer's weight sits in its base_layer, and the loader reports it under the plain name
         self.param_names = frozenset(n.replace(".base_layer.", ".") for n in names)
         hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
@@ -126,6 +127,7 @@ class VLLMEngine:
         self._written: set[str] | None = set()  # the vLLM names one sync wrote (None: its loader does not say)
         self.metrics: dict[str, float] = {}
         self._loading = False  # inside a layerwise reload (between the first bucket and wake_up(kv_cache))
+        self._unwrapped: list[tuple[Any, str, Any]] = []  # the LoRA layers set aside during a reload (_reload)
         self.asleep: set[str] = set()
         self.base_loaded = False
         """Every parameter written since the weights last woke from a level-2 sleep (a level-1 sleep keeps them)."""
@@ -177,7 +179,7 @@ class VLLMEngine:
         if "weights" in self.asleep:  # enforced without sleep mode too, so CPU runs catch what crashes a GPU
             raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
         if not self._loading:
-            _reload(self.llm, begin=True)
+            _reload(self.llm, True, self._unwrapped)
             self._loading = True
             self._written = set()
         batch = list(weights)
@@ -193,7 +195,7 @@ class VLLMEngine:
             else:
                 self._written |= set(loaded)
 
-        _run_on_model(self.llm, load)
+        run_on_model(self.llm, load)
 
     def finish_sync(self) -> None:
         """The last call of a sync: load the tied head (``_load_tied_head``), then check that every vLLM parameter
@@ -247,11 +249,11 @@ class VLLMEngine:
             head = model.lm_head.weight
             head.weight_loader(head, embedding)
 
-        _run_on_model(self.llm, load)
+        run_on_model(self.llm, load)
 
     def _finish_load(self) -> None:
         if self._loading:
-            _reload(self.llm, begin=False)
+            _reload(self.llm, False, self._unwrapped)
             self._loading = False
 
     def close(self) -> None:
@@ -482,7 +484,7 @@ def _sampled_logprobs(completion: Any) -> list[float]:
     return [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
 
 
-def _run_on_model(llm: Any, fn: Any) -> None:
+def run_on_model(llm: Any, fn: Any) -> None:
     """``fn(model)`` on this process's model, inside vLLM's current-config context (weight loaders and layer
     processing read it). In-process (external_launcher), so closures and tensors pass by reference."""
     from vllm.config import set_current_vllm_config
@@ -557,15 +559,62 @@ def _shutdown(llm: Any) -> None:
         core.shutdown()
 
 
-def _reload(llm: Any, begin: bool) -> None:
+def _reload(llm: Any, begin: bool, unwrapped: list[tuple[Any, str, Any]]) -> None:
     """Open (``begin``) or close one vLLM layerwise reload. Open: the model goes back to checkpoint layout, on
     meta until each layer's weights arrive. Weight loading must go through this: after loading, vLLM may repack
     weights into kernel layouts (the CPU backend does) that plain ``load_weights`` cannot write into. Close:
-    process what is left and put the kernel tensors back."""
+    process what is left and put the kernel tensors back.
+
+    With LoRA, the reload runs on the model as vLLM loaded it at start-up: each LoRA layer is replaced by its
+    ``base_layer`` from the opening to the close (``unwrapped`` keeps them; the LoRA manager keeps its own
+    references) and put back after. vLLM 0.25's LoRA layers neither load weights nor show the base's parameters
+    under the layer's own name, so a sync into them failed (``no parameter named ...qkv_proj.weight``, the first
+    GPU run); 0.32 forwards both. Unwrapped, both releases load the base as a model without LoRA."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     if begin:
-        _run_on_model(llm, initialize_layerwise_reload)
+        run_on_model(llm, lambda model: unwrapped.extend(_unwrap_lora_layers(model)))
+        run_on_model(llm, initialize_layerwise_reload)
     else:
         model_config = llm.llm_engine.vllm_config.model_config
-        _run_on_model(llm, lambda model: finalize_layerwise_reload(model, model_config))
+        try:
+            run_on_model(llm, lambda model: finalize_layerwise_reload(model, model_config))
+        finally:
+            for parent, name, layer in reversed(unwrapped):
+                setattr(parent, name, layer)
+            unwrapped.clear()
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", logged at the end of every sync. Its reload counts a
+    rotary layer's ``cos_sin_cache`` (a non-persistent buffer computed from the config at start-up) among the
+    tensors to load; no checkpoint carries it, so at the close the layer's own cache is put back. That cache depends
+    on the config alone (rope theta, scaling, head size), never on trained weights, so nothing is stale. The same
+    message for any other layer (a weight the sync failed to send) still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith("RotaryEmbedding"))
+
+
+def quiet_rotary_reload_warning() -> None:
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, RotaryReloadFilter) for f in logger.filters):
+        logger.addFilter(RotaryReloadFilter())
+
+
+def _unwrap_lora_layers(model: Any) -> list[tuple[Any, str, Any]]:
+    """Put each vLLM LoRA layer's ``base_layer`` in its place; returns (parent, attribute, LoRA layer) to restore."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    swapped = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            base = getattr(child, "base_layer", None)
+            if isinstance(child, BaseLayerWithLoRA) and isinstance(base, torch.nn.Module):
+                setattr(parent, name, base)
+                swapped.append((parent, name, child))
+    return swapped
