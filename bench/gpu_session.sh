@@ -23,6 +23,9 @@ DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} WAIT_S=
 CHECK_BUDGET_S=${CHECK_BUDGET_S:-240}
 OUT=${OUT:-$ACC/out}
 VLLM_CHECKS=(correctness sleep_wake rollout grpo_vllm lora_sleep)  # in the order of what they prove
+# every file with gpu-marked tests (tests/test_acceptance.py checks that none is left out)
+GPU_TESTS=(tests/test_gpu_engine.py tests/test_attention.py tests/test_rollout.py tests/test_selfcheck.py
+           tests/test_reward_model.py)
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p "$STAGE" "$SITE" "$ACC" "$OUT"
@@ -69,8 +72,8 @@ background)
   # last call stops what is still running when its vLLM checks are due)
   start=$SECONDS
   "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only update --budget-s "$BG_BUDGET_S"
-  "$PY" -m pytest -q -p no:cacheprovider --basetemp "$ACC/pytest-tmp" -m gpu tests/test_gpu_engine.py \
-    tests/test_attention.py tests/test_rollout.py > "$ACC/pytest_gpu.txt" 2>&1
+  "$PY" -m pytest -q -p no:cacheprovider --basetemp "$ACC/pytest-tmp" -m gpu "${GPU_TESTS[@]}" \
+    > "$ACC/pytest_gpu.txt" 2>&1
   echo "pytest -m gpu: exit $?" >> "$ACC/pytest_gpu.txt"
   "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only grpo_hf \
     --budget-s $((BG_BUDGET_S - (SECONDS - start)))

@@ -150,7 +150,20 @@ def fp32_compute(model: nn.Module) -> Iterator[None]:
     buffers are made again in the training dtype at the next forward. A model without mixed precision (CPU, a
     plain replica) is left as it is. FSDP2 offers no public switch of the compute dtype: this sets the policy that
     its lazy init reads and drops the buffers it keeps between all-gathers (the same attributes from torch 2.4 to
-    2.13); tests/test_selfcheck.py checks it on gloo with bf16 mixed precision."""
+    2.13); tests/test_selfcheck.py checks it on gloo with bf16 mixed precision, and on a GPU (gpu-marked)."""
+    # TF32 off as well: cuDNN's convolutions (LFM2's short convolutions) use it by default, and its 1e-3 rounding
+    # would put the check back at half precision's blindness
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with _fp32_policy(model):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+@contextlib.contextmanager
+def _fp32_policy(model: nn.Module) -> Iterator[None]:
     groups = _fsdp_groups(model)
     if not any(state._mp_policy.param_dtype not in (None, torch.float32) for state, _ in groups):
         yield

@@ -72,7 +72,8 @@ def test_the_gpu_session_on_cpu(tmp_path):
     assert list(report["checks"]) == list(CHECKS)  # the background's two checks merged with the last call's
     assert "| check | figure | value | goal | result | note |" in table and "--device cpu" in table
     rows = {r["figure"]: r for c in report["checks"].values() for r in c["rows"]}
-    for name in ("correctness (hf engine): greedy tokens = the model's own greedy decode",
+    for name in ("correctness (hf engine): trainer's margin at the engine's greedy tokens (max)",
+                 "correctness (hf engine): greedy tokens = the model's own greedy decode",
                  "correctness (hf engine): logp_abs_diff on sampled tokens",
                  "correctness (hf engine): same seed twice, same tokens", "correctness (hf engine): two steps' samples differ",
                  "grpo hf engine: 2 steps", "grpo hf engine: rollout/logp_abs_diff (max)"):
@@ -109,7 +110,8 @@ def test_the_vllm_rows_on_cpu(tmp_path):
     report, _ = _run(tmp_path, "--only", "correctness", "lora_sleep", "rollout", "grpo_vllm")
     assert list(report["checks"]) == ["correctness", "lora_sleep", "rollout", "grpo_vllm"]
     rows = {r["figure"]: r for c in report["checks"].values() for r in c["rows"]}
-    for name in ("correctness (vllm engine): greedy tokens = the model's own greedy decode",
+    for name in ("correctness (vllm engine): trainer's margin at the engine's greedy tokens (max)",
+                 "correctness (vllm engine): greedy tokens = the model's own greedy decode",
                  "correctness (vllm engine): logp_abs_diff on sampled tokens",
                  "correctness (vllm engine): same seed twice, same tokens",
                  "correctness (vllm engine): two steps' samples differ",
@@ -188,7 +190,18 @@ def test_the_greedy_judge_passes_a_synced_engine_and_fails_a_stale_head_and_a_wr
     from lib.testing import run_distributed
 
     (r,) = run_distributed(_greedy_judge_cases, str(tmp_path), world_size=1, timeout=300)
-    print(r)
     assert r["synced"][1] and r["synced"][0] < 1e-6, r
     for case in ("stale head", "wrong rope"):
         assert not r[case][1] and r[case][0] > 10 * r["tolerance"], (case, r)
+
+
+def test_the_gpu_session_runs_every_file_with_gpu_marked_tests():
+    """The acceptance run executes the gpu-marked tests of the files it names (bench/gpu_session.sh GPU_TESTS): a new
+    file of them must be named there, or its tests never run anywhere."""
+    import re
+
+    text = open(SESSION).read()
+    named = set(re.findall(r"tests/test_\w+\.py", re.search(r"GPU_TESTS=\(([^)]*)\)", text).group(1)))
+    marked = {f"tests/{f}" for f in os.listdir(os.path.join(ROOT, "tests")) if f.startswith("test_")
+              and f.endswith(".py") and re.search(r"mark\.gpu\b", open(os.path.join(ROOT, "tests", f)).read())}
+    assert named == marked, (sorted(marked - named), sorted(named - marked))

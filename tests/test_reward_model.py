@@ -94,3 +94,19 @@ def test_a_reward_model_only_run_needs_no_rule_source_or_ground_truth(tmp_path):
     assert [r["step"] for r in got] == [1, 2]
     assert all(r["reward/rm_score"] != 0 and r["reward/mean"] == pytest.approx(r["reward/rm_score"], abs=1e-5)
                and r["reward/errors"] == 0 and r["actor/grad_norm"] > 0 for r in got), got
+
+
+@pytest.mark.gpu
+def test_a_reward_model_on_a_gpu_is_bf16_and_waits_on_the_cpu(tmp_path):
+    """lib/rewards/scorer.py on a GPU: the model in bf16, on the CPU outside the score stage and back there after it;
+    its scores those of the fp32 model to bf16 rounding."""
+    model = save_rm(tmp_path / "rm", zoo.build_tokenizer)
+    policy_tok = zoo.build_tokenizer(str(tmp_path / "policy"))
+    batch = rl_batch(6, prompt_len=7, response_len=6, seed=3)
+    rm = RewardModel(str(tmp_path / "rm"), torch.device("cuda"), policy_tok, micro_batch_size=4)
+    assert rm.home == torch.device("cpu") and next(rm.model.parameters()).dtype == torch.bfloat16
+    got = rm(batch)
+    assert next(rm.model.parameters()).device.type == "cpu"  # back home after scoring
+    mask = batch.batch["attention_mask"].bool()
+    want = torch.tensor([unpadded_score(model, batch.batch["input_ids"][i][mask[i]].tolist()) for i in range(6)])
+    assert torch.allclose(got, want, atol=5e-2), (got, want)

@@ -10,7 +10,7 @@ from lib.testing import run_distributed
 from tests import zoo
 
 
-def _bf16_selfcheck(model_path: str) -> dict:
+def _bf16_selfcheck(model_path: str, device: str = "cpu") -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from lib import fsdp, mixers, selfcheck
@@ -18,20 +18,23 @@ def _bf16_selfcheck(model_path: str) -> dict:
     from lib.dist import init_topology
     from lib.forward import response_log_probs
 
-    topo = init_topology(device="cpu")
-    plain = fsdp.build_sharded_model(ModelConfig(path=model_path), FSDPConfig(), topo, packed=True)
-    # the GPU's policy (lib.fsdp.compute_policy on CUDA), on CPU
-    fsdp.compute_policy = lambda topo, mixed: MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                   reduce_dtype=torch.float32)
+    topo = init_topology(device=device)
+    plain = fsdp.build_sharded_model(ModelConfig(path=model_path), FSDPConfig(mixed_precision=False), topo,
+                                     packed=True)
+    if device == "cpu":  # the GPU's policy (lib.fsdp.compute_policy on CUDA), on CPU
+        fsdp.compute_policy = lambda topo, mixed: MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                       reduce_dtype=torch.float32)
     model = fsdp.build_sharded_model(ModelConfig(path=model_path), FSDPConfig(), topo, packed=True)
-    rows = selfcheck.probe_rows(model.config.get_text_config().vocab_size)
+    rows = selfcheck.probe_rows(model.config.get_text_config().vocab_size).to(topo.device)
     mask = rows.batch["response_mask"].bool()
 
     def logp(m):
         return response_log_probs(m, rows, packed=True)[0].detach()
 
     with torch.no_grad():
-        fp32, bf16 = logp(plain), logp(model)
+        with fsdp.fp32_compute(plain):  # no mixed precision to switch: TF32 off only (a GPU's convolutions)
+            fp32 = logp(plain)
+        bf16 = logp(model)
         with fsdp.fp32_compute(model):
             passed = selfcheck.check_modes(model, topo, packed=True, dtype=torch.float32)
             under = logp(model)
@@ -57,10 +60,8 @@ def _bf16_selfcheck(model_path: str) -> dict:
             "after_vs_bf16": float((after - bf16)[mask].abs().max()), "grads": sorted(grads)}
 
 
-@pytest.mark.parametrize("name", ["lfm2"])  # convolutions blind to the bounds leak least of the zoo (6.5e-5)
-def test_the_self_check_runs_in_fp32_on_a_bf16_model_and_catches_a_small_leak(tmp_path, name):
-    path = zoo.build(name, str(tmp_path))
-    for r in run_distributed(_bf16_selfcheck, path, world_size=2, timeout=300):
+def _verdicts(results: list[dict]) -> None:
+    for r in results:
         assert r["bf16_vs_plain"] > 1e-4, r  # the model really computes in bf16 (1.9e-3 measured)
         assert r["fp32_vs_plain"] < 1e-6, r  # inside fp32_compute: the fp32 model's own numbers
         assert r["after_vs_bf16"] == 0.0, r  # bf16 again after it, to the bit
@@ -69,6 +70,20 @@ def test_the_self_check_runs_in_fp32_on_a_bf16_model_and_catches_a_small_leak(tm
         # a blind mixer: under bf16's tolerance the old check passed it; in fp32 it is refused
         assert r["blind_bf16"][0][1] < selfcheck_bf16_tolerance(), r
         assert "under packing" in r["refused"], r
+
+
+@pytest.mark.parametrize("name", ["lfm2"])  # convolutions blind to the bounds leak least of the zoo (6.5e-5)
+def test_the_self_check_runs_in_fp32_on_a_bf16_model_and_catches_a_small_leak(tmp_path, name):
+    path = zoo.build(name, str(tmp_path))
+    _verdicts(run_distributed(_bf16_selfcheck, path, world_size=2, timeout=300))
+
+
+@pytest.mark.gpu
+def test_the_self_check_runs_in_fp32_on_a_gpu(tmp_path):
+    """The same on a GPU, with the run's own bf16 policy, FSDP2's CUDA kernels and torch's varlen attention in the
+    bf16 forwards: lib.fsdp.fp32_compute reaches into FSDP2's state, so the torch of the GPU machine proves it."""
+    path = zoo.build("lfm2", str(tmp_path))
+    _verdicts(run_distributed(_bf16_selfcheck, path, "cuda", world_size=1, backend="nccl", timeout=300))
 
 
 def selfcheck_bf16_tolerance() -> float:

@@ -693,3 +693,25 @@ def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, mess
     cfg.rollout.engine = flags.get("engine", "hf")
     with pytest.raises(ValueError, match=message):
         check_inputs(cfg, 2, False, str(tmp_path / "run"))
+
+
+def test_the_tower_clock_reads_the_gpu_allocator_under_the_fake_device(vision_root, monkeypatch):
+    """lib/vision/clock.py on a GPU: it synchronizes around the tower and reads the allocator before and after each
+    tower forward (memory/vision_tower_activation_gb); run on CPU through lib/fake_device.py."""
+    from lib import fake_device
+    from lib.vision.clock import tower_clock
+
+    name = CASES[0]
+    path = zoo.build_vision(name, vision_root)
+    config = load_config(path)
+    micro, _ = micro_batch(path, ROWS[:1])
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    setattr(model, BANNED_ATTR, placeholder_ids(config))
+    fake = fake_device.install(fake_device.FakeDevice(burst_bytes=0), monkeypatch.setattr)
+    metrics = {}
+    with tower_clock(model, metrics):
+        logp, _ = response_log_probs(model, micro, packed=False)
+        logp.sum().backward()
+    assert metrics["memory/vision_tower_activation_gb"] == 0.0  # the fake's count does not move
+    assert fake.calls["memory_allocated"] >= 2 and fake.calls["synchronize"] >= 4, fake.calls
+    assert 0 < metrics["timing/vision_tower_share"] < 1
