@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU acceptance run inside one lease of the device tool (15 minutes of device time, 10 minutes a call, /tmp kept
-# only while the machine stays warm, 30 s after a call). Runs on the device machine, in the repository root; the
-# calls, and bench/prepare_gpu.sh that stages what they carry, are in bench/README.md.
+# The GPU acceptance run on a GPU machine without network, reached through short calls (15 minutes of device time,
+# 10 minutes a call, /tmp kept only while the machine is in use, 30 s after a call). Runs on the GPU machine, in the
+# repository root; the calls, and bench/prepare_gpu.sh that stages what they carry, are in bench/README.md.
 #
 #   bash bench/gpu_session.sh part K     call K+1: the staged part .vstage/p0K (vLLM's wheels, shared/tools/
 #                                        stage_vllm.sh) copied to $STAGE and checked. Part 0 also installs our own

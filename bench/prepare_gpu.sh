@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run here, on a machine that reaches PyPI, before the first device call: stages what the GPU acceptance session
+# Run here, on a machine that reaches PyPI, before the first call to the GPU machine: stages what the GPU acceptance session
 # carries (bench/gpu_session.sh; the calls are in bench/README.md) into .vstage/, which git ignores:
 #   .vstage/p00 .. p03   vLLM 0.25.0's wheels for torch 2.11+cu130 (shared/tools/stage_vllm.sh), one folder a call
 #   .vstage/deps         our dependencies that the device image lacks (bench/gpu_deps.txt), Python 3.12 wheels
@@ -39,14 +39,14 @@ done
 [ "$ok" = 1 ] || { echo "error: a call carries more than 64 MiB; lower PART_MIB" >&2; exit 1; }
 last=$((${#parts[@]} - 1))
 echo
-echo "The calls, back to back (the machine is given back 30 s after a call; /tmp goes with it):"
+echo "The calls, back to back (the machine keeps /tmp only while it is in use):"
 for i in "${!parts[@]}"; do
-  carry="[\"${parts[$i]}\"]"
-  [ "$i" = 0 ] && carry="[\"${parts[$i]}\", \".vstage/deps\"]"
+  carry="${parts[$i]}"
+  [ "$i" = 0 ] && carry="${parts[$i]} and .vstage/deps"
   if [ "$i" = "$last" ]; then
-    echo "  run(carry=$carry, timeout_s=T, command=\"bash bench/gpu_session.sh part $i && bash bench/gpu_session.sh finish S\")"
+    echo "  call $((i + 1)): carry $carry; bash bench/gpu_session.sh part $i && bash bench/gpu_session.sh finish S   (T s)"
   else
-    echo "  run(carry=$carry, timeout_s=120, command=\"bash bench/gpu_session.sh part $i\")"
+    echo "  call $((i + 1)): carry $carry; bash bench/gpu_session.sh part $i   (120 s)"
   fi
 done
-echo "  T: what status's budget_left_s leaves after the first $last calls, less a minute (at most 600); S = T - 20."
+echo "  T: what the lease leaves after the first $last calls, less a minute (at most 600); S = T - 20."
