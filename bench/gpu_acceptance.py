@@ -58,15 +58,16 @@ SHAPES = {  # name: (hidden, layers, heads, kv heads, intermediate, vocabulary)
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),
     "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936),
     "tiny": (64, 2, 2, 1, 128, 512),  # head size 32: the smallest vLLM's CPU attention takes
+    "tiny-teacher": (96, 3, 3, 1, 192, 512),  # a wider, deeper teacher of the same vocabulary (distillation)
 }
-CHECKS = ("correctness", "sleep_wake", "lora_sleep", "rollout", "grpo_vllm", "grpo_hf", "update")
+CHECKS = ("correctness", "sleep_wake", "lora_sleep", "rollout", "grpo_vllm", "grpo_hf", "update", "grpo_lora_vllm",
+          "ppo", "distill")
 GRPO_STEPS = {"cuda": 20, "cpu": 2}
 # GRPO runs in the 0.5B preset's configuration (configs/qwen2.5_0.5b_gsm8k_grpo.yaml: dynamic batching, gradient
 # checkpointing, the k3 KL loss with its reference model), sized for one GPU and a 15-minute lease: prompts per step
 # and the response budget (random weights rarely sample an eos, so every response runs to it)
 GRPO_SIZES = {"cuda": (64, 256), "cpu": (8, 16)}
 GRPO_N = 5  # the preset's samples per prompt; one mini-batch a step (the preset's 256 samples need 52 prompts)
-PRESET = os.path.join(ROOT, "configs", "qwen2.5_0.5b_gsm8k_grpo.yaml")
 TIMING_ON_CPU = "measured, no verdict on CPU: the tiny model's figure is overhead, the goal is the GPU's"
 
 
@@ -124,59 +125,88 @@ def check_update(args) -> list[Row]:
     return rows
 
 
-def _grpo(args, engine: str) -> list[Row]:
-    """GRPO_STEPS steps of train_grpo.py on one rank with ``engine``: completion, the canary, the step's split and
-    the memory per stage."""
+PRESETS = {name: os.path.join(ROOT, "configs", f"{file}.yaml") for name, file in (
+    ("grpo", "qwen2.5_0.5b_gsm8k_grpo"), ("lora", "qwen2.5_1.5b_gsm8k_grpo_lora"), ("ppo", "qwen2.5_0.5b_gsm8k_ppo"),
+    ("opd", "qwen2.5_7b_to_0.5b_gsm8k_opd"))}
+SHORT_STEPS = {"cuda": 5, "cpu": 2}  # PPO and distillation: every stage runs, a few times
+
+
+def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *extra: str
+           ) -> tuple[list[Row], list[dict] | None]:
+    """``steps`` steps of ``script`` on one rank in ``preset``'s configuration on the 0.5B shape (tiny on CPU), with
+    ``engine`` and ``extra`` flags. Returns the rows every run has (completion, the canary, the step's split, the
+    sync's share of a step, memory per stage), and its training rows (None: it failed)."""
     shape = "qwen2.5-0.5b" if args.device == "cuda" else "tiny"
     path, data = model_folder(args.out, shape, args.device)
-    steps = args.grpo_steps or GRPO_STEPS[args.device]
     prompts, response_len = GRPO_SIZES[args.device]
+    n = GRPO_N if script == "train_grpo.py" else 1
     run_root = os.path.join(args.out, "runs")
-    run_dir = os.path.join(run_root, f"grpo_{engine}")
+    run_name = name.replace(" ", "_")
+    run_dir = os.path.join(run_root, run_name)
     shutil.rmtree(run_dir, ignore_errors=True)  # a check run again starts its run afresh
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
-           os.path.join(ROOT, "train_grpo.py"), "--config", PRESET, "--actor.model.path", path,
+           os.path.join(ROOT, script), "--config", preset, "--actor.model.path", path,
            "--data.train_files", data["train"], "--data.val_files", data["val"], "--data.max_prompt_length", "16",
-           "--trainer.train_batch_size", str(prompts), "--rollout.n", str(GRPO_N),
-           "--actor.mini_batch_size", str(prompts * GRPO_N), "--rollout.max_response_length", str(response_len),
+           "--trainer.train_batch_size", str(prompts), "--rollout.n", str(n),
+           "--actor.mini_batch_size", str(prompts * n), "--rollout.max_response_length", str(response_len),
            "--trainer.val_every", "0", "--trainer.total_steps", str(steps), "--trainer.logger", "console", "jsonl",
-           "--trainer.output_root", run_root, "--trainer.run_name", f"grpo_{engine}", "--rollout.engine", engine,
-           "--trainer.device", args.device, "--trainer.save_every", "0", "--trainer.no-resume"]
+           "--trainer.output_root", run_root, "--trainer.run_name", run_name, "--rollout.engine", engine,
+           "--trainer.device", args.device, "--trainer.save_every", "0", "--trainer.no-resume", *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    name = f"grpo {engine} engine"
     if done.returncode:
         said = done.stdout + done.stderr
         oom = "out of memory" in said.lower()
-        # the run's own message (one clear error, or a rank's traceback) sits before torchrun's summary
-        lines = [ln for ln in said.splitlines() if "Error" in ln or "error:" in ln or ln.startswith("  - ")]
         return [Row(f"{name}: {steps} steps", "failed" + (" (OOM)" if oom else ""), "all steps, no OOM", False,
-                    " | ".join(lines[-8:])[-800:] or said[-800:].replace("\n", " | "))]
+                    failure_note(said))], None
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train = [r for r in rows if "actor/pg_loss" in r]
     mean = lambda key: sum(r.get(key, 0.0) for r in train) / max(len(train), 1)  # noqa: E731
     bound = 5e-2 if args.device == "cuda" else 1e-4  # bf16 kernels on both sides / fp32
-    diff = max(r["rollout/logp_abs_diff"] for r in train)
+    diff = max((r["rollout/logp_abs_diff"] for r in train), default=float("inf"))
+    gpu = args.device == "cuda"
     out = [Row(f"{name}: {steps} steps", f"{len(train)} steps in {wall:.0f} s", f"{steps}, no OOM",
-               len(train) == steps, f"{prompts} prompts a step, responses up to {response_len} tokens, the 0.5B "
-               "preset's configuration"),
+               len(train) == steps, f"{prompts} prompts x {n} a step, responses up to {response_len} tokens, "
+               f"{os.path.basename(preset)}"),
            Row(f"{name}: rollout/logp_abs_diff (max)", f"{diff:.2e}", f"< {bound:g}", diff < bound),
            Row(f"{name}: step seconds (mean)", f"{mean('timing/step_s'):.2f}", "", None,
                "split: " + ", ".join(f"{k} {mean(f'timing/{k}_s'):.2f}" for k in ("rollout", "log_probs", "update"))
                + f", sync {mean('sync/seconds'):.2f}")]
     share = mean("sync/seconds") / max(mean("timing/step_s"), 1e-9)
     out.append(Row(f"{name}: the weight sync's share of a step", f"{share:.1%} ({mean('sync/seconds') * 1e3:.0f} ms "
-                   f"of {mean('timing/step_s'):.2f} s)", "<= 2%", share <= 0.02 if args.device == "cuda" else None,
-                   "" if args.device == "cuda" else TIMING_ON_CPU))
+                   f"of {mean('timing/step_s'):.2f} s)", "<= 2%", share <= 0.02 if gpu else None,
+                   "" if gpu else TIMING_ON_CPU))
     peaks = {k.removeprefix("memory/").removesuffix("_peak_gb"): max(r.get(k, 0.0) for r in train)
              for k in train[0] if k.startswith("memory/") and k.endswith("_peak_gb")} if train else {}
     out.append(Row(f"{name}: peak memory per stage (GB)", ", ".join(f"{k} {v:.2f}" for k, v in peaks.items())
                    or "n/a", "", None))
-    return out
+    return out, train
+
+
+def failure_note(said: str) -> str:
+    """A failed run's own traceback (the last one a rank printed, up to torchrun's summary), or its error lines: the
+    first GPU run quoted one line, and the cause sat 20 lines above it."""
+    lines = said.splitlines()
+    starts = [i for i, ln in enumerate(lines) if "Traceback (most recent call last)" in ln
+              and "torch/distributed/run.py" not in " ".join(lines[i:i + 4])]
+    if starts:
+        block = lines[starts[-1]:]
+        stop = next((i for i, ln in enumerate(block) if "ChildFailedError" in ln or "torch.distributed.run" in ln
+                     or "elastic/multiprocessing" in ln), len(block))
+        return " | ".join(block[:stop][-40:])[-4000:]
+    errors = [ln for ln in lines if "Error" in ln or "error:" in ln or ln.startswith("  - ")]
+    return " | ".join(errors[-8:])[-2000:] or said[-2000:].replace("\n", " | ")
+
+
+def _grpo(args, engine: str) -> list[Row]:
+    """GRPO_STEPS steps of train_grpo.py on one rank with ``engine`` in the 0.5B preset's configuration."""
+    rows, _ = _train(args, f"grpo {engine} engine", "train_grpo.py", PRESETS["grpo"],
+                     args.grpo_steps or GRPO_STEPS[args.device], engine)
+    return rows
 
 
 def check_grpo_hf(args) -> list[Row]:
@@ -185,6 +215,50 @@ def check_grpo_hf(args) -> list[Row]:
 
 def check_grpo_vllm(args) -> list[Row]:
     return _grpo(args, "vllm")
+
+
+def check_grpo_lora_vllm(args) -> list[Row]:
+    """GRPO with a LoRA policy served to vLLM as an adapter (the LoRA preset's rank 16, level-1 sleeps): the base goes
+    once, then the adapter alone every step."""
+    rows, train = _train(args, "grpo lora vllm engine", "train_grpo.py", PRESETS["lora"],
+                         args.grpo_steps or GRPO_STEPS[args.device], "vllm")
+    if train:
+        later = train[1:]
+        adapter_only = bool(later) and all(r.get("sync/gb", 1.0) == 0 and r.get("sync/adapter_tensors", 0) > 0
+                                           for r in later)
+        rows.append(Row("grpo lora vllm engine: after step 1 only the adapter is sent", str(adapter_only), "True",
+                        adapter_only, f"adapter tensors a sync: {later[-1].get('sync/adapter_tensors', 0):.0f}"
+                        if later else ""))
+    return rows
+
+
+def check_ppo(args) -> list[Row]:
+    """PPO with its critic (GAE, the KL in the reward) in the 0.5B PPO preset's configuration."""
+    engine = "vllm" if args.device == "cuda" else "hf"
+    prompts, _ = GRPO_SIZES[args.device]
+    rows, train = _train(args, f"ppo {engine} engine", "train_ppo.py", PRESETS["ppo"],
+                         args.grpo_steps or SHORT_STEPS[args.device], engine, "--critic.mini_batch_size", str(prompts))
+    if train:
+        vf = [r.get("critic/vf_loss", float("nan")) for r in train]
+        ok = all(np.isfinite(v) for v in vf)
+        rows.append(Row(f"ppo {engine} engine: the critic trains (vf_loss finite every step)", str(ok), "True", ok,
+                        "vf_loss " + ", ".join(f"{v:.3g}" for v in vf)))
+    return rows
+
+
+def check_distill(args) -> list[Row]:
+    """On-policy distillation in the distillation preset's configuration: a 1.5B-shaped teacher (tiny on CPU) with
+    the student's tokenizer scores every sampled token; offloaded between uses on a GPU."""
+    engine = "vllm" if args.device == "cuda" else "hf"
+    teacher, _ = model_folder(args.out, "qwen2.5-1.5b" if args.device == "cuda" else "tiny-teacher", args.device)
+    rows, train = _train(args, f"distill {engine} engine", "train_grpo.py", PRESETS["opd"],
+                         args.grpo_steps or SHORT_STEPS[args.device], engine, "--distill.teacher", teacher)
+    if train:
+        kl = [r.get("distill/reverse_kl", float("nan")) for r in train]
+        ok = all(np.isfinite(v) for v in kl)
+        rows.append(Row(f"distill {engine} engine: the teacher scores every step (reverse KL finite)", str(ok), "True",
+                        ok, "reverse KL " + ", ".join(f"{v:.3g}" for v in kl)))
+    return rows
 
 
 def _engine_setup(args, engine_name: str | None, packed: bool = True, lora_cfg: LoraConfig | None = None):
@@ -460,8 +534,8 @@ def cannot_run(name: str, args) -> list[Row]:
     if name == "rollout" and not has_vllm():
         return [Row("rollout: engine / bare LLM.generate tokens/s", "not run", ">= 0.95x", None,
                     "vLLM is not installed here")]
-    if name == "grpo_vllm" and not has_vllm():
-        return [Row("grpo vllm engine", "not run", "", None, "vLLM is not installed here")]
+    if name in ("grpo_vllm", "grpo_lora_vllm") and not has_vllm():
+        return [Row(name.replace("_", " ") + " engine", "not run", "", None, "vLLM is not installed here")]
     return []
 
 
@@ -490,9 +564,10 @@ def run_check(name: str, args, budget: float) -> tuple[list[Row], float]:
         return [Row(name, "over budget", f"<= {budget:.0f} s", False, f"stopped after {budget:.0f} s")], budget
     took = time.perf_counter() - t0
     if done.returncode or not os.path.exists(rows_file):
-        tail = (done.stdout + done.stderr)[-800:].replace("\n", " | ")
-        oom = "out of memory" in tail.lower()
-        return [Row(name, "crashed" + (" (OOM)" if oom else ""), "", False, f"exit {done.returncode}: {tail}")], took
+        said = done.stdout + done.stderr
+        oom = "out of memory" in said.lower()
+        return [Row(name, "crashed" + (" (OOM)" if oom else ""), "", False,
+                    f"exit {done.returncode}: {failure_note(said)}")], took
     return [Row(**r) for r in json.load(open(rows_file))], took
 
 

@@ -22,7 +22,7 @@ STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} ACC=${ACC:-/tmp/acc} VSTAGE=$
 DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} WAIT_S=${WAIT_S:-120}
 CHECK_BUDGET_S=${CHECK_BUDGET_S:-240}
 OUT=${OUT:-$ACC/out}
-VLLM_CHECKS=(correctness sleep_wake rollout grpo_vllm lora_sleep)  # in the order of what they prove
+VLLM_CHECKS=(correctness sleep_wake rollout grpo_vllm lora_sleep grpo_lora_vllm ppo distill)  # most telling first
 # every file with gpu-marked tests (tests/test_acceptance.py checks that none is left out)
 GPU_TESTS=(tests/test_gpu_engine.py tests/test_attention.py tests/test_rollout.py tests/test_selfcheck.py
            tests/test_reward_model.py)

