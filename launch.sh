@@ -38,7 +38,12 @@ python -m lib.check "$script" "$(( NPROC * ${SLURM_NNODES:-1} ))" "$@" || exit $
 #   seconds (set here, default 600; torch >= 2.12 reads it, older ones wait 30) for them to save before killing them.
 # torchrun runs in its own session so that a terminal's Ctrl-C reaches only this script.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
-(trap '' USR1; exec setsid torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "$script" "$@") &
+# A rank that ends the run on purpose (exit 2: a refusal, 3: the canary or bad steps; lib/exits.py) has printed its
+# one message: it writes the code here and exits 0, so torchrun adds no traceback of its own; this script exits with
+# the code. A crash still fails torchrun, which shows all it shows.
+stop_file=$(mktemp "${TMPDIR:-/tmp}/spmd-rl-stop.XXXXXX")
+trap 'rm -f "$stop_file"' EXIT
+(trap '' USR1; SPMD_RL_STOP_FILE="$stop_file" exec setsid torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "$script" "$@") &
 runner=$!
 stop() { pkill -USR1 -P "$runner" 2>/dev/null || true; }
 trap stop INT TERM USR1
@@ -47,4 +52,7 @@ while true; do
   status=0; wait "$runner" || status=$?  # (set -e is on: a failing wait must not end this script)
   kill -0 "$runner" 2>/dev/null || break  # a trapped signal interrupted the wait: keep waiting
 done
+if [ "$status" = 0 ] && [ -s "$stop_file" ]; then
+  status=$(head -c 3 "$stop_file")
+fi
 exit "$status"

@@ -15,7 +15,7 @@ stage peaks higher than the one before it and falls back after (the pattern that
 its outer stage's on the GPU). Tests that want exact figures call ``alloc``/``free`` with ``burst_bytes=0``.
 
 ``install()`` patches the running process; ``ENV`` set to 1 in a child's environment installs it there too
-(``tests/fake_device/sitecustomize.py``, put on the child's PYTHONPATH), for runs through torchrun.
+(``tests/child_hooks/sitecustomize.py``, put on the child's PYTHONPATH), for runs through torchrun.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lib import checkpoint
+from lib import checkpoint, exits
 from lib.runfolder import latest_step, step_dir
 from lib.runlog import stage
 from lib.startup import engine_dtype
@@ -84,7 +84,7 @@ def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
         run.engine.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-        raise SystemExit(2)
+        exits.leave(exits.REFUSED)
     state = checkpoint.load(run.path, last, _parts(trainees))
     for name, t in trainees.items():
         t.scheduler.load_state_dict(state["schedulers"][name])

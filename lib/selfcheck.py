@@ -96,13 +96,87 @@ def check_modes(model: nn.Module, topo: Topology, packed: bool, dtype: torch.dty
             results.append({"mode": mode, "max_diff": float(diff), "tolerance": tolerance,
                             "seconds": time.perf_counter() - t0})
             if not float(diff) <= tolerance:
-                fix = "--trainer.sp_size 1" if sp is not None else "--actor.batching.no-use-remove-padding"
-                raise ValueError(
-                    f"self-check: {type(model).__name__} computes another model under {mode}: its log-probs differ "
-                    f"from the padded forward's by {float(diff):.3g} (tolerance {tolerance:g} in "
-                    f"{str(dtype).removeprefix('torch.')}); some layer of this architecture mixes tokens across "
-                    f"{'SP slices' if sp is not None else 'packed sequences'}. Train without that mode ({fix}), "
-                    f"and report the architecture.")
+                raise ValueError(refusal(model, rows, mode, sp, float(diff), tolerance, dtype, packed_impl))
     finally:
         model.train(was_training)
     return results
+
+
+def refusal(model: nn.Module, rows: DataProto, mode: str, sp: Any, diff: float, tolerance: float,
+            dtype: torch.dtype, packed_impl: str) -> str:
+    """The self-check's message: the mode, the difference, the first layer whose output differs (packing), and the
+    two ways on: the flag that turns the mode off, and where to make the layer keep to each sequence."""
+    head = (f"self-check: {class_name(model)} computes another model under {mode}: its log-probs differ from the "
+            f"padded forward's by {diff:.3g} (tolerance {tolerance:g} in {str(dtype).removeprefix('torch.')})")
+    if sp is not None:
+        return (f"{head}; some layer of this architecture mixes tokens across SP slices. Train without it "
+                f"(--trainer.sp_size 1), and report the architecture.")
+    found = first_leaking_layer(model, rows, tolerance, packed_impl)
+    where = (f"the first output that differs is {found[0]} ({found[1]}, in {found[2]}), which mixes tokens across "
+             f"packed sequences" if found else "some layer mixes tokens across packed sequences")
+    culprit = found[2] if found else "the layer's class"
+    return (f"{head}; {where}. Train without packing (--actor.batching.no-use-remove-padding), or make that layer "
+            f"keep to each sequence: add {culprit!r} to NAMES in lib/mixers.py (its forward then runs once per packed "
+            f"sequence), and report the architecture.")
+
+
+@torch.no_grad()
+def first_leaking_layer(model: nn.Module, rows: DataProto, tolerance: float, packed_impl: str
+                        ) -> tuple[str, str, str] | None:
+    """(module name, its class, the class of the decoder layer's child it sits in) of the first module, in the order
+    the forward finishes them, whose output on the probe's tokens differs between the packed and the padded forward
+    beyond ``tolerance``; None if no module's output can be matched. Every rank calls it (FSDP's collectives)."""
+    mask = rows.batch["attention_mask"].bool()
+    outputs: dict[str, list[dict[str, torch.Tensor]]] = {"padded": [], "packed": []}
+    order: list[str] = []
+    names = {m: n for n, m in model.named_modules()}
+
+    def hook(kind: str):
+        def record(module: nn.Module, args: Any, out: Any) -> None:
+            t = out[0] if isinstance(out, (tuple, list)) and out else out
+            if not torch.is_tensor(t) or not t.is_floating_point():
+                return
+            name = names.get(module, "")
+            if kind == "packed":
+                order.append(name)
+            outputs[kind][-1][name] = t.detach().float()
+        return record
+
+    handles = []
+    for kind in ("padded", "packed"):
+        outputs[kind].append({})
+        handles = [m.register_forward_hook(hook(kind)) for m in model.modules()]
+        try:
+            if kind == "padded":
+                swapped = _swap_attention(model, packed_impl, padded_attention(model.config))
+                try:
+                    response_log_probs(model, rows, packed=False)
+                finally:
+                    for c in swapped:
+                        c._attn_implementation_internal = packed_impl
+            else:
+                response_log_probs(model, rows, packed=True)
+        finally:
+            for h in handles:
+                h.remove()
+    padded, packed = outputs["padded"][-1], outputs["packed"][-1]
+    kinds = set(getattr(model, "_no_split_modules", None) or [])
+    layers = {n for n, m in model.named_modules() if class_name(m) in kinds}
+    for name in order:
+        a, b = padded.get(name), packed.get(name)
+        if a is None or b is None or a.dim() < 2 or b.dim() < 2 or a.shape[:2] != mask.shape or b.shape[0] != 1:
+            continue
+        a = a[mask]
+        if a.shape != b[0].shape:
+            continue
+        if float((a - b[0]).abs().max()) > tolerance:
+            # the decoder layer's child the module sits in: the layer to bound (lib/mixers.py), not its projection
+            parent = next((f"{layer}.{name[len(layer) + 1:].split('.')[0]}" for layer in layers
+                           if name.startswith(layer + ".")), name)
+            return name, class_name(model.get_submodule(name)), class_name(model.get_submodule(parent))
+    return None
+
+
+def class_name(module: nn.Module) -> str:
+    """A module's own class name (FSDP2 wraps a sharded module in a subclass named FSDP<name>)."""
+    return type(module).__name__.removeprefix("FSDP")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import distill, export, lora, multi_turn, selfcheck, toy
+from lib import distill, exits, export, lora, multi_turn, selfcheck, toy
 from lib.config import Config, to_dict
 from lib.data import PromptSet, Sampler, check_files, load_prompts
 from lib.dist import Topology, init_topology
@@ -106,7 +106,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     except ValueError as e:  # sizes the world cannot take (checked before the process group starts)
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exits.leave(exits.REFUSED)
     excepthook_rank(topo.rank)
     torch.manual_seed(cfg.trainer.seed)
     resolve_toy(cfg, topo)
@@ -128,7 +128,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         if topo.is_main:
             print(f"error: {problem}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
-        raise SystemExit(2)
+        exits.leave(exits.REFUSED)
     sizes, tokenizer, train, val, sampler = inputs.sizes, inputs.tokenizer, inputs.train, inputs.val, inputs.sampler
     vision = inputs.vision
     start_step = inputs.start_step
@@ -146,7 +146,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         if topo.is_main:
             print(f"error: {failed[0]}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
-        raise SystemExit(2)
+        exits.leave(exits.REFUSED)
     no_val = " (no validation: data.val_files is empty)" if cfg.trainer.val_every and not cfg.data.val_files else ""
     logger.print(f"{topo}\nprompts: train {train.stats}, val {val.stats if val else None}{no_val}; {total} steps; "
                  f"run folder {path}" + "".join(f"\nresolved: {line}" for line in resolved))
@@ -357,7 +357,7 @@ def prove_modes(run: Run, model: torch.nn.Module, packed: bool) -> None:
             print(f"error: {e}", file=sys.stderr, flush=True)
         run.logger.close()
         dist.destroy_process_group()
-        raise SystemExit(2) from None
+        exits.leave(exits.REFUSED)
     for r in results:
         run.logger.print(f"self-check: {r['mode']} = padded forward (max |diff| of log-probs {r['max_diff']:.2g}, "
                          f"tolerance {r['tolerance']:g}; {r['seconds']:.2f} s)")
@@ -490,4 +490,4 @@ def finish(run: Run) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     if run.stopped in ("bad_steps", "logp_mismatch"):
-        raise SystemExit(3)
+        exits.leave(exits.STOPPED)

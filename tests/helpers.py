@@ -68,9 +68,10 @@ def rl_batch(num_rows: int, prompt_len: int = 6, response_len: int = 5, seed: in
     }, {"uid": [f"g{i // 2}" for i in range(num_rows)]})
 
 
-def fake_cuda_env(**extra: str) -> dict[str, str]:
-    """The environment of a child process (torchrun's launcher and ranks) that runs under lib.fake_device: the fake
-    installs itself at interpreter start (tests/fake_device/sitecustomize.py), the GPUs are hidden, one thread."""
-    path = os.pathsep.join([os.path.join(ROOT, "tests", "fake_device"), ROOT, os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "RL_FAKE_CUDA": "1", "PYTHONPATH": path.rstrip(os.pathsep), "CUDA_VISIBLE_DEVICES": "",
-            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+def child_env(**hooks: str) -> dict[str, str]:
+    """The environment of a child process (torchrun's launcher and ranks, or launch.sh) with the test hooks of
+    tests/child_hooks/sitecustomize.py on its path, ``hooks`` set (RL_FAKE_CUDA="1", RL_BLIND_MIXERS="1"), the GPUs
+    hidden and one thread a rank."""
+    path = os.pathsep.join([os.path.join(ROOT, "tests", "child_hooks"), ROOT, os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", **hooks}

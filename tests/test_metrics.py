@@ -12,7 +12,7 @@ from lib import fake_device
 from lib import runlog as run_logging
 from lib.metrics import response_metrics
 from lib.protocol import DataProto
-from tests.helpers import ROOT, fake_cuda_env
+from tests.helpers import ROOT, child_env
 
 
 GIB = 2**30
@@ -66,7 +66,7 @@ def test_grpo_runs_three_steps_under_the_fake_device(tmp_path):
     """The real launch path (torchrun, 2 gloo ranks, the toy default) with torch.cuda faked in every process: the
     branches that ask torch.cuda.is_available() (stage peaks, empty_cache, synchronize) run as on a GPU, each stage
     peaking higher than the one before. Before the stage fix the run crashed at the end of step 1, as on the H200."""
-    env = fake_cuda_env()
+    env = child_env(RL_FAKE_CUDA="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
            os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run",
            "--trainer.device", "cpu", "--trainer.total_steps", "3", "--trainer.val_every", "0",

@@ -42,11 +42,17 @@ def _selfcheck_on_two_ranks(model_path: str) -> dict:
     return {"passed": [(r["mode"], r["max_diff"]) for r in passed], "refused": refused}
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granite4"])  # linear attention, convolutions, Mamba-2
+# linear attention, convolutions, Mamba-2: the class the refusal names (the decoder layer's child that leaks)
+LEAKING = {"qwen3_5": "Qwen3_5GatedDeltaNet", "lfm2": "Lfm2ShortConv", "granite4": "GraniteMoeHybridMambaLayer"}
+
+
+@pytest.mark.parametrize("name", sorted(LEAKING))
 def test_the_self_check_refuses_packing_that_leaks_between_sequences(tmp_path, name):
     path = zoo.build(name, str(tmp_path))
     results = run_distributed(_selfcheck_on_two_ranks, path, world_size=2, timeout=300)
     for r in results:
+        # issue 44: the refusal names the layer class that leaks and where to add it, not "some layer"
+        assert f"'{LEAKING[name]}' to NAMES in lib/mixers.py" in r["refused"], r["refused"]
         assert [mode for mode, _ in r["passed"]] == ["packing", "Ulysses sp_size 2"], r
         assert all(diff < 1e-5 for _, diff in r["passed"]), r
         # before lib/mixers.py these layers carried state from one packed sequence into the next (LFM2's short

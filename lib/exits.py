@@ -1,0 +1,27 @@
+"""How a rank ends a run on purpose, and how launch.sh hears of it.
+
+Exit codes: 2, a refusal (bad input found inside the ranks: the start-up self-check, a checkpoint of another base);
+3, a stop (the canary, or too many bad steps). Every rank calls ``leave`` together, after rank 0 has printed the one
+message. Under torchrun alone the ranks exit with that code, and torchrun reports a failure. Under launch.sh, which
+sets ``STOP_FILE_ENV``, the ranks write the code to that file and exit 0: torchrun then prints no traceback of its
+own and no failures table, and launch.sh exits with the code (SLURM's requeue logic reads it). A rank that crashes
+still fails torchrun as before, with everything torchrun shows.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NoReturn
+
+REFUSED, STOPPED = 2, 3
+STOP_FILE_ENV = "SPMD_RL_STOP_FILE"
+
+
+def leave(code: int) -> NoReturn:
+    """End this rank with ``code`` (REFUSED or STOPPED), telling launch.sh where it listens."""
+    path = os.environ.get(STOP_FILE_ENV)
+    if path:
+        with open(path, "w") as f:  # every rank writes the same code
+            f.write(str(code))
+        raise SystemExit(0)
+    raise SystemExit(code)
