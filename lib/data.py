@@ -18,6 +18,7 @@ paths, relative to the file).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
@@ -44,15 +46,38 @@ def is_saved_dataset(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "dataset_info.json"))
 
 
-def check_files(files: list[str], what: str) -> None:
+DATA_EXTENSIONS = (".parquet", ".jsonl", ".json")
+
+
+def expand_files(files: list[str], what: str) -> list[str]:
+    """The data files of ``--data.<what>_files``: each entry a file, a ``save_to_disk`` folder, a folder of data
+    files (its .parquet/.jsonl/.json files, sorted) or a glob pattern (``data/train-*.parquet``, sorted). A pattern or
+    folder that holds no data file, a path that does not exist, and a file of another kind are refused, naming it."""
+    out: list[str] = []
+    flag = f"--data.{what}_files"
     for f in files:
         if is_saved_dataset(f):
-            continue
-        if not os.path.isfile(f):
-            raise ValueError(f"{what} file {f!r} does not exist; point --data.{what}_files at parquet or jsonl files "
+            out.append(f)
+        elif glob.has_magic(f):
+            found = sorted(p for p in glob.glob(f) if p.endswith(DATA_EXTENSIONS) or is_saved_dataset(p))
+            if not found:
+                raise ValueError(f"{what} files {f!r}: the pattern matches no .parquet/.jsonl/.json file; fix the "
+                                 f"pattern in {flag}")
+            out += found
+        elif os.path.isdir(f):
+            found = sorted(os.path.join(f, n) for n in os.listdir(f) if n.endswith(DATA_EXTENSIONS))
+            if not found:
+                raise ValueError(f"{what} folder {f!r} holds no .parquet/.jsonl/.json file (nor is it a folder made "
+                                 f"by datasets' save_to_disk); point {flag} at the data files")
+            out += found
+        elif not os.path.isfile(f):
+            raise ValueError(f"{what} file {f!r} does not exist; point {flag} at parquet or jsonl files "
                              f"(or a folder made by datasets' save_to_disk)")
-        if not f.endswith((".parquet", ".jsonl", ".json")):
+        elif not f.endswith(DATA_EXTENSIONS):
             raise ValueError(f"{what} file {f!r} is neither .parquet nor .jsonl/.json")
+        else:
+            out.append(f)
+    return out
 
 
 @dataclass
@@ -81,6 +106,15 @@ def _undecoded(table: datasets.Dataset, name: str) -> datasets.Dataset:
     return table
 
 
+def root_cause(e: BaseException) -> BaseException:
+    """The innermost error of a chain (datasets raises its own around pyarrow's, which says what is wrong)."""
+    seen = {id(e)}
+    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        e = inner
+    return e
+
+
 def _read_table(path: str) -> tuple[list[Any], ImageColumn | None]:
     """The rows of a parquet file or a save_to_disk folder (through ``datasets``), the image column kept apart."""
     datasets.disable_progress_bars()
@@ -94,9 +128,15 @@ def _read_table(path: str) -> tuple[list[Any], ImageColumn | None]:
 
 def _read(path: str) -> tuple[list[Any], ImageColumn | None]:
     """The rows of one parquet / jsonl / json (array or lines) file or save_to_disk folder, and its image column
-    (None without one); a file that is not one is a ValueError naming it."""
+    (None without one); a file that is not one is a ValueError naming it, what is wrong, and the fix."""
+    table = path.endswith(".parquet") or is_saved_dataset(path)
+    kind = "parquet" if path.endswith(".parquet") else "a saved dataset" if os.path.isdir(path) else "JSON lines"
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise ValueError(f"{path} is an empty file (0 bytes): write the data again, or leave it out of the data files")
     try:
-        if path.endswith(".parquet") or is_saved_dataset(path):
+        if table:
+            if path.endswith(".parquet") and pq.ParquetFile(path).metadata.num_rows == 0:
+                return [], None  # datasets fails on a file of no rows; the caller says "holds no rows"
             return _read_table(path)
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -104,9 +144,15 @@ def _read(path: str) -> tuple[list[Any], ImageColumn | None]:
             rows = json.loads(text)
         else:
             rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except (OSError, ValueError, UnicodeDecodeError) as e:  # pyarrow's errors are ValueErrors too
-        kind = "parquet" if path.endswith(".parquet") else "a saved dataset" if os.path.isdir(path) else "JSON lines"
-        raise ValueError(f"{path} cannot be read as {kind}: {type(e).__name__}: {str(e)[:200]}") from None
+    except Exception as e:  # noqa: BLE001 - datasets wraps pyarrow's errors in its own (DatasetGenerationError)
+        if not table and not isinstance(e, (OSError, ValueError, UnicodeDecodeError)):
+            raise
+        cause = root_cause(e)
+        hint = ("a damaged or cut-short file, or one of another format under the .parquet name" if kind == "parquet"
+                else "not UTF-8 text: a binary file under a text name?" if isinstance(cause, UnicodeDecodeError)
+                else "each line must be one JSON object" if kind == "JSON lines" else "a damaged folder")
+        raise ValueError(f"{path} cannot be read as {kind} ({hint}): {type(cause).__name__}: "
+                         f"{str(cause).strip()[:200]}; write the file again") from None
     name = next((c for c in IMAGE_COLUMNS if any(isinstance(r, dict) and c in r for r in rows)), None)
     if name is None:
         return rows, None

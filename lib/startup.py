@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from lib import distill, exits, export, lora, multi_turn, selfcheck, toy
 from lib.config import Config, to_dict
-from lib.data import PromptSet, Sampler, check_files, load_prompts
+from lib.data import PromptSet, Sampler, expand_files, load_prompts
 from lib.dist import Topology, init_topology
 from lib.engine import RolloutEngine, SamplingConfig, plan_kv_cache
 from lib.engine.hf import HFEngine
@@ -186,8 +186,8 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     if cfg.reward.reward_model:
         load_config(cfg.reward.reward_model)
         load_tokenizer(cfg.reward.reward_model)
-    check_files(cfg.data.train_files, "train")
-    check_files(cfg.data.val_files, "val")
+    train_files = expand_files(cfg.data.train_files, "train")
+    val_files = expand_files(cfg.data.val_files, "val")
     if cfg.reward.custom_fn:
         load_custom(cfg.reward.custom_fn)
     start_step = check_run_folder(path, to_dict(cfg), cfg.trainer.resume)
@@ -211,8 +211,8 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     load = lambda files: load_prompts(files, tokenizer, d.max_prompt_length, d.truncation,  # noqa: E731
                                       d.apply_chat_template, d.limit, known, d.bad_rows, tool_schemas,
                                       processor, refusal)
-    train = load(d.train_files)
-    val = load(d.val_files) if d.val_files and cfg.trainer.val_every else None
+    train = load(train_files)
+    val = load(val_files) if val_files and cfg.trainer.val_every else None
     if cfg.reward.custom_fn:
         check_truth_source(load_custom(cfg.reward.custom_fn), cfg.reward.custom_fn, train.ground_truth, train.columns)
     sampler = Sampler(len(train), cfg.trainer.train_batch_size, cfg.trainer.seed, d.shuffle)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lib import config, preflight
-from lib.data import Sampler, check_files, collate, load_prompts
+from lib.data import Sampler, collate, expand_files, load_prompts
 from lib.rewards import builtin
 from tests.helpers import tiny_config
 
@@ -74,7 +74,7 @@ def test_vllm_engine_request_is_checked_before_any_model_loads():
 
 def test_data_files_are_checked(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
-        check_files([str(tmp_path / "missing.parquet")], "train")
+        expand_files([str(tmp_path / "missing.parquet")], "train")
 
 
 def _tok():

@@ -5,7 +5,8 @@ Receives chunks of samples ``[(index, data_source, text, ground_truth, extra_inf
 per sample, ``(index, score, extras, answer, kind, message)``, as soon as it is scored, so the pool can tell
 which sample a worker is on when it runs past the time limit. Before its first chunk it sends ``None``, once: it
 has started and loaded the scorer (or the tools), so the pool starts the time limit of its samples from then, not
-from its spawn (Python's start-up and a slow import are no sample's time). Exits when the pool closes its end.
+from its spawn (Python's start-up and a slow import are no sample's time). Exits, quietly, when the pool closes its
+end or is gone.
 """
 
 from __future__ import annotations
@@ -46,14 +47,19 @@ def main(argv: list[str]) -> None:
     else:
         custom = load_custom(argv[2]) if len(argv) > 2 and argv[2] else None
         handle = lambda *sample: score_one(custom, *sample)  # noqa: E731
-    outbox.send(None)  # ready
-    while True:
-        try:
-            chunk = inbox.recv()
-        except (EOFError, OSError):
-            return
-        for index, *sample in chunk:
-            outbox.send((index, *handle(*sample)))
+    try:
+        outbox.send(None)  # ready
+        while True:
+            try:
+                chunk = inbox.recv()
+            except (EOFError, OSError):
+                return
+            for index, *sample in chunk:
+                outbox.send((index, *handle(*sample)))
+    except (BrokenPipeError, ConnectionResetError):
+        # the pool's end is gone: its rank left (a refusal or stop before the pool was closed, or a crash, whose
+        # own traceback is the one to read)
+        return
 
 
 if __name__ == "__main__":
