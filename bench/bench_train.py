@@ -5,7 +5,8 @@
 Long-tailed response lengths (log-normal, clipped to max-len). Baseline: fixed micro-batches of
 --micro rows, padded to the batch's longest row, sdpa with a padding mask. Ours: dynamic micro-batches
 of at most --max-tokens tokens, packed into one row (no pad compute). Prints valid tokens/s of each and
-the ratio; on GPU also the model FLOPs utilisation (6 * params * tokens + attention, over the bf16 peak).
+the ratio; on GPU also the model FLOPs utilisation (6 * matmul params * tokens + attention, over the bf16 peak; the
+input embedding's lookup is no matmul). --heads/--kv-heads/--intermediate/--tied give a real model's shape.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=0, help="attention heads (0: hidden / 64)")
+    ap.add_argument("--kv-heads", type=int, default=0, help="KV heads (0: hidden / 128)")
+    ap.add_argument("--intermediate", type=int, default=0, help="MLP width (0: 4 x hidden)")
+    ap.add_argument("--tied", action="store_true", help="tied input embedding and LM head (Qwen2.5 up to 3B)")
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=0, help="dynamic budget; 0: micro * mean row length")
     ap.add_argument("--repeats", type=int, default=2)
@@ -71,10 +76,11 @@ def measure(args: argparse.Namespace) -> dict:
     topo = init_topology(device=args.device)
     with tempfile.TemporaryDirectory() as tmp:
         if topo.is_main:
-            cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                              num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                              num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.max_len,
-                              tie_word_embeddings=False)
+            cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden,
+                              intermediate_size=args.intermediate or 4 * args.hidden, num_hidden_layers=args.layers,
+                              num_attention_heads=args.heads or max(1, args.hidden // 64),
+                              num_key_value_heads=args.kv_heads or max(1, args.hidden // 128),
+                              max_position_embeddings=args.max_len, tie_word_embeddings=args.tied)
             AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
         data = long_tailed_batch(args.rows, args.max_len, args.vocab)
         valid_tokens = int(data.batch["attention_mask"].sum())
@@ -104,13 +110,15 @@ def measure(args: argparse.Namespace) -> dict:
                 times.append(time.perf_counter() - t0)
             results[name] = min(times)
             n_params = sum(p.numel() for p in model.parameters())
+            # the input embedding is a lookup, no matmul: out of the FLOPs (a tied one is the LM head's matmul too)
+            n_matmul = n_params - (0 if args.tied else args.vocab * args.hidden)
             del model, optimizer, trainee
     peak = None
     if topo.device.type == "cuda":
         gpu = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
     lengths = data.batch["attention_mask"].sum(-1).double()
-    flops = 6 * n_params * valid_tokens + 12 * args.layers * args.hidden * float((lengths ** 2).sum()) / 2
+    flops = 6 * n_matmul * valid_tokens + 12 * args.layers * args.hidden * float((lengths ** 2).sum()) / 2
     base, ours = results.values()
     return {"rows": args.rows, "valid_tokens": valid_tokens, "mean_len": mean_len, "max_len": int(lengths.max()),
             "width": data.batch["input_ids"].shape[1], "params_m": n_params / 1e6, "device": str(topo.device),

@@ -108,9 +108,12 @@ def model_folder(out: str, shape: str, device: str) -> tuple[str, dict]:
 
 def check_update(args) -> list[Row]:
     """Update throughput: packed rows with dynamic batching against padded sdpa micro-batches, and MFU (GPU)."""
-    hidden, layers, _, _, _, vocab = SHAPES["qwen2.5-1.5b" if args.device == "cuda" else "tiny"]
+    hidden, layers, heads, kv, inter, vocab = SHAPES["qwen2.5-1.5b" if args.device == "cuda" else "tiny"]
+    # the true shape (Qwen2.5-1.5B's config: GQA 12/2, head 128, MLP 8960, tied); the first GPU run's bench built a
+    # "1.5B" of 24 heads of 64, 12 KV heads and a 4x MLP
     flags = ["--rows", "64" if args.device == "cuda" else "8", "--max-len", "2048" if args.device == "cuda" else "256",
-             "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab), "--device", args.device,
+             "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab), "--heads", str(heads),
+             "--kv-heads", str(kv), "--intermediate", str(inter), "--tied", "--device", args.device,
              "--repeats", "2" if args.device == "cuda" else "1"]
     r = bench_train.measure(bench_train.parser().parse_args(flags))
     rows = [Row("update: packed / padded tokens/s", f"{r['ratio']:.2f}x ({r['packed_tokens_per_s']:.0f} vs "
@@ -118,8 +121,9 @@ def check_update(args) -> list[Row]:
                 f"{r['params_m']:.0f}M params, {r['valid_tokens']} valid tokens of {r['rows']} rows"
                 + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU))]
     if r["mfu_packed"] is not None:
-        rows.append(Row("update: MFU packed (bf16 peak)", f"{r['mfu_packed'] * 100:.1f}%", "", None,
-                        f"padded {r['mfu_padded'] * 100:.1f}%"))
+        rows.append(Row("update: MFU packed (bf16 peak)", f"{r['mfu_packed'] * 100:.1f}%", ">= 40% (issue 41)",
+                        r["mfu_packed"] >= 0.4, f"padded {r['mfu_padded'] * 100:.1f}%; FLOPs without the embedding "
+                        "lookup"))
     else:
         rows.append(Row("update: MFU", "not run", "", None, "needs a GPU with a known bf16 peak"))
     return rows
