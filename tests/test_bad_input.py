@@ -18,8 +18,14 @@ NOISE = ("Traceback", "ChildFailedError", "torch.distributed.elastic", "[rank")
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, shared_assets_dir):
+    from lib.vision import toy as vision_toy
+    from tests.conftest import link_assets
+
     d = tmp_path_factory.mktemp("bad_input")
+    # the session's builds of the embedded tasks, where the runs' output root has them (the visual one for the image
+    # rows below); the checks find them as if they had built them
+    link_assets(shared_assets_dir, ["toy_assets", "toy_vision_assets"], str(d / "runs"))
     good = {"prompt": [{"role": "user", "content": "1,2,3,4,"}], "data_source": "toy",
             "reward_model": {"ground_truth": "4,3,2,1"}}
 
@@ -69,6 +75,10 @@ def files(tmp_path_factory):
         "int_prompt_parquet": parquet("int_prompt.parquet", [{**good, "prompt": 7}]),
         "glob_nothing": str(d / "shards" / "train-*.parquet"), "empty_folder": str(d / "nothing_here"),
     })
+    bad_images = vision_toy.rows(2, seed=0)
+    bad_images[1]["images"][0]["bytes"] = b"not an image"  # image bytes that do not decode
+    out["bad_images"] = parquet("bad_images.parquet", bad_images)
+    out["vision_preset"] = os.path.join(ROOT, "configs", "tiny_cpu_grpo_vision.yaml")
     (d / "list.yaml").write_text("- actor\n- rollout\n")
     out["list_yaml"] = str(d / "list.yaml")
     (d / "broken_reward.py").write_text("import not_a_module_anywhere\n")
@@ -153,6 +163,8 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
     ("glob-nothing", "train_grpo.py", "--data.train_files {glob_nothing}", "the pattern matches no "
      ".parquet/.jsonl/.json file"),
     ("empty-folder", "train_grpo.py", "--data.train_files {empty_folder}", "holds no .parquet/.jsonl/.json file"),
+    ("bad-image-bytes", "train_grpo.py", "--config {vision_preset} --data.train_files {bad_images}",
+     "bad_images.parquet row 1:"),
     ("no-prompt", "train_grpo.py", "--data.train_files {no_prompt}", "row 1: no 'prompt'"),
     ("empty-messages", "train_grpo.py", "--data.train_files {empty_messages}", "row 1: an empty message list"),
     ("no-content", "train_grpo.py", "--data.train_files {no_content}", "row 1: prompt message 0 has no string"),
@@ -175,7 +187,7 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
 
 DATA_FILES = {"garbage-parquet", "garbage-jsonl", "empty-file", "zero-bytes-parquet", "no-rows-parquet",
               "cut-parquet", "parquet-as-jsonl", "empty-json", "no-prompt-parquet", "int-prompt-parquet",
-              "glob-nothing", "empty-folder"}
+              "glob-nothing", "empty-folder", "bad-image-bytes"}
 """The kinds of bad data file (issue 44: datasets' own errors were a traceback, printed twice)."""
 THROUGH_LAUNCH = {"unknown-flag", "group-n", "ppo-estimator", "changed-config"} | DATA_FILES
 """A command-line error (tyro's), a config check, train_ppo.py's own, an existing run folder, and every bad data
