@@ -402,9 +402,9 @@ def check_correctness(args) -> list[Row]:
         Row(f"correctness ({where}): same seed twice, same tokens", str(same_seed), "True", same_seed),
         Row(f"correctness ({where}): two steps' samples differ", str(steps_differ), "True", steps_differ),
         Row(f"sync ({where}): time against a bare copy into the engine's parameters",
-            f"{ratio:.1f}x ({sync_s * 1e3:.1f} vs {floor_s * 1e3:.1f} ms)", "<= 3x", ratio <= 3 if gpu else None,
+            f"{ratio:.1f}x ({sync_s * 1e3:.2f} vs {floor_s * 1e3:.3f} ms)", "<= 3x", ratio <= 3 if gpu else None,
             f"{sync_s * 1e3 / max(num_tensors, 1):.2f} ms a tensor ({num_tensors} engine tensors), "
-            f"{sync_s / max(gb, 1e-9):.3f} s/GB ({gb:.3f} GB sent, {floor_bytes / 2**30:.3f} GB held)"
+            f"{sync_s / max(gb, 1e-9):.3f} s/GB ({gb * 1024:.1f} MiB sent, {floor_bytes / 2**20:.1f} MiB held)"
             + ("" if gpu else "; " + TIMING_ON_CPU))]
 
 
