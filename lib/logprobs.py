@@ -58,6 +58,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
             del lsm
         ctx.save_for_backward(logits, labels, entropy)
         ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
+        # an output the loss does not use (the entropy at entropy_coef 0, logged only) comes to backward as None,
+        # not as zeros that would cost the entropy's gradient pass over every chunk
+        ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
@@ -66,6 +69,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         t = ctx.temperature
         use_entropy = ctx.with_entropy and grad_entropy is not None
+        if grad_logp is None:  # only the entropy is in the loss
+            grad_logp = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
         for s in range(0, logits.shape[0], ctx.chunk):
             e = s + ctx.chunk
             # d/dlogits = d/dz / t: fold 1/t into the incoming gradients instead of a pass over the chunk

@@ -455,3 +455,20 @@ def test_log_probs_at_no_position():
     one, ent = log_probs_from_logits(logits, torch.zeros(0, dtype=torch.long), with_entropy=True)
     several, _ = log_probs_from_logits(logits, torch.zeros(0, 3, dtype=torch.long))
     assert one.shape == ent.shape == (0,) and several.shape == (0, 3)
+
+
+@pytest.mark.parametrize("used", ["log-probs", "entropy"])
+def test_an_output_the_loss_leaves_out_costs_no_gradient_pass(used):
+    """At entropy_coef 0 the entropy is logged, not trained: its gradient comes to backward as None (it came as
+    zeros, and the entropy's gradient ran over every chunk: 219 -> 149 ms for 2048 x 32768 logits on 2 CPU threads).
+    The logits' gradient is the naive version's either way, also with only the entropy in the loss."""
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(4, 11, 29, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
+    labels = torch.randint(0, 29, (4, 11), generator=g)
+    logp, ent = log_probs_from_logits(logits, labels, 0.9, with_entropy=True, chunk_tokens=7)
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref_logp, ref_ent = log_probs_naive(ref_logits, labels, 0.9)
+    w = torch.randn(4, 11, generator=g, dtype=torch.float64)
+    ((logp if used == "log-probs" else ent) * w).sum().backward()
+    ((ref_logp if used == "log-probs" else ref_ent).double() * w).sum().backward()
+    torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-6, atol=1e-6)
