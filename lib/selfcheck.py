@@ -127,39 +127,30 @@ def first_leaking_layer(model: nn.Module, rows: DataProto, tolerance: float, pac
     the forward finishes them, whose output on the probe's tokens differs between the packed and the padded forward
     beyond ``tolerance``; None if no module's output can be matched. Every rank calls it (FSDP's collectives)."""
     mask = rows.batch["attention_mask"].bool()
-    outputs: dict[str, list[dict[str, torch.Tensor]]] = {"padded": [], "packed": []}
-    order: list[str] = []
+    outputs: dict[str, dict[str, torch.Tensor]] = {"padded": {}, "packed": {}}
+    order: list[str] = []  # the packed forward's modules, as each finishes
     names = {m: n for n, m in model.named_modules()}
 
     def hook(kind: str):
         def record(module: nn.Module, args: Any, out: Any) -> None:
             t = out[0] if isinstance(out, (tuple, list)) and out else out
-            if not torch.is_tensor(t) or not t.is_floating_point():
-                return
-            name = names.get(module, "")
-            if kind == "packed":
-                order.append(name)
-            outputs[kind][-1][name] = t.detach().float()
+            if torch.is_tensor(t) and t.is_floating_point():
+                outputs[kind][names.get(module, "")] = t.detach().float()
+                if kind == "packed":
+                    order.append(names.get(module, ""))
         return record
 
-    handles = []
     for kind in ("padded", "packed"):
-        outputs[kind].append({})
         handles = [m.register_forward_hook(hook(kind)) for m in model.modules()]
+        swapped = _swap_attention(model, packed_impl, padded_attention(model.config)) if kind == "padded" else []
         try:
-            if kind == "padded":
-                swapped = _swap_attention(model, packed_impl, padded_attention(model.config))
-                try:
-                    response_log_probs(model, rows, packed=False)
-                finally:
-                    for c in swapped:
-                        c._attn_implementation_internal = packed_impl
-            else:
-                response_log_probs(model, rows, packed=True)
+            response_log_probs(model, rows, packed=kind == "packed")
         finally:
+            for c in swapped:
+                c._attn_implementation_internal = packed_impl
             for h in handles:
                 h.remove()
-    padded, packed = outputs["padded"][-1], outputs["packed"][-1]
+    padded, packed = outputs["padded"], outputs["packed"]
     kinds = set(getattr(model, "_no_split_modules", None) or [])
     layers = {n for n, m in model.named_modules() if class_name(m) in kinds}
     for name in order:
