@@ -264,10 +264,11 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
                             or text.num_attention_heads, topo.sp_size)
     model = models.build_empty(config, kind, attn, model_cfg.trust_remote_code)
     pc = lora.peft_config(lora_cfg) if lora_cfg is not None and lora.enabled(lora_cfg) else None
+    frozen_dtype = compute_policy(topo, fsdp_cfg.mixed_precision).param_dtype  # the frozen base's (bf16 on GPU)
     if pc is not None:
         lora.inject(model, pc)
-        if topo.device.type == "cuda" and fsdp_cfg.mixed_precision:
-            lora.cast_frozen(model, torch.bfloat16)
+        if frozen_dtype is not None:
+            lora.cast_frozen(model, frozen_dtype)
     apply_fsdp(model, topo, fsdp_cfg.mixed_precision, fsdp_cfg.reshard_after_forward,
                model_cfg.gradient_checkpointing and trainable)
     full = models.load_full(model_cfg.path, kind, attn, model_cfg.trust_remote_code, config) if topo.is_main else None
@@ -280,8 +281,8 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
             lora.inject(full, pc)
         if lora_cfg.adapter_path:
             lora.load_adapter_weights(full, lora_cfg.adapter_path)
-        if topo.device.type == "cuda" and fsdp_cfg.mixed_precision:
-            lora.cast_frozen(full, torch.bfloat16)  # the broadcast fills bf16 shards from bf16 tensors
+        if frozen_dtype is not None:
+            lora.cast_frozen(full, frozen_dtype)  # the broadcast fills bf16 shards from bf16 tensors
     load_from_rank0(model, full, topo)
     del full
     models.check_not_meta(model)

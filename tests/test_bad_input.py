@@ -273,13 +273,7 @@ def _launch(tmp_path, model: str, *flags: str, **hooks: str) -> subprocess.Compl
     from tests import zoo
     from tests.helpers import child_env
 
-    train, val = zoo.write_data(str(tmp_path))
-    argv = ["bash", "launch.sh", "train_grpo.py", "--actor.model.path", model, "--data.train_files", train,
-            "--data.val_files", val, "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run",
-            "--data.max_prompt_length", "128", "--rollout.max_response_length", "8", "--trainer.total_steps", "2",
-            "--trainer.val_every", "0", "--trainer.train_batch_size", "4", "--rollout.n", "2",
-            "--actor.mini_batch_size", "8", "--actor.batching.micro_batch_size_per_rank", "4",
-            "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward", *flags]
+    argv = ["bash", "launch.sh", "train_grpo.py", *zoo.grpo_args(model, str(tmp_path)), *flags]
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=child_env(NPROC="2", **hooks))
 

@@ -1,5 +1,6 @@
 """Step metrics: stage peaks that nest, response metrics under rollout correction's mask."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,24 +19,25 @@ from tests.helpers import ROOT, child_env
 GIB = 2**30
 
 
-def _fake(monkeypatch, burst_bytes=0):
-    return fake_device.install(fake_device.FakeDevice(base_bytes=0, burst_bytes=burst_bytes), monkeypatch.setattr)
+def _fake(monkeypatch):
+    return fake_device.install(fake_device.FakeDevice(base_bytes=0, burst_bytes=0), monkeypatch.setattr)
+
+
+def _step_peaks(a, rollout_gib: int, between_gib: int, update_gib: int) -> tuple[float, float, float]:
+    """A step of two nested stages that allocate and free this much (and this much between them): the rollout's,
+    the update's and the step's peak (GiB)."""
+    m = {}
+    with run_logging.stage("step", m):
+        for name, gib in (("rollout", rollout_gib), ("", between_gib), ("update", update_gib)):
+            with run_logging.stage(name, m) if name else contextlib.nullcontext():
+                a.alloc(gib * GIB)
+                a.free(gib * GIB)
+    return m["memory/rollout_peak_gb"], m["memory/update_peak_gb"], m["memory/step_peak_gb"]
 
 
 def test_an_outer_stage_keeps_the_peak_its_inner_stages_reset(monkeypatch):
     """memory/step_peak_gb was the update stage's peak only: each nested stage reset the counter."""
-    a = _fake(monkeypatch)
-    m = {}
-    with run_logging.stage("step", m):
-        with run_logging.stage("rollout", m):
-            a.alloc(10 * GIB)
-            a.free(10 * GIB)
-        a.alloc(7 * GIB)  # between stages
-        a.free(7 * GIB)
-        with run_logging.stage("update", m):
-            a.alloc(4 * GIB)
-            a.free(4 * GIB)
-    assert (m["memory/rollout_peak_gb"], m["memory/update_peak_gb"], m["memory/step_peak_gb"]) == (10, 4, 10)
+    assert _step_peaks(_fake(monkeypatch), 10, 7, 4) == (10, 4, 10)
 
 
 def test_a_later_stage_that_peaks_higher_closes_every_stage(monkeypatch):
@@ -43,16 +45,9 @@ def test_a_later_stage_that_peaks_higher_closes_every_stage(monkeypatch):
     and list.remove took the step's; the step's own exit then raised ValueError at the end of step 1 (and would
     have hidden an error raised inside the stage). Fails before the fix with that ValueError."""
     a = _fake(monkeypatch)
-    m = {}
-    with run_logging.stage("step", m):
-        with run_logging.stage("rollout", m):
-            a.alloc(2 * GIB)
-            a.free(2 * GIB)
-        with run_logging.stage("update", m):
-            a.alloc(5 * GIB)
-            a.free(5 * GIB)
-    assert (m["memory/rollout_peak_gb"], m["memory/update_peak_gb"], m["memory/step_peak_gb"]) == (2, 5, 5)
+    assert _step_peaks(a, 2, 0, 5) == (2, 5, 5)
     assert run_logging._OPEN == []
+    m = {}
     with pytest.raises(KeyError, match="inside"):  # an error inside a stage comes out as itself
         with run_logging.stage("step", m):
             with run_logging.stage("update", m):

@@ -83,15 +83,9 @@ def test_without_dropout_turns_every_rate_off_and_names_it():
 
 
 def _train(model_path: str, tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    train, val = zoo.write_data(str(tmp_path))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           os.path.join(ROOT, "train_grpo.py"), "--actor.model.path", model_path, "--data.train_files", train,
-           "--data.val_files", val, "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run",
-           "--data.max_prompt_length", "128", "--rollout.max_response_length", "8", "--trainer.total_steps", "2",
-           "--trainer.val_every", "0", "--trainer.train_batch_size", "4", "--rollout.n", "2",
-           "--actor.mini_batch_size", "8", "--actor.batching.micro_batch_size_per_rank", "4",
-           "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward", *flags]
+           os.path.join(ROOT, "train_grpo.py"), *zoo.grpo_args(model_path, str(tmp_path)), *flags]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
