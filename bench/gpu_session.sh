@@ -9,20 +9,27 @@
 #                                        starts the checks that need no vLLM (update, the gpu-marked tests,
 #                                        grpo_hf) in the background, in a session of their own, so that they use the
 #                                        GPU while the other parts travel.
-#   bash bench/gpu_session.sh finish S   the last call, after the last part: vLLM installed into $SITE, the
+#   bash bench/gpu_session.sh finish S   the call after the last part: vLLM installed into $SITE, the
 #                                        background waited for (stopped if it runs on past WAIT_S), then the vLLM
 #                                        checks in what is left of S seconds; the report, merged with the
 #                                        background's rows, is written into $OUT after every check.
+#   bash bench/gpu_session.sh more S     the fifth call: every check of the two lists above without a complete
+#                                        result (not reached, or stopped by a budget), in S seconds.
 #
 # A part that fails its checksum, or an install that fails, costs the vLLM rows only: they then say "not run".
 # Settings (defaults for the device machine): STAGE=/tmp/stage SITE=/tmp/site ACC=/tmp/acc VSTAGE=.vstage
-# DEVICE=cuda PY=python3 BG_BUDGET_S=300 WAIT_S=120 CHECK_BUDGET_S=240 (one vLLM check).
+# DEVICE=cuda PY=python3 BG_BUDGET_S=300 WAIT_S=120 CHECK_BUDGET_S=240 (one vLLM check) LANES=3 (checks that judge
+# neither time nor memory, run at once on the GPU).
 set -uo pipefail
 STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} ACC=${ACC:-/tmp/acc} VSTAGE=${VSTAGE:-.vstage}
 DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} WAIT_S=${WAIT_S:-120}
-CHECK_BUDGET_S=${CHECK_BUDGET_S:-240}
+CHECK_BUDGET_S=${CHECK_BUDGET_S:-240} LANES=${LANES:-3}
 OUT=${OUT:-$ACC/out}
-VLLM_CHECKS=(correctness sleep_wake rollout grpo_vllm lora_sleep grpo_lora_vllm ppo distill)  # most telling first
+# the last two calls' checks, most telling first: those that judge time or memory run alone (correctness .. trl,
+# TRL right after our own GRPO run), then the others LANES at a time
+VLLM_CHECKS=(correctness sleep_wake rollout grpo_vllm trl lora_sleep grpo_lora_vllm ppo distill tools vision qwen3_5
+             gemma4)
+BG_CHECKS=(update grpo_hf)  # the background's checks (the fifth call runs again what it left unfinished)
 # every file with gpu-marked tests (tests/test_acceptance.py checks that none is left out)
 GPU_TESTS=(tests/test_gpu_engine.py tests/test_attention.py tests/test_rollout.py tests/test_selfcheck.py
            tests/test_reward_model.py)
@@ -48,6 +55,17 @@ print(" ".join(f"{n}={v}" for n, v in found.items()))
 EOF
 }
 
+bring_back() {  # what the call returns beside the report: the logs, each check's own log included
+  for f in versions.txt background.log pytest_gpu.txt install.log; do
+    [ -f "$ACC/$f" ] && tail -c 200000 "$ACC/$f" > "$OUT/$f"
+  done
+  mkdir -p "$OUT/logs"
+  for f in "$ACC"/checks/*.log; do
+    [ -f "$f" ] && tail -c 100000 "$f" > "$OUT/logs/$(basename "$f")"
+  done
+  cat "$ACC/acceptance.md"
+}
+
 case "${1:-}" in
 part)
   k=$(printf %02d "${2:?usage: gpu_session.sh part K}")
@@ -71,11 +89,11 @@ background)
   # most telling first: the update's figures, the gpu-marked tests' verdicts, then the HF engine's 20 steps (the
   # last call stops what is still running when its vLLM checks are due)
   start=$SECONDS
-  "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only update --budget-s "$BG_BUDGET_S"
+  "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${BG_CHECKS[0]}" --budget-s "$BG_BUDGET_S"
   "$PY" -m pytest -q -p no:cacheprovider --basetemp "$ACC/pytest-tmp" -m gpu "${GPU_TESTS[@]}" \
     > "$ACC/pytest_gpu.txt" 2>&1
   echo "pytest -m gpu: exit $?" >> "$ACC/pytest_gpu.txt"
-  "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only grpo_hf \
+  "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${BG_CHECKS[1]}" \
     --budget-s $((BG_BUDGET_S - (SECONDS - start)))
   touch "$ACC/background.done"
   ;;
@@ -105,14 +123,18 @@ finish)
   left=$((limit - (SECONDS - start) - 15))  # 15 s for the copies below
   echo "vLLM checks: ${left} s"
   "$PY" bench/gpu_acceptance.py --out "$ACC" --mirror "$OUT" --device "$DEVICE" --only "${VLLM_CHECKS[@]}" \
-    --budget-s "$left" --check-budget-s "$CHECK_BUDGET_S"
-  for f in versions.txt background.log pytest_gpu.txt install.log; do
-    [ -f "$ACC/$f" ] && tail -c 200000 "$ACC/$f" > "$OUT/$f"
-  done
-  cat "$ACC/acceptance.md"
+    --budget-s "$left" --check-budget-s "$CHECK_BUDGET_S" --lanes "$LANES"
+  bring_back
+  ;;
+more)
+  limit=${2:?usage: gpu_session.sh more SECONDS}
+  "$PY" bench/gpu_acceptance.py --out "$ACC" --mirror "$OUT" --device "$DEVICE" --missing \
+    --only "${VLLM_CHECKS[@]}" "${BG_CHECKS[@]}" --budget-s $((limit - 15)) --check-budget-s "$CHECK_BUDGET_S" \
+    --lanes "$LANES"
+  bring_back
   ;;
 *)
-  echo "usage: bash bench/gpu_session.sh part K | finish SECONDS (see the header)" >&2
+  echo "usage: bash bench/gpu_session.sh part K | finish SECONDS | more SECONDS (see the header)" >&2
   exit 2
   ;;
 esac

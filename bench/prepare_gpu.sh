@@ -49,4 +49,7 @@ for i in "${!parts[@]}"; do
     echo "  call $((i + 1)): carry $carry; bash bench/gpu_session.sh part $i   (120 s)"
   fi
 done
-echo "  T: what the lease leaves after the first $last calls, less a minute (at most 600); S = T - 20."
+echo "  call $((last + 2)): carry nothing; bash bench/gpu_session.sh more S5   (T5 s)"
+echo "  T: what the lease leaves after the first $last calls, less 5 minutes (at most 600); S = T - 20."
+echo "  T5: what the lease leaves then, less a minute (the fifth call starts no machine: the one still warm);"
+echo "      S5 = T5 - 10. It runs the checks the finish did not reach or stopped."

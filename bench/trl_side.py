@@ -4,9 +4,11 @@ and the final model to OUT/model.
 
     torchrun --nproc-per-node 2 bench/trl_side.py MODEL TRAIN_JSONL OUT SEED STEPS [PROMPTS MINI MAX_NEW LR]
     python bench/trl_side.py objective START MOVED TRAIN_JSONL BATCH OUT
+    torchrun --nproc-per-node 1 bench/trl_side.py colocate MODEL TRAIN_JSONL OUT STEPS PROMPTS N MAX_NEW DEVICE
 
 The second form evaluates TRL's loss on one given batch (bench/compare_trl.py --objective) and saves its
-advantages, per-token log-probs, per-token loss, loss and gradient to OUT.
+advantages, per-token log-probs, per-token loss, loss and gradient to OUT. The third is the GPU acceptance run's
+speed anchor (bench/gpu_acceptance.py check_trl): colocated vLLM with sleep mode on a GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import os
 import sys
 import time
 
-os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+if sys.argv[1:2] != ["colocate"] or sys.argv[-1] != "cuda":  # the colocate form on a GPU uses it
+    os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib.rewards.builtin import toy  # noqa: E402
 
@@ -133,7 +136,63 @@ def objective(start: str, moved: str, train: str, batch_path: str, out: str) -> 
                os.path.join(out, "objective.pt"))
 
 
-if __name__ == "__main__" and sys.argv[1] == "objective":
+def colocate(model_path: str, train: str, out: str, steps: int, prompts: int, n: int, max_new: int,
+             device: str) -> None:
+    """TRL's GRPOTrainer in the acceptance run's GRPO configuration (bench/gpu_acceptance.py check_trl; our side is
+    configs/qwen2.5_0.5b_gsm8k_grpo.yaml at its sizes): ``prompts`` x ``n`` samples of up to ``max_new`` tokens a
+    step, one optimizer step a step, lr 1e-6, the k3 KL at 0.001 against a reference model, token-mean loss,
+    gradient checkpointing. On CUDA vLLM colocated in the process with sleep mode and bf16 autocast over fp32
+    weights (ours: an FSDP bf16 compute policy over fp32 masters); on CPU transformers' generate, fp32. Writes
+    OUT/timings.json: per step its seconds, the generation's seconds and TRL's cumulative token count."""
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    gpu = device == "cuda"
+    samples = prompts * n
+    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True, vllm_gpu_memory_utilization=0.3,
+                  vllm_max_model_length=64 + max_new, bf16=True) if gpu else dict(use_cpu=True, bf16=False)
+    config = GRPOConfig(
+        output_dir=out, seed=1, report_to=[], save_strategy="no", logging_steps=1, per_device_train_batch_size=samples,
+        steps_per_generation=1, gradient_accumulation_steps=1, num_generations=n, max_completion_length=max_new,
+        temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-6, weight_decay=0.0, lr_scheduler_type="constant",
+        warmup_steps=0, max_grad_norm=1.0, beta=0.001, epsilon=0.2, num_iterations=1, loss_type="dapo",
+        scale_rewards="group", max_steps=steps, gradient_checkpointing=True, remove_unused_columns=False,
+        dataloader_num_workers=0, disable_tqdm=True, model_init_kwargs={"dtype": torch.float32}, **engine)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"
+    log: list[dict] = []
+
+    class Timed(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            result = super()._generate_and_score_completions(inputs)
+            log.append({"generate_s": time.perf_counter() - t0})
+            return result
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            log.append({"step": state.global_step, "step_s": time.perf_counter() - self.t0})
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "num_tokens" in logs:
+                log.append({"step": state.global_step, "num_tokens": logs["num_tokens"]})
+
+    trainer = Timed(model=model_path, args=config, processing_class=tokenizer, reward_funcs=toy_reward,
+                    train_dataset=load_dataset("json", data_files=train, split="train"), callbacks=[StepClock()])
+    trainer.train()
+    if trainer.accelerator.is_main_process:
+        with open(os.path.join(out, "timings.json"), "w") as f:
+            json.dump(log, f)
+
+
+if __name__ == "__main__" and sys.argv[1] == "colocate":
+    colocate(*sys.argv[2:5], *map(int, sys.argv[5:9]), sys.argv[9])
+elif __name__ == "__main__" and sys.argv[1] == "objective":
     objective(*sys.argv[2:7])
 elif __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:9]), *map(float, sys.argv[9:]))

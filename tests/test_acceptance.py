@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -50,17 +51,19 @@ def _stage(folder, parts: int) -> None:
 @pytest.mark.slow
 def test_the_gpu_session_on_cpu(tmp_path):
     """bench/gpu_session.sh as the lease runs it, on CPU: part 0 starts the checks that need no vLLM and the
-    gpu-marked tests in the background and returns; the last call waits for them (a state: their process ends),
-    runs the vLLM checks and writes one report with every check into OUT. Each check in its own process: the HF
-    engine's correctness after an update and a sync (greedy tokens = the model's own decode, the fp32 canary,
-    seeds), 2 GRPO steps in the 0.5B preset's configuration, the update's packed/padded ratio, all measured and
-    passing; the rows that need vLLM (or its GPU sleep mode) not run, with the reason."""
+    gpu-marked tests in the background and returns; the finish waits for them (a state: their process ends),
+    runs the vLLM checks (three lanes for those that judge neither time nor memory) and writes one report with
+    every check into OUT; the fifth call finds nothing left to run. Each check in its own process: the HF engine's
+    correctness after an update and a sync (greedy tokens = the model's own decode, the fp32 canary, seeds) on the
+    0.5B layout, Qwen3.5 and Gemma-4; 2 steps each of GRPO in the 0.5B preset's configuration, PPO, distillation,
+    multi-turn tools, vision-language GRPO on a Qwen2.5-VL layout and TRL's GRPOTrainer; the update's packed/padded
+    ratio; all measured and passing; the rows that need vLLM (or its GPU sleep mode) not run, with the reason."""
     _stage(tmp_path, parts=2)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DEVICE": "cpu", "PY": sys.executable,
            "STAGE": str(tmp_path / "stage"), "SITE": str(tmp_path / "site"), "ACC": str(tmp_path / "acc"),
-           "VSTAGE": str(tmp_path / "vstage"), "OUT": str(tmp_path / "out")}
+           "VSTAGE": str(tmp_path / "vstage"), "OUT": str(tmp_path / "out"), "WAIT_S": "3000"}
     said = []
-    for call in (["part", "0"], ["part", "1"], ["finish", "900"]):
+    for call in (["part", "0"], ["part", "1"], ["finish", "900"], ["more", "300"]):
         done = subprocess.run(["bash", SESSION, *call], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=1200)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -80,8 +83,19 @@ def test_the_gpu_session_on_cpu(tmp_path):
                  "ppo hf engine: 2 steps", "ppo hf engine: rollout/logp_abs_diff (max)",
                  "ppo hf engine: the critic trains (vf_loss finite every step)",
                  "distill hf engine: 2 steps", "distill hf engine: rollout/logp_abs_diff (max)",
-                 "distill hf engine: the teacher scores every step (reverse KL finite)"):
+                 "distill hf engine: the teacher scores every step (reverse KL finite)",
+                 "tools hf engine: 2 steps", "tools hf engine: rollout/logp_abs_diff (max)",
+                 "tools hf engine: tool calls a sample (every step)",
+                 "vision hf engine: 2 steps", "vision hf engine: rollout/logp_abs_diff (max)",
+                 "vision hf engine: one image a sample, the tower synced every step",
+                 "trl 1.16.0 colocate (CPU: transformers' generate): 2 steps",
+                 *(f"correctness ({m} hf engine): {what}" for m in ("qwen3_5", "gemma4") for what in (
+                     "trainer's margin at the engine's greedy tokens (max)", "greedy tokens = the model's own greedy "
+                     "decode", "logp_abs_diff on sampled tokens", "same seed twice, same tokens"))):
         assert rows[name]["passed"] is True, rows.get(name)
+    trl = rows["trl 1.16.0 colocate (CPU: transformers' generate): ours (grpo hf engine) / TRL tokens/s"]["value"]
+    assert float(trl.split("x")[0]) > 0, trl  # both measured in this run (a figure on CPU)
+    assert "nothing to run" in said[3] and (tmp_path / "out" / "logs" / "grpo_hf.log").exists()
     assert "update: packed / padded tokens/s" in rows
     assert rows["sleep/wake"]["value"] == "not run" and "GPU" in rows["sleep/wake"]["note"]
     assert rows["grpo vllm engine"]["value"] == "not run" and "not installed" in rows["grpo vllm engine"]["note"]
@@ -91,7 +105,8 @@ def test_the_gpu_session_on_cpu(tmp_path):
 
 def test_a_report_is_written_after_every_check(tmp_path):
     """A run stopped from outside (the device call's time limit) leaves a report of the checks it finished: the
-    parent is killed once the first check's result is on disk, and the report holds that check."""
+    run is stopped once the first check's result is on disk, the report holds that check, and the check running
+    then (in a session of its own) is stopped with it."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen([sys.executable, SCRIPT, "--out", str(tmp_path), "--device", "cpu", "--only", "sleep_wake",
                             "update", "--mirror", str(tmp_path / "mirror")], cwd=ROOT, env=env,
@@ -99,10 +114,17 @@ def test_a_report_is_written_after_every_check(tmp_path):
     for line in run.stdout:  # the parent prints a check's line once its result and the report are written
         if line.startswith("sleep_wake"):
             break
-    os.killpg(run.pid, signal.SIGKILL)
-    run.wait()
+    child = ["pgrep", "-f", f"gpu_acceptance.py --check update --out {tmp_path}"]
+    while subprocess.run(child, capture_output=True).returncode:  # until the second check's process runs
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGTERM)
+    assert run.wait(timeout=60) == 128 + signal.SIGTERM
     report = json.load(open(tmp_path / "mirror" / "acceptance.json"))
     assert list(report["checks"]) == ["sleep_wake"] and "(1 of 2 checks)" in report["note"]
+    deadline = time.monotonic() + 30  # SIGKILL was sent before the run exited; the process is gone once reaped
+    while subprocess.run(child, capture_output=True).returncode == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert subprocess.run(child, capture_output=True).returncode == 1, "a check was left running"
 
 
 @pytest.mark.vllm
@@ -131,13 +153,25 @@ def test_the_vllm_rows_on_cpu(tmp_path):
     assert ratio.endswith(")") and float(ratio.split("x")[0]) > 0, ratio
 
 
-def test_a_check_past_its_budget_costs_its_row_only(tmp_path):
-    """A check stopped at its budget is reported as such and the report still comes back."""
+def test_a_check_past_its_budget_costs_its_row_only_and_runs_again_with_missing(tmp_path):
+    """A check stopped at its budget is reported as such and the report still comes back; a later run with
+    --missing (the GPU session's fifth call) runs that check again and leaves the complete ones alone."""
     report, table = _run(tmp_path, "--only", "update", "sleep_wake", "--check-budget-s", "1")
     update, = report["checks"]["update"]["rows"]
     assert update["value"] == "over budget" and update["passed"] is False
     assert report["checks"]["sleep_wake"]["rows"][0]["value"] == "not run"
     assert "over budget" in table
+    kept = report["checks"]["sleep_wake"]["finished"]
+    report, _ = _run(tmp_path, "--only", "update", "sleep_wake", "--missing", "--check-budget-s", "1")
+    assert "(all of 1 checks)" in report["note"] and report["checks"]["sleep_wake"]["finished"] == kept
+
+
+def test_lanes_run_the_untimed_checks_together_and_a_timed_one_alone(tmp_path):
+    """--lanes 2: the two models of 2026 (correctness rows only) start together; the update, whose figures are
+    times, starts once both have ended (each stopped at its 1-second budget here)."""
+    report, _ = _run(tmp_path, "--only", "qwen3_5", "gemma4", "update", "--lanes", "2", "--check-budget-s", "1")
+    (a0, a1), (b0, b1), (u0, _) = (report["checks"][n]["interval"] for n in ("qwen3_5", "gemma4", "update"))
+    assert max(a0, b0) < min(a1, b1) and u0 >= max(a1, b1)
 
 
 def _greedy_judge_cases(out: str) -> dict:

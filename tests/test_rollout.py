@@ -468,3 +468,16 @@ def test_a_vllm_release_outside_the_tested_ones_is_refused_with_the_fix():
     for bad in ("0.33.0", "0.24.2", "1.0.0"):
         (msg,) = _vllm_version_problems(bad)
         assert f"vllm {bad} is installed" in msg and "pip install 'vllm>=0.25,<0.33'" in msg, msg
+
+
+@pytest.mark.vllm
+def test_a_checkpoint_class_the_installed_vllm_lacks_is_refused_before_any_model_loads():
+    """vLLM 0.25 serves Qwen3.5 only as its whole vision-language class: a text-only Qwen3_5ForCausalLM would fail
+    once the engine loads, after the trainer's model. Start-up reads the installed vLLM's registry instead."""
+    from transformers import Qwen2Config
+
+    from lib.preflight import vllm_model_problems
+
+    assert vllm_model_problems(Qwen2Config(architectures=["Qwen2ForCausalLM"])) == []
+    (msg,) = vllm_model_problems(Qwen2Config(architectures=["NoSuchModelForCausalLM"]))
+    assert "has no model class for this checkpoint's NoSuchModelForCausalLM; use rollout.engine=hf" in msg, msg

@@ -20,7 +20,8 @@ import datasets
 import torch
 from PIL import Image
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                          Qwen2VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from lib.toy import build_once, fit
@@ -75,28 +76,42 @@ def build_tokenizer(path: str) -> PreTrainedTokenizerFast:
     return fast
 
 
+ARCHS = {"qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
+         "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration)}
+VISION_TOWERS = {  # arch: the tower's config for ``heads`` heads (of 32)
+    "qwen2_vl": lambda heads: dict(depth=1, embed_dim=32, hidden_size=64, num_heads=heads, mlp_ratio=2,
+                                   patch_size=PATCH, spatial_merge_size=MERGE),
+    # windows of 2x2 merged patches (a 56-pixel image is 2x2 of them), the second block attending the whole image
+    "qwen2_5_vl": lambda heads: dict(depth=2, hidden_size=32 * heads, intermediate_size=64, num_heads=heads,
+                                     out_hidden_size=64, patch_size=PATCH, spatial_merge_size=MERGE,
+                                     window_size=2 * PATCH * MERGE, fullatt_block_indexes=[1]),
+}
+
+
 def build_policy(tokenizer: PreTrainedTokenizerFast, seed: int, heads: int = 4, kv_heads: int = 2,
-                 vision_heads: int = 2) -> Qwen2VLForConditionalGeneration:
+                 vision_heads: int = 2, arch: str = "qwen2_vl"
+                 ) -> Qwen2VLForConditionalGeneration | Qwen2_5_VLForConditionalGeneration:
     """The policy, random. Head sizes are 64 / ``heads`` in the language model, 32 / ``vision_heads`` in the tower
     (vLLM's attention kernels take 32 and up: 2, 1 and 1); the 3-D rope splits each head's frequencies 1 : 1.5 : 1.5
-    over time, height and width."""
+    over time, height and width. ``arch`` "qwen2_5_vl": Qwen2.5-VL's layout instead (an RMS-normed, gated tower of
+    windowed attention with one full-attention block, a merger to the language model's width)."""
     torch.manual_seed(seed)
     half = 64 // heads // 2
     section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL}
-    config = Qwen2VLConfig(
+    config_class, model_class = ARCHS[arch]
+    config = config_class(
         text_config=dict(vocab_size=len(SPECIAL) + len(CHARS), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=64,
                          rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=section),
                          tie_word_embeddings=True, pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"],
                          bos_token_id=None),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=vision_heads, mlp_ratio=2, patch_size=PATCH,
-                           spatial_merge_size=MERGE),
+        vision_config=VISION_TOWERS[arch](vision_heads),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True, pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"], bos_token_id=None)
-    model = Qwen2VLForConditionalGeneration(config)
+    model = model_class(config)
     model.generation_config.pad_token_id = ids["<pad>"]
     model.generation_config.eos_token_id = ids["<eos>"]
     model.generation_config.bos_token_id = None
