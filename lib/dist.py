@@ -179,6 +179,19 @@ def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+# dtypes neither gloo nor NCCL reduce or exchange (int16: the routes of lib/routing): they travel as their bytes
+_BY_BYTES = (torch.int16, torch.uint16)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the collectives take it: a dtype they lack as its bytes, in one more trailing dim."""
+    return t.unsqueeze(-1).view(torch.uint8) if t.dtype in _BY_BYTES else t
+
+
+def _unwire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.view(dtype).squeeze(-1) if dtype in _BY_BYTES else t
+
+
 def all_gather(data: DataProto, group: dist.ProcessGroup | None = None,
                pad_values: Mapping[str, float | int] | None = None,
                return_sizes: bool = False) -> DataProto | tuple[DataProto, list[int]]:
@@ -213,9 +226,10 @@ def all_gather(data: DataProto, group: dist.ProcessGroup | None = None,
         trailing = tuple(max(s["shapes"][key][d] for s in schemas) for d in range(local.dim() - 1))
         buf = torch.full((max_rows, *trailing), pad_values.get(key, 0), dtype=local.dtype, device=comm_device)
         buf[tuple(slice(0, n) for n in local.shape)] = local.to(comm_device)
+        buf = _wire(buf)
         out = [torch.empty_like(buf) for _ in range(world)]
         dist.all_gather(out, buf, group=group)
-        batch[key] = torch.cat([o[:n] for o, n in zip(out, sizes)], dim=0).to(local.device)
+        batch[key] = _unwire(torch.cat([o[:n] for o, n in zip(out, sizes)], dim=0), local.dtype).to(local.device)
     non_tensor = {k: np.concatenate([s["non_tensor"][k] for s in schemas], axis=0) for k in data.non_tensor_batch}
     gathered = DataProto(batch, non_tensor, dict(data.meta_info))
     return (gathered, sizes) if return_sizes else gathered
@@ -260,11 +274,12 @@ def reshard(data: DataProto, assignment: Sequence[Sequence[int]], group: dist.Pr
         src = torch.full((len(send_index), *trailing), pad_values.get(key, 0), dtype=local.dtype, device=comm_device)
         src[tuple(slice(0, n) for n in (len(send_index), *local.shape[1:]))] = \
             local.index_select(0, send_index.to(local.device)).to(comm_device)
-        out = torch.empty((sum(recv_counts), *trailing), dtype=local.dtype, device=comm_device)
+        src = _wire(src)
+        out = torch.empty((sum(recv_counts), *src.shape[1:]), dtype=src.dtype, device=comm_device)
         dist.all_to_all_single(out, src, recv_counts, send_counts, group=group)
         if order is not None:
             out = out.index_select(0, torch.from_numpy(order).to(comm_device))
-        batch[key] = out.to(local.device)
+        batch[key] = _unwire(out, local.dtype).to(local.device)
     non_tensor = _all_to_all_objects(data.non_tensor_batch, sends, group)
     if order is not None:
         non_tensor = {k: v[order] for k, v in non_tensor.items()}

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lib import attention, ulysses
+from lib import attention, routing, ulysses
 from lib.logprobs import log_probs_from_logits, top_log_probs
 from lib.protocol import DataProto
 from lib.vision import BANNED_ATTR, ban, blank_image, concat_features, two_way, type_ids
@@ -72,8 +72,9 @@ MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 def model_rows(data: DataProto, *more: str) -> DataProto:
     """The part of ``data`` a forward reads (``more`` keys too): the rows' ids, masks and positions, a vision-language
-    model's rope rows, and every non-tensor (the rows' images among them)."""
-    keys = [*MODEL_KEYS, *more] + [k for k in ("rope_position_ids",) if k in data.batch]
+    model's rope rows, a mixture-of-experts model's replayed routes (lib/routing), and every non-tensor (the rows'
+    images among them)."""
+    keys = [*MODEL_KEYS, *more] + [k for k in ("rope_position_ids", routing.KEY) if k in data.batch]
     return data.select(keys)
 
 
@@ -162,15 +163,16 @@ def _slice_rope(rope: Tensor, full_pos: Tensor, start: int, length: int) -> Tens
 
 
 def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
-                vision: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """Forward the packed row (sliced over the SP group when ``sp`` is a Topology with sp_size > 1).
+                vision: dict[str, Tensor] | None = None, routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Forward the packed row (sliced over the SP group when ``sp`` is a Topology with sp_size > 1); ``routes``
+    (N, layers, k): the packed row's replayed routes (lib/routing).
     Returns (outputs at this rank's kept positions (k, ...), bool (K,) which kept positions they are)."""
     if sp is None or sp.sp_size == 1:
         kw = {"logits_to_keep": p.keep} if lm_head else {}
         if attention.uses_packed_attention(model):  # the sequence bounds travel with the call (see attention.py)
             kw[attention.KWARG] = _packing(model, p.input_ids, p.position_ids)
         vision, around = _tower(model, vision or {}, p.input_ids)
-        with around:
+        with around, routing.use(model, routes):
             out = model(input_ids=p.input_ids, position_ids=with_text_row(p.position_ids, p.rope), attention_mask=None,
                         use_cache=False, **kw, **vision)
         logits = out.logits[0] if lm_head else out.logits[0, p.keep]
@@ -182,7 +184,8 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
     kw[attention.KWARG] = _packing(model, p.input_ids, full_pos, sp.sp_group)
     rope = None if p.rope is None else _slice_rope(p.rope, full_pos, start, ids.shape[1])
     vision, around = _tower(model, vision or {}, p.input_ids, (start, ids.shape[1]))
-    with around:
+    local_routes = None if routes is None else routing.sp_slice(routes, sp.sp_size, start, ids.shape[1])
+    with around, routing.use(model, local_routes):
         out = model(input_ids=ids, position_ids=with_text_row(pos, rope), attention_mask=None, use_cache=False, **kw,
                     **vision)
     return (out.logits[0] if lm_head else out.logits[0, local_keep]), sel
@@ -195,16 +198,18 @@ def _response_outputs(model: nn.Module, micro: DataProto, fn: Callable[[Tensor, 
     b = micro.batch
     response_len = b["responses"].shape[1]
     vision = vision_inputs(micro)
+    routes = b.get(routing.KEY) if routing.state_of(model) is not None else None
     if packed or (sp is not None and sp.sp_size > 1):
         p = pack(b["input_ids"], b["attention_mask"], b["position_ids"], response_len, b.get("rope_position_ids"))
-        logits, sel = _run_packed(model, p, sp, lm_head=True, vision=vision)  # (k, V)
+        flat = None if routes is None else routing.flat_routes(routes, b["attention_mask"])
+        logits, sel = _run_packed(model, p, sp, lm_head=True, vision=vision, routes=flat)  # (k, V)
         outs = fn(ban(logits, getattr(model, BANNED_ATTR, None)), labels[p.response_valid][sel])
         if sp is not None and sp.sp_size > 1:
             outs = tuple(None if o is None else _gather_keeps(o, sel, p.keep.numel(), sp.sp_group) for o in outs)
         return tuple(_to_rows(o, p.response_valid) for o in outs)
     vision, around = _tower(model, vision, b["input_ids"])
     marks = type_ids(model.config, b["input_ids"]) if _vision_class(model) else {}
-    with around:
+    with around, routing.use(model, None if routes is None else routing.flat_routes(routes)):
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")), use_cache=False,
                        logits_to_keep=response_len + 1, **vision, **marks).logits[:, :-1]  # (B, R, V)
