@@ -76,6 +76,13 @@ class RolloutConfig:
     trained. 0: by the engine's dtype, 1e-3 in fp32 (a run whose two sides compute the same model shows ~1e-7) and
     0.1 in bf16/fp16; < 0: never stop (still logged). Not applied with top_k/top_p filtering, whose log-probs are
     of the filtered distribution. A resumed run may change it."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: rollout routing replay (R3; lib/routing). The engine records the experts each MoE
+    layer chose for every token, and the trainer's forwards of the policy (old log-probs, the update, a
+    gradient-checkpointing recompute) route every token to those experts, gate weights from the trainer's own
+    router. Refused for a dense model or a family it does not know. Logs routing/flip_rate."""
+    routing_replay_reference: bool = False
+    """With routing_replay: the reference model's forwards replay the same routes (off: it routes by itself)."""
     val_temperature: float = 0.0
     """Validation sampling temperature (0: greedy)."""
     val_n: int = 1

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lib import algos, attention, lora
+from lib import algos, attention, lora, routing
 from lib.config import Config
 from lib.dist import divisors
 from lib.multi_turn import config_problems
@@ -151,6 +151,23 @@ def vllm_model_problems(model_config: Any) -> list[str]:
     return [f"rollout.engine=vllm: vLLM {installed_vllm()} has no model class for this checkpoint's "
             f"{', '.join(archs)}; use rollout.engine=hf, or a vLLM release that serves it (within the tested "
             f"{VLLM_TESTED[0][0]}.{VLLM_TESTED[0][1]} to {VLLM_TESTED[1][0]}.{VLLM_TESTED[1][1] - 1})"]
+
+
+def _routing_problems(cfg: Config, model_config: Any) -> list[str]:
+    """rollout.routing_replay: a mixture-of-experts family whose routers lib/routing knows, single-turn rollouts."""
+    if not cfg.rollout.routing_replay:
+        return []
+    problems = []
+    kind = getattr(model_config, "model_type", None) if model_config is not None else None
+    if model_config is not None and kind not in routing.MODEL_TYPES:
+        problems.append(f"rollout.routing_replay: this model ({kind}) is not a mixture-of-experts model whose routers "
+                        f"routing replay knows ({', '.join(routing.MODEL_TYPES)}); a dense model has no routes to "
+                        f"replay: drop --rollout.routing_replay")
+    if cfg.multi_turn.tools:
+        problems.append("rollout.routing_replay with multi_turn.tools: a tool's answer enters the next turn's prompt, "
+                        "whose routes the engines do not return per turn; use single-turn rollouts, or drop "
+                        "--rollout.routing_replay")
+    return problems
 
 
 LOGGERS = ("console", "jsonl", "wandb")
@@ -321,6 +338,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                         f"rollout.max_response_length={r.max_response_length}")
     if r.engine == "vllm":
         problems += _vllm_problems(model_config)
+    problems += _routing_problems(cfg, model_config)
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)
     if "wandb" in t.logger:
@@ -345,7 +363,9 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                 problems.append(str(e))
     if problems:
         raise ValueError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
+    # routing replay measures its flip rate in the old log-probs' own (no-grad) pass
     old_in_update = (a.ppo_epochs == 1 and not cfg.algorithm.use_kl_in_reward and not cfg.distill.teacher
-                     and cfg.algorithm.rollout_correction == "off" and not cfg.algorithm.bypass_mode)
+                     and cfg.algorithm.rollout_correction == "off" and not cfg.algorithm.bypass_mode
+                     and not r.routing_replay)
     return Sizes(world_size, dp, t.train_batch_size // world_size, t.train_batch_size // world_size * r.n,
                  sizes["actor"], sizes["critic"], old_in_update)

@@ -7,8 +7,10 @@ import contextlib
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
-from lib import algos
+from lib import algos, routing
 from lib.actor import compute_log_probs
 from lib.data import collate
 from lib.fsdp import move_optimizer
@@ -65,11 +67,25 @@ def policy_log_probs(run: Run, batch: DataProto) -> None:
     if cfg.algorithm.bypass_mode:
         batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
     elif not run.sizes.old_in_update:
+        routing.take_flips(run.actor.model)
         batch.batch["old_log_probs"], _ = compute_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
+        if cfg.rollout.routing_replay:
+            run.carried_metrics["routing/flip_rate"] = flip_rate(run)
     if run.ref is not None:
         # a LoRA policy's base reference is the policy's own model with its adapter switched off
         with adapters_off(run.ref) if run.ref is run.actor.model else contextlib.nullcontext():
             batch.batch["ref_log_prob"], _ = compute_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
+
+
+def flip_rate(run: Run) -> float:
+    """The share of the engine's token-layer routes that the policy's own routers would have chosen otherwise, over
+    the old log-probs' pass of every rank (lib/routing counts; routes no engine recorded are not counted)."""
+    counts = torch.tensor(routing.take_flips(run.actor.model), dtype=torch.float64)
+    if "nccl" in run.topo.backend:
+        counts = counts.to(run.topo.device)
+    # every rank: each counted its own rows (an SP rank its slice of the group's), so the sum counts each token once
+    dist.all_reduce(counts)
+    return float(counts[0] / counts[1].clamp(min=1))
 
 
 def correct_rollout(run: Run, batch: DataProto, metrics: dict[str, float]) -> None:

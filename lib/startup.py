@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import distill, exits, export, lora, multi_turn, selfcheck, toy
+from lib import distill, exits, export, lora, multi_turn, routing, selfcheck, toy
 from lib.config import Config, to_dict
 from lib.data import PromptSet, Sampler, expand_files, load_prompts
 from lib.dist import Topology, init_topology
@@ -333,6 +333,13 @@ def build_models(run: Run, with_ref: bool) -> None:
     elif with_ref:  # the frozen start policy; never a second rollout engine
         run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, kind=run.kind, trainable=False,
                                       packed=packed, lora_cfg=lora_cfg)
+    if cfg.rollout.routing_replay:
+        state = routing.install(model)
+        if run.ref is not None and cfg.rollout.routing_replay_reference:
+            routing.install(run.ref)
+        run.logger.print(f"routing replay: {state.layers} MoE layers of top-{state.top_k} (decoder layers "
+                         f"{routing.moe_layers(model)}); the engine's routes replayed in the policy's forwards"
+                         f"{' and the reference' if cfg.rollout.routing_replay_reference and run.ref is not None else ''}")
     if distill.enabled(cfg):  # frozen and sharded like the reference; on a GPU it waits on the CPU
         teacher = dataclasses.replace(cfg.actor.model, path=cfg.distill.teacher, gradient_checkpointing=False)
         run.teacher = build_sharded_model(teacher, cfg.actor.fsdp, topo, kind=run.kind, trainable=False,
@@ -383,7 +390,7 @@ def _hf_engine(run: Run, path: str, eos: list[int], lora: Any = None) -> HFEngin
     return HFEngine(load_config(path, cfg.actor.model.trust_remote_code), topo.device, run.tokenizer.pad_token_id,
                     eos, sampling, val, dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank,
                     attn_implementation=cfg.actor.model.attn_implementation, batch_tokens=cfg.rollout.hf_batch_tokens,
-                    lora=lora, vision=run.vision)
+                    lora=lora, vision=run.vision, routes=cfg.rollout.routing_replay and path == cfg.actor.model.path)
 
 
 def build_teacher_engine(run: Run) -> HFEngine:
@@ -419,6 +426,7 @@ def build_engine(run: Run) -> Any:
                           gpu_memory_utilization=r.gpu_memory_utilization,
                           dtype=str(engine_dtype(run)).removeprefix("torch."), enforce_eager=r.enforce_eager,
                           trust_remote_code=cfg.actor.model.trust_remote_code, lora=engine_lora(run),
+                          route_layers=routing.moe_layers(run.actor.model) if r.routing_replay else None,
                           **vllm_image_kwargs(run))
 
     return _hf_engine(run, cfg.actor.model.path, eos, engine_lora(run))

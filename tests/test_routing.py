@@ -159,10 +159,15 @@ def _coded(data, layers: int, k: int, experts: int) -> torch.Tensor:
 
 def _saved(root: str, name: str) -> str:
     """A zoo MoE model with its routers off their zero init, saved (for sharded builds)."""
+    import os
+    import shutil
+
     path = f"{root}/{name}_routed"
-    model = _model(root, name)
-    del model._routing
-    model.save_pretrained(path)
+    if not os.path.exists(path):
+        shutil.copytree(zoo.build(name, root), path)  # the tokenizer and generation config
+        model = _model(root, name)
+        del model._routing
+        model.save_pretrained(path)
     return path
 
 
@@ -243,3 +248,147 @@ def test_coded_routes_land_on_their_tokens_across_ranks_and_sequence_parallel(mo
             torch.testing.assert_close(logp[i], want[r], rtol=1e-5, atol=1e-5, msg=f"row {r}")
             seen.add(r)
     assert seen == set(range(rows))
+
+
+def _engine_and_prompts(model, seed: int = 0):
+    """The HF engine (fp32, recording routes) filled with ``model``'s weights, and 4 left-padded prompts."""
+    from lib.engine import SamplingConfig
+    from lib.engine.hf import HFEngine
+
+    engine = HFEngine(model.config, torch.device("cpu"), 0, [2], SamplingConfig(temperature=1.0, n=2, max_new_tokens=7,
+                                                                                seed=seed),
+                      dtype=torch.float32, routes=True, batch_tokens=40)  # 40: two chunks of prompts
+    engine.wake_up()
+    engine.load_weights(model.state_dict().items())
+    engine.finish_sync()
+    data = rl_batch(4, prompt_len=9, response_len=0, seed=5, min_response=0)
+    b = data.batch
+    b["input_ids"] = b["input_ids"] % (zoo.VOCAB - 8) + 3
+    return engine, data.select(["input_ids", "attention_mask", "position_ids"])
+
+
+def _canary(model, rollout, replay: bool) -> float:
+    from lib.forward import response_log_probs
+
+    data = rollout if replay else rollout.select([k for k in rollout.batch if k != routing.KEY])
+    with torch.no_grad():
+        logp, _ = response_log_probs(model, data, packed=True)
+    m = rollout.batch["response_mask"]
+    return float(((logp - rollout.batch["rollout_log_probs"]).abs() * m).sum() / m.sum())
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_the_hf_engine_records_the_routes_it_sampled_with(moe_root, name):
+    """The HF engine records every router's choice while it samples (prefill in two chunks of prompts, each prompt's
+    cache copied to its samples, then one token at a time): replaying them, the trainer's log-probs of the samples
+    equal the engine's (the canary at fp32 level) and its own routers agree with every route (no flip). Where the
+    engine's copy chooses otherwise (DeepSeek-V3's correction bias, which only chooses ids), the trainer with replay
+    still agrees with the engine and counts the flips, and without replay it does not."""
+    model = _model(moe_root, name)
+    engine, prompts = _engine_and_prompts(model)
+    prompts.meta_info["seed_key"] = 0
+    rollout = engine.generate(prompts)
+    routes = rollout.batch[routing.KEY]
+    assert routes.dtype == torch.int16 and routes.shape[:2] == rollout.batch["input_ids"].shape
+    valid = rollout.batch["attention_mask"].bool()
+    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)  # each row's last sampled token: never fed back
+    recorded = (routes >= 0).all(-1).all(-1)
+    assert not recorded[~valid].any() and not recorded[torch.arange(len(last)), last].any()
+    assert int(recorded.sum()) == int(valid.sum()) - len(last)
+    routing.take_flips(model)
+    assert _canary(model, rollout, replay=True) < 1e-5
+    assert routing.take_flips(model)[0] == 0
+    if name != "deepseek_v3":
+        return
+    with torch.no_grad():  # the engine's copy chooses other experts; its gate weights are the trainer's
+        for router in routing.routers(engine.model):
+            router.e_score_correction_bias.add_(torch.randn_like(router.e_score_correction_bias) * 5)
+    rollout = engine.generate(prompts)
+    routing.take_flips(model)
+    assert _canary(model, rollout, replay=True) < 1e-5
+    differ, compared = routing.take_flips(model)
+    assert differ > 0 and compared == int((rollout.batch[routing.KEY] >= 0).all(-1).sum())  # token-layer routes
+    assert _canary(model, rollout, replay=False) > 1e-3
+
+
+@pytest.mark.parametrize("every_layer", [True, False])
+def test_vllms_routes_land_in_the_batch_layout(every_layer):
+    """vLLM's ``routed_experts`` per request ([prompt + response - 1, layers, k]: every decoder layer with a dense
+    layer's rows zero, or the MoE layers alone) placed in the batch's layout: the prompt's rows after its left
+    padding, the response's after the prompt width, none for the padding and the last sampled token."""
+    import numpy as np
+
+    layers, k, prompt_width, width = [1, 3], 2, 6, 11  # decoder layers 0 and 2 dense
+    prompt_lens, response_lens = [4, 6], [5, 2]
+    rows = []
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        arr = np.zeros((p + r - 1, 4, k), dtype=np.int32)
+        for t in range(p + r - 1):
+            for j, layer in enumerate(layers):
+                arr[t, layer] = [100 * i + t, 50 + j]  # token- and layer-coded
+        rows.append(arr if every_layer else arr[:, layers])
+    out = routing.from_vllm(rows + [None], prompt_lens + [3], prompt_width, width, layers, k)
+    assert out.shape == (3, width, 2, k) and out.dtype == torch.int16
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        cols = list(range(prompt_width - p, prompt_width)) + list(range(prompt_width, prompt_width + r - 1))
+        for t, col in enumerate(cols):
+            assert out[i, col].tolist() == [[100 * i + t, 50], [100 * i + t, 51]], (i, col)
+        others = [c for c in range(width) if c not in cols]
+        assert (out[i, others] == -1).all()
+    assert (out[2] == -1).all()  # a request that returned none
+    with pytest.raises(ValueError, match="vLLM returned routes of shape"):
+        routing.from_vllm([np.zeros((3, 3, k))], [2], prompt_width, width, layers, k)
+
+
+def _grpo(model_path: str, out, *flags: str, **hooks: str):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, child_env
+
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           os.path.join(ROOT, "train_grpo.py"), *zoo.grpo_args(model_path, str(out)), *flags]
+    done = subprocess.run(cmd, cwd=ROOT, env=child_env(**hooks), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
+    return [r for r in rows if "actor/pg_loss" in r], done.stdout
+
+
+@pytest.mark.slow
+def test_grpo_with_routing_replay_on_two_ranks_agrees_with_an_engine_that_routes_otherwise(moe_root, tmp_path):
+    """train_grpo.py, 2 ranks, the HF engine, a DeepSeek-V3-shaped model whose engine copy chooses other experts
+    after every sync (its correction bias moved; the gate weights stay the trainer's): with routing replay the canary
+    stays at fp32 level and routing/flip_rate counts the engine's other choices; without it the trainer computes
+    another model's log-probs."""
+    path = _saved(moe_root, "deepseek_v3")
+    rows, said = _grpo(path, tmp_path / "on", "--rollout.routing_replay", RL_ENGINE_ROUTER_BIAS="5")
+    assert "routing replay: 1 MoE layers of top-2 (decoder layers [1])" in said
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/logp_abs_diff"] < 1e-5 and 0 < r["routing/flip_rate"] < 1, r
+    off, _ = _grpo(path, tmp_path / "off", "--rollout.logp_diff_limit", "-1", RL_ENGINE_ROUTER_BIAS="5")
+    assert all(r["rollout/logp_abs_diff"] > 1e-3 and "routing/flip_rate" not in r for r in off), off
+
+
+def test_routing_replay_is_refused_for_a_dense_model_and_with_tools(tmp_path):
+    """Before any model loads: a dense model has no routes; a tool's answer enters the next turn's prompt without
+    routes from the engine."""
+    from lib.config import Config
+    from lib.preflight import _routing_problems
+    from lib.models import load_config
+
+    cfg = Config()
+    cfg.rollout.routing_replay = True
+    cfg.multi_turn.tools = "lib/toy.py:lookup"
+    dense = load_config(zoo.build("qwen2_tied", str(tmp_path)))
+    moe = load_config(zoo.build("glm4_moe", str(tmp_path)))
+    problems = _routing_problems(cfg, dense)
+    assert len(problems) == 2 and "this model (qwen2) is not a mixture-of-experts model" in problems[0]
+    assert "drop --rollout.routing_replay" in problems[0] and "multi_turn.tools" in problems[1]
+    cfg.multi_turn.tools = ""
+    assert _routing_problems(cfg, moe) == []
+    cfg.rollout.routing_replay = False
+    assert _routing_problems(cfg, dense) == []

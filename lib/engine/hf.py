@@ -8,6 +8,7 @@ the sampler draws from its own ``torch.Generator``, never from the training RNG.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterable
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, cache_utils
 
+from lib import routing
 from lib.data import left_pad
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, rollout_columns,
                         stop_ids, turns_from)
@@ -66,13 +68,15 @@ class HFEngine:
     def __init__(self, config: Any, device: torch.device, pad_token_id: int, eos_token_ids: list[int],
                  sampling: SamplingConfig, val_sampling: SamplingConfig | None = None, dtype: torch.dtype | None = None,
                  rank_seed: int = 0, attn_implementation: str = "auto", batch_tokens: int = 65536, lora: Any = None,
-                 vision: bool = False):
+                 vision: bool = False, routes: bool = False):
         """``eos_token_ids``: every id that ends a response (lib.models.stop_token_ids). ``attn_implementation``:
         auto picks sdpa, or eager for models transformers runs only that way (lib.models.padded_attention).
         ``batch_tokens``: prompt + response tokens generated together (see ``generate``). ``lora``: a PEFT
         LoraConfig: the replica carries the same LoRA layers as the trainer, the adapter in fp32, filled by
         ``load_adapter`` and never merged into the base. ``vision``: the replica is the vision-language class (the
-        prompts' images go to its generate); else a vision-language checkpoint's language model alone."""
+        prompts' images go to its generate); else a vision-language checkpoint's language model alone. ``routes``: a
+        mixture-of-experts model's routers are recorded while it samples (lib/routing; training calls only), and the
+        rollout carries them as ``routed_experts``."""
         self.device, self.pad_id, self.eos_ids = device, pad_token_id, list(eos_token_ids)
         self.sampling, self.val_sampling = sampling, val_sampling or SamplingConfig(temperature=0.0,
                                                                                     max_new_tokens=sampling.max_new_tokens)
@@ -95,6 +99,7 @@ class HFEngine:
                 if is_adapter_param(name):  # the adapter in fp32 whatever the base's dtype (PEFT casts x to it)
                     param.data = param.data.float()
         self.model.eval().requires_grad_(False)
+        self.routing = routing.install(self.model) if routes else None
         self.vision = vision
         self.banned = placeholder_ids(config) if vision else []  # never sampled (lib.vision.placeholder_ids)
         # tied embeddings: lm_head.weight is embed_tokens.weight. Moving to and from meta unties them; they are
@@ -230,14 +235,17 @@ class HFEngine:
         pos = data.batch["position_ids"].to(self.device)
         rope = data.batch.get("rope_position_ids")
         images = data.non_tensor_batch.get("multi_modal")
-        responses, logprob_lists = self._generate_chunks(ids, mask, pos, sp, self._generator(sp.seed, validate, key),
-                                                         self.stop_ids(validate), rope, images)
+        record = self.routing is not None and not validate
+        responses, logprob_lists, routes = self._generate_chunks(
+            ids, mask, pos, sp, self._generator(sp.seed, validate, key), self.stop_ids(validate), rope, images, record)
         self.calls[validate] += 1
         data = expand_samples(data, sp.n)
         rope = data.batch.get("rope_position_ids")
         fields = build_output(data.batch["input_ids"].to(self.device), data.batch["attention_mask"].to(self.device),
                               data.batch["position_ids"].to(self.device), responses, logprob_lists, self.pad_id,
                               prompt_rope=None if rope is None else rope.to(self.device))
+        if record:
+            fields[routing.KEY] = routes[:, :fields["input_ids"].shape[1]]
         elapsed = time.perf_counter() - t0
         num_tokens = sum(len(r) for r in responses)
         meta = {"generate_s": elapsed, "generated_tokens": num_tokens, "tokens_per_s": num_tokens / max(elapsed, 1e-9)}
@@ -270,8 +278,8 @@ class HFEngine:
                 turns = continue_positions(m.rope, len(p) - m.prompt_len)
                 rope[i, :, width - len(p):] = torch.cat([m.rope, turns], -1)
         stop = self.stop_ids(validate)
-        responses, logps = self._generate_chunks(ids, mask, pos, one, self._generator(sp.seed, validate, key), stop,
-                                                 rope, images)
+        responses, logps, _ = self._generate_chunks(ids, mask, pos, one, self._generator(sp.seed, validate, key), stop,
+                                                    rope, images)
         return turns_from(responses, logps, max_tokens, set(stop))
 
     def any_active(self, active: bool) -> bool:
@@ -280,26 +288,44 @@ class HFEngine:
 
     def _generate_chunks(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
                          gen: torch.Generator, stop_ids: list[int], rope: torch.Tensor | None = None,
-                         images: Any = None) -> tuple[list[list[int]], list[list[float]]]:
+                         images: Any = None, record: bool = False
+                         ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
         """Left-padded prompts in chunks of at most ``batch_tokens`` prompt + response tokens (n samples each).
-        ``rope`` (B, 3, P) and ``images`` (per row, its image features or None): a vision-language prompt's."""
+        ``rope`` (B, 3, P) and ``images`` (per row, its image features or None): a vision-language prompt's.
+        ``record``: also the routes (B * n, P + max new tokens, MoE layers, k) (lib/routing), else None."""
         stop = torch.tensor(stop_ids, device=self.device)
         per_chunk = max(1, self.batch_tokens // ((ids.shape[1] + sp.max_new_tokens) * sp.n))
-        responses, logps = [], []
+        responses, logps, routes = [], [], []
         for start in range(0, ids.shape[0], per_chunk):
             rows = slice(start, start + per_chunk)
-            r, lp = self._generate_chunk(ids[rows], mask[rows], pos[rows], sp, gen, stop,
-                                         None if rope is None else rope[rows].to(self.device),
-                                         None if images is None else images[rows])
+            r, lp, rt = self._generate_chunk(ids[rows], mask[rows], pos[rows], sp, gen, stop,
+                                             None if rope is None else rope[rows].to(self.device),
+                                             None if images is None else images[rows], record)
             responses += r
             logps += lp
-        return responses, logps
+            routes.append(rt)
+        return responses, logps, torch.cat(routes) if record and routes else None
 
     def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
                         gen: torch.Generator, stop: torch.Tensor, rope: torch.Tensor | None = None,
-                        images: Any = None) -> tuple[list[list[int]], list[list[float]]]:
+                        images: Any = None, record: bool = False
+                        ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
         """Prompts (b, P) -> b * n responses (eos included) and their log-probs, samples of a prompt adjacent.
-        A vision-language prompt's images go in with the prefill, its rope rows beside the text positions."""
+        A vision-language prompt's images go in with the prefill, its rope rows beside the text positions.
+        ``record``: the routers' choices too, (b * n, P + max new tokens, MoE layers, k), -1 where none."""
+        with routing.recording(self.model) if record else contextlib.nullcontext() as recorded:
+            width = ids.shape[1]
+            first, copy, prefill_rows, out = self._sample_chunk(ids, mask, pos, sp, gen, stop, rope, images)
+        if not record:
+            return (*out, None)
+        routes = routing.from_calls(recorded, prefill_rows, sp.n if copy else 1)
+        return (*out, routing.place(routes, first, width + sp.max_new_tokens))
+
+    def _sample_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
+                      gen: torch.Generator, stop: torch.Tensor, rope: torch.Tensor | None, images: Any
+                      ) -> tuple[int, bool, int, tuple[list[list[int]], list[list[float]]]]:
+        """_generate_chunk's sampling: (the first column kept, whether a prompt's cache was copied to its samples,
+        the prefill's rows, (responses, log-probs))."""
         keep = mask.bool().any(0)  # columns where every prompt of the chunk is padding carry nothing
         first = int(keep.float().argmax()) if bool(keep.any()) else 0
         ids, mask, pos = ids[:, first:], mask[:, first:], pos[:, first:]
@@ -312,6 +338,7 @@ class HFEngine:
             ids, mask, pos = (x.repeat_interleave(sp.n, 0) for x in (ids, mask, pos))
             rope = None if rope is None else rope.repeat_interleave(sp.n, 0)
             images = None if images is None else [row for row in images for _ in range(sp.n)]
+        prefill_rows = ids.shape[0]
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=with_text_row(pos, rope), past_key_values=cache,
                             use_cache=True, logits_to_keep=1, **concat_features(images, self.device),
                             **(type_ids(self.model.config, ids) if self.vision else {})).logits[:, -1]
@@ -356,4 +383,4 @@ class HFEngine:
             end = next((j + 1 for j, t in enumerate(row) if t in stop_set), len(row))
             responses.append(row[:end])
             logprob_lists.append(lp[:end])
-        return responses, logprob_lists
+        return first, copy, prefill_rows, (responses, logprob_lists)

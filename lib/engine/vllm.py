@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from lib import routing
 from lib.dist import Topology, all_gather
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, prompt_images,
                         request_seeds, rollout_columns, stop_ids, turns_from)
@@ -67,7 +68,7 @@ class VLLMEngine:
                  max_num_seqs: int = 256, kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", enforce_eager: bool = False, trust_remote_code: bool = False,
                  lora: Any = None, images_per_prompt: int = 0, mm_processor_kwargs: dict | None = None,
-                 banned_ids: list[int] | None = None, videos: bool = True):
+                 banned_ids: list[int] | None = None, videos: bool = True, route_layers: list[int] | None = None):
         """``kv_cache_bytes``: the KV cache of this rank in bytes (0: ``kv_cache_bytes()`` for ``max_num_seqs``
         sequences of ``max_model_len`` tokens; the trainer passes lib.engine.plan_kv_cache's size). ``gpu_memory_utilization`` is only vLLM's start-up check on GPU
         (that share of the device must be free); the CPU build ignores it once the KV size is given in bytes.
@@ -78,13 +79,16 @@ class VLLMEngine:
         image processor of ``model_path`` and ``mm_processor_kwargs`` (the trainer's min/max pixels), and every
         image prompt's expansion is checked against the trainer's. ``banned_ids``: never sampled (image
         placeholders, lib.vision.placeholder_ids). ``videos``: the model takes videos too (vLLM is told none come;
-        a model without them is told nothing of them)."""
+        a model without them is told nothing of them). ``route_layers``: a mixture-of-experts model's MoE decoder
+        layers (lib/routing): vLLM returns the experts each chose (``enable_return_routed_experts``, 0.25 to 0.32
+        alike), and training rollouts carry them as ``routed_experts``."""
         strip_expandable_segments()
         from vllm import LLM
         from vllm.platforms import current_platform
 
         self.topo, self.device, self.pad_id, self.eos_ids = topo, topo.device, pad_token_id, list(eos_token_ids)
         self.sampling, self.banned, self.images = sampling, list(banned_ids or []), bool(images_per_prompt)
+        self.route_layers = list(route_layers) if route_layers else None
         self.val_sampling = val_sampling or SamplingConfig(temperature=0.0, max_new_tokens=sampling.max_new_tokens)
         # one seed stream per data-parallel rollout group: the ranks of a TP group sample the same tokens
         self.group = topo.rollout_dp_rank
@@ -114,7 +118,10 @@ class VLLMEngine:
                            trust_remote_code=trust_remote_code, enable_prefix_caching=True,
                            **_logprobs_mode_kwargs(), **_lora_kwargs(lora),
                            **_cpu_prefill_kwargs(self.device, max_model_len),
-                           **_image_kwargs(images_per_prompt, mm_processor_kwargs, videos))
+                           **_image_kwargs(images_per_prompt, mm_processor_kwargs, videos),
+                           **({"enable_return_routed_experts": True} if self.route_layers else {}))
+        hf_text = self.llm.llm_engine.vllm_config.model_config.hf_config.get_text_config()
+        self.top_k = int(getattr(hf_text, "num_experts_per_tok", 0) or 0)
         # the parameters a sync must write, read before any reload: a tied lm_head is the embedding's own tensor
         # here (during a layerwise reload it sits on meta apart from it, and finalising puts the shared one back)
         names: list[str] = []
@@ -287,10 +294,14 @@ class VLLMEngine:
         check_expansions(asked, seen, own)
         self.calls[validate] += 1
         data = data[mine]
-        responses, logps = responses[mine], logps[mine]
+        responses, logps, seen = responses[mine], logps[mine], seen[mine]
         fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
                               responses, logps, self.pad_id, response_width=None,
                               prompt_rope=data.batch.get("rope_position_ids"))
+        if self.route_layers and not validate:
+            fields[routing.KEY] = routing.from_vllm(self._routes[mine], [len(p) for p in seen],
+                                                    data.batch["input_ids"].shape[1], fields["input_ids"].shape[1],
+                                                    self.route_layers, self.top_k)
         elapsed = time.perf_counter() - t0
         n = sum(len(r) for r in responses)
         meta = {"generate_s": elapsed, "generated_tokens": n, "tokens_per_s": n / max(elapsed, 1e-9)}
@@ -346,6 +357,7 @@ class VLLMEngine:
         with rng_kept_apart(self.device):
             torch.manual_seed(seed)
             outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+        self._routes = [getattr(o.outputs[0], "routed_experts", None) for o in outputs]  # with route_layers
         return ([list(o.outputs[0].token_ids) for o in outputs], [_sampled_logprobs(o.outputs[0]) for o in outputs],
                 [list(o.prompt_token_ids or []) for o in outputs])
 

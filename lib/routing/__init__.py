@@ -168,3 +168,61 @@ def take_flips(model: nn.Module) -> tuple[float, float]:
     differ, compared = state.flips.tolist()
     state.flips.zero_()
     return differ, compared
+
+
+# ---- the engines' side: routes recorded while generating, in the batch's layout
+
+
+def none_routes(rows: int, width: int, layers: int, k: int) -> Tensor:
+    """(rows, width, layers, k) of -1: no route recorded (the trainer's router chooses)."""
+    return torch.full((rows, width, layers, k), -1, dtype=torch.int16)
+
+
+def from_calls(recorded: list[list[Tensor]], prefill_rows: int, repeat: int) -> Tensor:
+    """One generation's routes from the routers' ids, per layer one (N, k) per model call: the prefill's
+    (prefill_rows x P') first, then one (rows, k) per decoding step. ``repeat``: the prefill's rows copied to that
+    many samples each (its cache copied). Returns (rows, P' + steps, layers, k)."""
+    per_layer = []
+    for calls in recorded:
+        prefill = calls[0].reshape(prefill_rows, -1, calls[0].shape[-1]).repeat_interleave(repeat, 0)
+        per_layer.append(torch.cat([prefill, *(c[:, None] for c in calls[1:])], 1))
+    return torch.stack(per_layer, 2).to(torch.int16)
+
+
+def place(routes: Tensor, start: int, width: int) -> Tensor:
+    """Routes (rows, T, layers, k) whose first column is the batch's column ``start`` (a prompt's first token after
+    its left padding), in the batch's layout (rows, width, layers, k): -1 before ``start`` and past T."""
+    out = none_routes(routes.shape[0], width, *routes.shape[2:])
+    take = min(routes.shape[1], width - start)
+    out[:, start:start + take] = routes[:, :take].cpu()
+    return out
+
+
+def moe_layers(model: nn.Module) -> list[int]:
+    """The decoder-layer index of each router, in router order (from its module name, ``...layers.<i>....``)."""
+    index = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in KINDS:
+            parts = name.split(".")
+            index.append(int(parts[parts.index("layers") + 1]))
+    return index
+
+
+def from_vllm(rows: list[Any], prompt_lens: list[int], prompt_width: int, width: int, layers: list[int],
+              k: int) -> Tensor:
+    """vLLM's ``CompletionOutput.routed_experts`` of each request (numpy, [prompt + response - 1 tokens, decoder
+    layers or MoE layers, k]; a dense layer's rows zero; None where the request returned none) -> (rows, width,
+    MoE layers, k) in the batch's layout: a prompt of ``prompt_lens[i]`` tokens sits left-padded in
+    ``prompt_width`` columns, its response after them; the last sampled token has no row (vLLM never feeds it)."""
+    out = none_routes(len(rows), width, len(layers), k)
+    for i, (arr, plen) in enumerate(zip(rows, prompt_lens)):
+        if arr is None:
+            continue
+        arr = torch.as_tensor(arr)
+        if arr.dim() != 3 or arr.shape[2] != k or arr.shape[1] not in (len(layers), max(layers) + 1):
+            raise ValueError(f"vLLM returned routes of shape {tuple(arr.shape)}; the trainer has {len(layers)} MoE "
+                             f"layers (decoder layers {layers}) of top-{k}")
+        if arr.shape[1] != len(layers):  # every decoder layer: keep the MoE ones
+            arr = arr[:, layers]
+        out[i] = place(arr[None].to(torch.int16), prompt_width - plen, width)[0]
+    return out

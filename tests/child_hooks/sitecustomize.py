@@ -3,7 +3,10 @@ and the repository's root on their PYTHONPATH (tests/helpers.py child_env):
 
 - RL_FAKE_CUDA=1: lib.fake_device, the CUDA API our code reads faked on CPU;
 - RL_BLIND_MIXERS=1: lib.mixers.bound does nothing, so a model with a linear-attention or convolution layer leaks
-  across packed sequences as an architecture the mixers do not know would (the start-up self-check must refuse it).
+  across packed sequences as an architecture the mixers do not know would (the start-up self-check must refuse it);
+- RL_ENGINE_ROUTER_BIAS=x: after every weight sync, the HF engine's MoE routers' correction bias is moved by x times a
+  fixed random draw: the engine's copy chooses other experts than the trainer's would, with the same gate weights
+  (DeepSeek-V3 and GLM-4.5 choose by the bias and weigh without it).
 """
 
 import os
@@ -17,3 +20,22 @@ if os.environ.get("RL_BLIND_MIXERS") == "1":
     from lib import mixers
 
     mixers.bound = lambda model: []
+
+if os.environ.get("RL_ENGINE_ROUTER_BIAS"):
+    import torch
+
+    from lib import routing
+    from lib.engine.hf import HFEngine
+
+    scale = float(os.environ["RL_ENGINE_ROUTER_BIAS"])
+    synced = HFEngine.finish_sync
+
+    def finish_sync(self):
+        synced(self)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for router in routing.routers(self.model):
+                bias = router.e_score_correction_bias
+                bias.add_(scale * torch.randn(bias.shape, generator=g).to(bias))
+
+    HFEngine.finish_sync = finish_sync
