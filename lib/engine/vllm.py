@@ -21,6 +21,7 @@ config checks that read its sizes) load without it.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import random
@@ -119,7 +120,7 @@ class VLLMEngine:
                            **_logprobs_mode_kwargs(), **_lora_kwargs(lora),
                            **_cpu_prefill_kwargs(self.device, max_model_len),
                            **_image_kwargs(images_per_prompt, mm_processor_kwargs, videos),
-                           **({"enable_return_routed_experts": True} if self.route_layers else {}))
+                           **routes_kwargs(self.route_layers))
         hf_text = self.llm.llm_engine.vllm_config.model_config.hf_config.get_text_config()
         self.top_k = int(getattr(hf_text, "num_experts_per_tok", 0) or 0)
         # the parameters a sync must write, read before any reload: a tied lm_head is the embedding's own tensor
@@ -422,6 +423,21 @@ def resident_gb() -> float:
 
 
 # ---- adapter: everything that differs between vLLM releases
+
+
+def routes_kwargs(route_layers: list[int] | None) -> dict:
+    """What makes vLLM return the experts its routers chose (``CompletionOutput.routed_experts`` in 0.25 and 0.32
+    alike). 0.32 delivers them through its auxiliary-output connector, wired to the V2 model runner only, which it
+    does not pick by itself for every model: asked for here. 0.25 captures them in the V1 runner (its V2 runner
+    lacks the capture and falls back to V1 unless told otherwise)."""
+    if not route_layers:
+        return {}
+    if importlib.util.find_spec("vllm.config.aux_output") is not None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    elif os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
+        raise ValueError("rollout.routing_replay: this vLLM returns routes from its V1 model runner only; unset "
+                         "VLLM_USE_V2_MODEL_RUNNER")
+    return {"enable_return_routed_experts": True}
 
 
 def _logprobs_mode_kwargs() -> dict:
