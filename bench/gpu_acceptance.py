@@ -96,12 +96,19 @@ def model_folder(out: str, shape: str, device: str) -> tuple[str, dict]:
                           num_key_value_heads=kv, intermediate_size=inter, max_position_embeddings=4096,
                           tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                           bos_token_id=tok.bos_token_id)
-        part = path + ".part"  # a check stopped while it writes leaves no half model behind it
-        shutil.rmtree(part, ignore_errors=True)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(part)
-        tok.save_pretrained(part)
-        os.replace(part, path)
+        save_folder(AutoModelForCausalLM.from_config(cfg), tok, path)
     return path, data
+
+
+def save_folder(model, tok, path: str) -> str:
+    """``model`` and ``tok`` saved into ``path`` through a side folder renamed into place (a check stopped while it
+    writes leaves no half model behind it)."""
+    part = path + ".part"
+    shutil.rmtree(part, ignore_errors=True)
+    model.save_pretrained(part)
+    tok.save_pretrained(part)
+    os.replace(part, path)
+    return path
 
 
 # ---- the checks (each in its own process)
@@ -438,12 +445,7 @@ def model_2026(out: str, name: str, device: str) -> str:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     zoo.move_off_init(model)
-    part = path + ".part"
-    shutil.rmtree(part, ignore_errors=True)
-    model.save_pretrained(part)
-    tok.save_pretrained(part)
-    os.replace(part, path)
-    return path
+    return save_folder(model, tok, path)
 
 
 def _model_2026(args, name: str) -> list[Row]:
@@ -491,12 +493,7 @@ def moe_folder(out: str, device: str) -> str:
         for module in model.modules():
             if type(module).__name__ == "Qwen3MoeTopKRouter":
                 module.weight.normal_(0.0, 0.05)
-    part = path + ".part"
-    shutil.rmtree(part, ignore_errors=True)
-    model.save_pretrained(part)
-    tok.save_pretrained(part)
-    os.replace(part, path)
-    return path
+    return save_folder(model, tok, path)
 
 
 def check_moe(args) -> list[Row]:

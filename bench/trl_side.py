@@ -33,6 +33,18 @@ def toy_reward(completions, reward_model, **_):
             for c, rm in zip(completions, reward_model)]
 
 
+def timed(trainer_class, log: list[dict]):
+    """``trainer_class`` with each generation's seconds appended to ``log`` (TRL's generation and scoring)."""
+    class Timed(trainer_class):
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            result = super()._generate_and_score_completions(inputs)
+            log.append({"generate_s": time.perf_counter() - t0})
+            return result
+
+    return Timed
+
+
 def main(model_path: str, train: str, out: str, seed: int, steps: int, prompts: int = 64, mini: int = 128,
          max_new: int = 10, lr: float = 1e-3) -> None:
     import torch
@@ -58,12 +70,7 @@ def main(model_path: str, train: str, out: str, seed: int, steps: int, prompts: 
     data = load_dataset("json", data_files=train, split="train")
     log: list[dict] = []
 
-    class Timed(GRPOTrainer):
-        def _generate_and_score_completions(self, inputs):
-            t0 = time.perf_counter()
-            result = super()._generate_and_score_completions(inputs)
-            log.append({"generate_s": time.perf_counter() - t0})
-            return result
+    Timed = timed(GRPOTrainer, log)
 
     class StepClock(TrainerCallback):
         def __init__(self):
@@ -164,12 +171,7 @@ def colocate(model_path: str, train: str, out: str, steps: int, prompts: int, n:
     tokenizer.padding_side = "left"
     log: list[dict] = []
 
-    class Timed(GRPOTrainer):
-        def _generate_and_score_completions(self, inputs):
-            t0 = time.perf_counter()
-            result = super()._generate_and_score_completions(inputs)
-            log.append({"generate_s": time.perf_counter() - t0})
-            return result
+    Timed = timed(GRPOTrainer, log)
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
