@@ -1,7 +1,6 @@
 """Rollout routing replay (lib/routing): the replayed forward against the native one, the families' gate weights by
 hand, and routes that land on their own tokens through padding, packing, rebalancing, Ulysses and checkpointing."""
 
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
