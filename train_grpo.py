@@ -97,8 +97,10 @@ def compute_advantages(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> No
         rewards = kl_control.kl_in_reward(run, batch, kl_ctrl, metrics)
     b["token_level_rewards"] = rewards
     # groups stay on one rank; batch-wide statistics (whitening, GPG's counts) are summed over all ranks
+    # the group statistics' groups: the prompt's (uid), less the samples a judge could not score (lib/scoring.py)
+    groups = batch.non_tensor_batch.get("score_group", batch.non_tensor_batch["uid"])
     adv, ret = algos.ADVANTAGE_ESTIMATORS[a.adv_estimator](
-        rewards, mask, index=batch.non_tensor_batch["uid"], gamma=a.gamma, lam=a.lam,
+        rewards, mask, index=groups, gamma=a.gamma, lam=a.lam,
         norm_adv_by_std=a.norm_adv_by_std, reduce=sum_over_ranks())
     b["advantages"], b["returns"] = adv, ret
     if run.teacher is not None:

@@ -152,6 +152,52 @@ class RewardConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """An LLM judge behind an OpenAI-compatible endpoint scores every response (lib/judges). A response it could not
+    score (unparseable, cut by its token limit, no answer after the retries or by the deadline, over the budget) is
+    masked from the update and counted in judge/*, never rewarded 0; with a group estimator, a group left with fewer
+    than two scored samples is masked whole (judge/dropped_groups)."""
+
+    url: str = ""
+    """The endpoint's base URL, e.g. http://host:8000/v1 ("": no judge)."""
+    model: str = ""
+    """The model name the endpoint serves."""
+    api_key_env: str = ""
+    """The name of the environment variable that holds the key ("": none sent). The key never goes in a config."""
+    template: str = ""
+    """A text file with the judge's prompt: {question}, {response} and {reference} (the row's ground truth) filled
+    in. "": a built-in rubric asking for "Score: N" from 0 to 10."""
+    parse: Literal["auto", "json", "boxed", "score"] = "auto"
+    """How the verdict is read: a JSON field, \\boxed{N}, a "Score: N" line, or the first of them found."""
+    field: str = "score"
+    """The JSON field (parse json or auto)."""
+    scale_min: float = 0.0
+    scale_max: float = 10.0
+    """The judge's scale; a score outside it is unparsed. It maps linearly onto 0..1."""
+    weight: float = 1.0
+    """The judge's score times this, plus reward.custom_fn's / the rule's times rule_weight, is the reward."""
+    rule_weight: float = 0.0
+    """The rule / custom score's weight beside the judge (0: the judge alone)."""
+    max_in_flight: int = 16
+    """Requests in flight at once, per rank."""
+    timeout_s: float = 120.0
+    """One request's time limit (then retried)."""
+    deadline_s: float = 900.0
+    """One step's scoring time limit: what is not back by then is masked (judge/deadline)."""
+    max_retries: int = 4
+    """Retries after a 429, a 5xx, a time-out or a dropped connection (jittered exponential backoff); never after
+    another 4xx."""
+    backoff_s: float = 1.0
+    """The first retry's wait (doubled each time, times a random 0.5-1.5)."""
+    budget_tokens: int = 0
+    """Judge tokens (prompt + completion, as the endpoint counts them) per rank over the run; reached, no more calls
+    (the rest masked, judge/over_budget). 0: no budget."""
+    max_tokens: int = 1024
+    """The judge's completion limit; a verdict cut there is masked (judge/parse_failures)."""
+    temperature: float = 0.0
+
+
+@dataclass
 class MultiTurnConfig:
     tools: str = ""
     """Tools the policy may call over several turns: ``path/to/file.py:name``, where name is a function, a list or
@@ -247,6 +293,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

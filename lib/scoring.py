@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lib import algos
+from lib.preflight import GROUP_ESTIMATORS
 from lib.protocol import DataProto
 from lib.rewards.scorer import Scored, last_sampled
 from lib.startup import Run
@@ -33,7 +34,39 @@ def score(run: Run, batch: DataProto) -> dict[str, float]:
         metrics["reward/overlong_penalty"] = float(penalty.mean())
     batch.batch["token_level_scores"] = scores
     batch.non_tensor_batch["scores"] = np.array(per_row + [None], dtype=object)[:-1]
+    if scored.unscored is not None:
+        estimator = run.cfg.algorithm.adv_estimator
+        metrics.update(mask_unscored(batch, scored.unscored, 2 if estimator in GROUP_ESTIMATORS else 1))
     return metrics
+
+
+def mask_unscored(batch: DataProto, unscored: list[bool], min_group: int) -> dict[str, float]:
+    """Rows the judge could not score leave the update (``response_mask`` 0) and their group's statistics (the
+    advantage's groups, ``score_group``, give each a group of its own; ``uid`` keeps the prompt's group, which moves
+    between ranks whole); a group left with fewer than ``min_group`` scored samples leaves whole. Returns
+    judge/masked and judge/dropped_groups."""
+    uids = batch.non_tensor_batch.get("uid")
+    masked = list(unscored)
+    dropped = 0
+    if min_group > 1 and uids is not None:
+        groups: dict = {}
+        for i, uid in enumerate(uids.tolist()):
+            groups.setdefault(uid, []).append(i)
+        for rows in groups.values():
+            if sum(not unscored[i] for i in rows) < min_group:
+                dropped += 1
+                for i in rows:
+                    masked[i] = True
+    rows = torch.tensor([i for i, m in enumerate(masked) if m], dtype=torch.long)
+    if len(rows):
+        b = batch.batch
+        b["response_mask"][rows.to(b["response_mask"].device)] = 0
+        b["token_level_scores"][rows.to(b["token_level_scores"].device)] = 0
+    if uids is not None:
+        batch.non_tensor_batch["score_group"] = np.array([f"{u}/masked-{i}" if masked[i] else u
+                                                          for i, u in enumerate(uids.tolist())] + [None],
+                                                         dtype=object)[:-1]
+    return {"judge/masked": float(len(rows)), "judge/dropped_groups": float(dropped)}
 
 
 def run_scorer(run: Run, batch: DataProto) -> Scored:

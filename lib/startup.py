@@ -7,7 +7,8 @@ Batch keys, by the stage that writes them:
                  columns, raw_prompt, messages, row, uid                                                      (lib/rollout.py)
   rollout        prompts, responses, response_mask, input_ids, attention_mask, position_ids, rollout_log_probs;
                  routed_experts (B, L, MoE layers, k) int16 with rollout.routing_replay               (lib/routing)
-  score          token_level_scores (B, R); scores (object, per row)                        (lib/scoring.py)
+  score          token_level_scores (B, R); scores (object, per row); with a judge, score_group (the advantage's
+                 groups: a sample it could not score in one of its own) and response_mask 0 there (lib/scoring.py)
   log-probs      old_log_probs (actor; the engine's with bypass_mode; left to the update when Sizes.old_in_update),
                  ref_log_prob (reference); values (critic, PPO)
   advantages     token_level_rewards, advantages, returns; rollout_is_weights (rollout correction)
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import distill, exits, export, lora, multi_turn, routing, selfcheck, toy
+from lib import distill, exits, export, judges, lora, multi_turn, routing, selfcheck, toy
 from lib.config import Config, to_dict
 from lib.data import PromptSet, Sampler, expand_files, load_prompts
 from lib.dist import Topology, init_topology
@@ -156,7 +157,12 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         rm = RewardModel(cfg.reward.reward_model, topo.device, tokenizer, cfg.reward.rm_micro_batch_size,
                          cfg.reward.rm_offload)
         logger.print(rm.describe())
-    scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers)
+    scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers, inputs.judge,
+                    (cfg.judge.rule_weight, cfg.judge.weight))
+    if inputs.judge is not None:
+        logger.print(f"judge: {cfg.judge.model} at {cfg.judge.url}, {cfg.judge.max_in_flight} requests in flight a "
+                     f"rank; reward = {cfg.judge.weight:g} x judge + {cfg.judge.rule_weight:g} x rule; unscored "
+                     f"samples masked")
     tools = MultiTurn(cfg.multi_turn, tokenizer, cfg.rollout.max_response_length) if multi_turn.enabled(cfg) else None
     return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer, multi_turn=tools,
                vision=vision, scored=inputs.scored)
@@ -173,7 +179,9 @@ class Inputs:
     vision: bool = False
     """The data has images: the policy is its vision-language class, trained with them (lib/vision)."""
     scored: bool = True
-    """Every training row has a reward function (rule, custom function or reward model)."""
+    """Every training row has a reward function (rule, custom function, reward model or judge)."""
+    judge: Any = None
+    """The LLM judge (lib/judges), probed once: its key and endpoint work."""
 
 
 def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> Inputs:
@@ -196,8 +204,11 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     d = cfg.data
     if distill.enabled(cfg):
         check_teacher(cfg, tokenizer)
-    # an RM scores any row; pure distillation's rows need no reward function
-    any_row = cfg.reward.custom_fn or cfg.reward.reward_model
+    judge = judges.build(cfg.judge)
+    if judge is not None:
+        judge.probe()  # a refused key or an endpoint that cannot be reached: one error, before any model loads
+    # an RM or a judge alone scores any row; pure distillation's rows need no reward function
+    any_row = cfg.reward.custom_fn or cfg.reward.reward_model or (judge is not None and not cfg.judge.rule_weight)
     known = None if any_row or (distill.enabled(cfg) and not cfg.distill.task_reward) else set(RULES)
     tool_schemas = None
     if multi_turn.enabled(cfg):
@@ -233,7 +244,7 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
         raise ValueError(f"data.val_files: validation scores its rows, and some have no rule scorer (known: "
                          f"{sorted(RULES)}); set --reward.custom_fn, give them a data_source, or set "
                          f"--trainer.val_every 0")
-    return Inputs(sizes, start_step, tokenizer, train, val, sampler, images, scorable(train))
+    return Inputs(sizes, start_step, tokenizer, train, val, sampler, images, scorable(train), judge)
 
 
 def check_teacher(cfg: Config, tokenizer: Any) -> None:

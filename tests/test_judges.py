@@ -1,14 +1,11 @@
 """LLM judges (lib/judges): the verdict parser's table, and the remote judge against a fake OpenAI-compatible server on
 localhost (its cap on requests in flight, the retry matrix, the deadline, the cache, the budget, the key probe)."""
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 
 from lib.judges.parse import DEADLINE, ERROR, OK, OVER_BUDGET, TRUNCATED, UNPARSED, raw_score, verdict
 from lib.judges.remote import Endpoint, RemoteJudge, Rubric
+from tests.fake_openai import Server
 
 SCALE, REWARD = (0.0, 10.0), (0.0, 1.0)
 
@@ -37,68 +34,6 @@ def test_the_parser_reads_each_form_and_flags_what_is_not_a_score(text, truncate
 def test_auto_prefers_json_then_boxed_then_score_lines():
     assert raw_score('Score: 1 {"score": 5}') == 5 and raw_score("Score: 1 \\boxed{3}") == 3
     assert raw_score('{"rating": 4}', "json", "rating") == 4
-
-
-class Server:
-    """A fake /v1/chat/completions. The judge's answer is scripted by the prompt's text: a prompt holding a key of
-    ``plan`` gets that key's statuses in turn (an int: that HTTP status; "hold": no answer until the test ends;
-    "cut": a verdict cut by its token limit), then a verdict "Score: N" with N the length of the response line.
-    Counts calls per prompt and the most requests in flight."""
-
-    def __init__(self, key: str = "good"):
-        self.plan: dict[str, list] = {}
-        self.calls: dict[str, int] = {}
-        self.in_flight = self.most_in_flight = 0
-        self.release = threading.Event()
-        self.lock = threading.Lock()
-        self.key = key
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                text = body["messages"][0]["content"]
-                with outer.lock:
-                    outer.in_flight += 1
-                    outer.most_in_flight = max(outer.most_in_flight, outer.in_flight)
-                    outer.calls[text] = outer.calls.get(text, 0) + 1
-                    step = next((p.pop(0) for k, p in outer.plan.items() if k in text and p), None)
-                try:
-                    if self.headers.get("Authorization") != f"Bearer {outer.key}":
-                        return self._send(401, {"error": "bad key"})
-                    if step == "hold":
-                        outer.release.wait()
-                        return
-                    if isinstance(step, int):
-                        return self._send(step, {"error": f"scripted {step}"})
-                    response = text.split("A: ")[1].split("\n")[0] if "A: " in text else ""
-                    answer = {"message": {"content": f"Score: {len(response)}" if response else "OK"},
-                              "finish_reason": "length" if step == "cut" else "stop"}
-                    self._send(200, {"choices": [answer], "usage": {"total_tokens": 10}})
-                finally:
-                    with outer.lock:
-                        outer.in_flight -= 1
-
-            def _send(self, code, payload):
-                data = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture
@@ -180,3 +115,94 @@ def test_a_wrong_key_or_url_is_one_clear_error_from_the_probe(server):
         RemoteJudge(Endpoint(server.url, "m", api_key="wrong"), Rubric(TEMPLATE)).probe()
     with pytest.raises(ValueError, match="cannot be reached"):
         RemoteJudge(Endpoint("http://127.0.0.1:9/v1", "m", timeout_s=2), Rubric(TEMPLATE)).probe()
+
+
+def test_unscored_rows_leave_the_update_and_their_groups(tmp_path):
+    """A row the judge could not score leaves the update (response_mask 0, score 0) and its group (a uid of its
+    own); with a group estimator a group left with fewer than two scored samples leaves whole; with PPO's GAE only
+    the row itself."""
+    import numpy as np
+    import torch
+
+    from lib.protocol import DataProto
+    from lib.scoring import mask_unscored
+
+    def batch():
+        return DataProto.from_dict({"response_mask": torch.ones(7, 3), "token_level_scores": torch.ones(7, 3)},
+                                   {"uid": np.array(["a", "a", "a", "b", "b", "c", "c"], dtype=object)})
+
+    unscored = [False, True, False, False, True, False, False]
+    grpo = batch()
+    assert mask_unscored(grpo, unscored, 2) == {"judge/masked": 3.0, "judge/dropped_groups": 1.0}
+    assert grpo.batch["response_mask"].sum(1).tolist() == [3, 0, 3, 0, 0, 3, 3]
+    assert grpo.batch["token_level_scores"][1].sum() == 0
+    groups = grpo.non_tensor_batch["score_group"].tolist()
+    assert groups[0] == groups[2] == "a" and len(set(groups)) == 5 and groups[5] == groups[6] == "c"
+    assert grpo.non_tensor_batch["uid"].tolist() == list("aaabbcc")  # prompts' groups move between ranks whole
+    ppo = batch()
+    assert mask_unscored(ppo, unscored, 1) == {"judge/masked": 2.0, "judge/dropped_groups": 0.0}
+    assert ppo.batch["response_mask"].sum(1).tolist() == [3, 0, 3, 3, 0, 3, 3]
+
+
+def test_a_refused_key_or_a_missing_one_stops_the_start_before_any_model_loads(server, tmp_path, monkeypatch):
+    """The start-up's input check builds the judge and probes it: a key the endpoint refuses, or a key variable that
+    is not set, is one ValueError naming the fix (lib.startup.check_inputs, which every rank runs before a model
+    loads and prints once)."""
+    from lib import config
+    from lib.startup import check_inputs
+
+    cfg = config.parse([], default_preset="tiny_cpu_grpo")  # the toy task's files come with the test's tmp_path
+    cfg.judge.url, cfg.judge.model, cfg.judge.api_key_env = server.url, "judge", "TEST_JUDGE_KEY"
+    cfg.actor.model.path = str(tmp_path / "toy_assets" / "model")
+    cfg.data.train_files = [str(tmp_path / "toy_assets" / "data" / "train.jsonl")]
+    cfg.data.val_files = []
+    monkeypatch.delenv("TEST_JUDGE_KEY", raising=False)
+    with pytest.raises(ValueError, match="judge.api_key_env=TEST_JUDGE_KEY: that environment variable is not set"):
+        check_inputs(cfg, 1, False, str(tmp_path / "run"))
+    monkeypatch.setenv("TEST_JUDGE_KEY", "wrong")
+    with pytest.raises(ValueError, match="refused the key .HTTP 401."):
+        check_inputs(cfg, 1, False, str(tmp_path / "run"))
+    monkeypatch.setenv("TEST_JUDGE_KEY", "good")
+    assert check_inputs(cfg, 1, False, str(tmp_path / "run")).judge is not None
+
+
+def _toy_grade(text: str) -> str:
+    """The fake endpoint's judge: the toy task's own score of the response against the reference, on 0..10; a
+    response whose hash is 0 mod 5 gets no verdict (unparseable: that sample must be masked, not rewarded 0)."""
+    import zlib
+
+    from lib.rewards.builtin import toy
+
+    if "Response:\n" not in text:  # the start-up's probe
+        return "OK"
+    reference = text.split("Reference answer (may be empty):\n")[1].split("\n\nResponse:")[0]
+    response = text.split("Response:\n")[1].split("\n\nJudge how")[0]
+    if zlib.crc32(response.encode()) % 5 == 0:
+        return "I cannot grade this."
+    return f"Score: {round(10 * toy(response, reference)['score'])}"
+
+
+@pytest.mark.slow
+def test_grpo_with_a_remote_judge_masks_what_it_could_not_score(tmp_path, monkeypatch):
+    """train_grpo.py on 2 CPU ranks, the toy task, rewarded by a judge behind the fake endpoint (its verdict: the toy
+    score out of 10, none for a fifth of the responses): every step's samples are judged, the unjudged ones masked
+    and counted, the key read from the environment, the canary at fp32 level."""
+    import json
+
+    from tests.test_e2e import torchrun
+
+    server = Server(grade=_toy_grade)
+    monkeypatch.setenv("TEST_JUDGE_KEY", "good")
+    try:
+        torchrun("train_grpo.py", tmp_path, "--trainer.total_steps", "2", "--trainer.val_every", "0",
+                 "--trainer.train_batch_size", "16", "--judge.url", server.url, "--judge.model", "toy-judge",
+                 "--judge.api_key_env", "TEST_JUDGE_KEY", "--judge.max_in_flight", "4")
+    finally:
+        server.close()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 2
+    for r in train:
+        assert r["judge/requests"] > 0 and r["judge/parse_failures"] > 0 and r["judge/masked"] >= r["judge/parse_failures"]
+        assert r["judge/errors"] == 0 and 0 <= r["judge/score_mean"] <= 1 and r["rollout/logp_abs_diff"] < 1e-5, r
+    assert server.most_in_flight <= 4

@@ -8,3 +8,66 @@ and writes a verdict, which becomes the sample's reward.
 
 A sample the judge could not score is masked from the update and counted, never rewarded 0.
 """
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lib.judges.remote import Endpoint, RemoteJudge, Rubric
+
+DEFAULT_TEMPLATE = """You are grading a response to a question.
+
+Question:
+{question}
+
+Reference answer (may be empty):
+{reference}
+
+Response:
+{response}
+
+Judge how correct and helpful the response is. Think briefly, then end with a line "Score: N", N an integer from 0
+(wrong or useless) to 10 (fully correct and helpful)."""
+
+
+def build(cfg: Any) -> RemoteJudge | None:
+    """The judge of the config's ``judge`` section (None without a url), its key read from the environment variable
+    the config names. Raises ValueError naming the fix for what cannot work."""
+    if not cfg.url:
+        return None
+    problems = []
+    if not cfg.model:
+        problems.append("judge.model is empty: name the model the endpoint serves")
+    key = ""
+    if cfg.api_key_env:
+        key = os.environ.get(cfg.api_key_env, "")
+        if not key:
+            problems.append(f"judge.api_key_env={cfg.api_key_env}: that environment variable is not set; export it "
+                            f"with the endpoint's key (keys never go in a config)")
+    template = DEFAULT_TEMPLATE
+    if cfg.template:
+        try:
+            template = open(cfg.template).read()
+        except OSError as e:
+            problems.append(f"judge.template={cfg.template!r} cannot be read ({e.strerror}); point it at a text file")
+    try:
+        template.format(question="", response="", reference="")
+    except (KeyError, IndexError, ValueError) as e:
+        problems.append(f"judge.template: fields are {{question}}, {{response}} and {{reference}} (double other braces "
+                        f"as {{{{ and }}}}); it has {type(e).__name__}: {e}")
+    if "{response}" not in template:
+        problems.append("judge.template has no {response}: the judge would never see what it grades")
+    if not cfg.scale_min < cfg.scale_max:
+        problems.append(f"judge.scale_min={cfg.scale_min} must be below judge.scale_max={cfg.scale_max}")
+    for name in ("max_in_flight", "max_tokens"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"judge.{name}={getattr(cfg, name)} must be >= 1")
+    for name in ("timeout_s", "deadline_s"):
+        if getattr(cfg, name) <= 0:
+            problems.append(f"judge.{name}={getattr(cfg, name)} must be > 0")
+    if problems:
+        raise ValueError("; ".join(problems))
+    endpoint = Endpoint(cfg.url, cfg.model, key, cfg.max_in_flight, cfg.timeout_s, cfg.deadline_s, cfg.max_retries,
+                        cfg.backoff_s, cfg.budget_tokens, cfg.max_tokens, cfg.temperature)
+    return RemoteJudge(endpoint, Rubric(template, cfg.parse, cfg.field, (cfg.scale_min, cfg.scale_max)))

@@ -27,6 +27,7 @@ class Scored:
     answers: list[Any]  # the extracted answer per row, None where the scorer gave none
     texts: list[str]  # the decoded responses that were scored
     messages: dict[str, str]
+    unscored: list[bool] | None = None  # with a judge: the rows it could not score (masked from the update)
 
 
 def last_sampled(mask: torch.Tensor) -> torch.Tensor:
@@ -39,8 +40,11 @@ def last_sampled(mask: torch.Tensor) -> torch.Tensor:
 
 class Scorer:
     def __init__(self, tokenizer: Any, custom: str = "", timeout_s: float = 10.0, reward_model: Any = None,
-                 num_workers: int = 2):
+                 num_workers: int = 2, judge: Any = None, judge_weights: tuple[float, float] = (0.0, 1.0)):
+        """``judge`` (lib/judges): an LLM judge scores every row too; the score is rule x ``judge_weights[0]`` +
+        judge x ``judge_weights[1]``, and a row the judge could not score is flagged in ``Scored.unscored``."""
         self.tokenizer, self.custom = tokenizer, custom
+        self.judge, self.judge_weights = judge, judge_weights
         if custom:
             load_custom(custom)  # a bad file or name is a config error, raised here, before any worker starts
         self.pool = RewardPool(custom, timeout_s, num_workers)
@@ -84,13 +88,37 @@ class Scorer:
             rm = self.reward_model(data).tolist()
             scores = [s + r for s, r in zip(scores, rm)]
             sums["rm_score"] = rm
+        unscored = None
+        if self.judge is not None:
+            scores, unscored, judged = self._judge(data, texts, truths.tolist(), scores)
+            metrics_judge = judged
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
         m = mask.cpu()  # scores are placed on CPU, then follow the batch's device
         rows = torch.nonzero(m.sum(-1) > 0).flatten()
         token_scores[rows, last_sampled(m)[rows]] = torch.tensor(scores, dtype=torch.float32)[rows]
         metrics = {f"reward/{k}": float(v) for k, v in counts.items()}
         metrics.update({f"reward/{k}": float(np.mean(v)) for k, v in sums.items()})
-        return Scored(token_scores.to(mask.device), metrics, scores, [r[2] for r in results], texts, messages)
+        if unscored is not None:
+            metrics.update(metrics_judge)
+        return Scored(token_scores.to(mask.device), metrics, scores, [r[2] for r in results], texts, messages,
+                      unscored)
+
+    def _judge(self, data: DataProto, texts: list[str], truths: list[Any], rule: list[float]
+               ) -> tuple[list[float], list[bool], dict[str, float]]:
+        """The judge's verdicts on the rows: (combined scores, which rows it could not score, judge/* metrics).
+        The question is the prompt's last user message (its text), the reference the row's ground truth."""
+        n = len(texts)
+        questions = []
+        messages = data.non_tensor_batch.get("messages", np.array([None] * n, dtype=object))
+        prompts = data.non_tensor_batch.get("raw_prompt", np.array([""] * n, dtype=object))
+        for turns, prompt in zip(messages.tolist(), prompts.tolist()):
+            users = [m.get("content") for m in (turns or []) if isinstance(m, dict) and m.get("role") == "user"]
+            questions.append(str(users[-1]) if users and isinstance(users[-1], str) else str(prompt or ""))
+        items = [(q, t, "" if r is None else str(r)) for q, t, r in zip(questions, texts, truths)]
+        verdicts, metrics = self.judge.score(items)
+        w_rule, w_judge = self.judge_weights
+        scores = [w_rule * s + w_judge * (v.score if v.score is not None else 0.0) for s, v in zip(rule, verdicts)]
+        return scores, [v.score is None for v in verdicts], metrics
 
     def close(self) -> None:
         self.pool.close()
