@@ -4,7 +4,8 @@ localhost (its cap on requests in flight, the retry matrix, the deadline, the ca
 import pytest
 
 from lib.judges.parse import DEADLINE, ERROR, OK, OVER_BUDGET, TRUNCATED, UNPARSED, raw_score, verdict
-from lib.judges.remote import Endpoint, RemoteJudge, Rubric
+from lib.config import JudgeConfig
+from lib.judges.remote import RemoteJudge
 from tests.fake_openai import Server
 
 SCALE, REWARD = (0.0, 10.0), (0.0, 1.0)
@@ -47,8 +48,7 @@ TEMPLATE = "Q: {question}\nA: {response}\nRef: {reference}\nGrade it."
 
 
 def _judge(server, **settings) -> RemoteJudge:
-    endpoint = Endpoint(server.url, "judge-model", api_key="good", backoff_s=0.001, **settings)
-    return RemoteJudge(endpoint, Rubric(TEMPLATE, scale=(0, 10)))
+    return RemoteJudge(JudgeConfig(server.url, "judge-model", backoff_s=0.001, **settings), TEMPLATE, "good")
 
 
 def _items(*responses: str):
@@ -110,11 +110,11 @@ def test_a_verdict_cut_at_the_judges_token_limit_is_masked(server):
 
 
 def test_a_wrong_key_or_url_is_one_clear_error_from_the_probe(server):
-    RemoteJudge(Endpoint(server.url, "m", api_key="good"), Rubric(TEMPLATE)).probe()
+    RemoteJudge(JudgeConfig(server.url, "m"), TEMPLATE, "good").probe()
     with pytest.raises(ValueError, match="refused the key .HTTP 401.: set the environment variable"):
-        RemoteJudge(Endpoint(server.url, "m", api_key="wrong"), Rubric(TEMPLATE)).probe()
+        RemoteJudge(JudgeConfig(server.url, "m"), TEMPLATE, "wrong").probe()
     with pytest.raises(ValueError, match="cannot be reached"):
-        RemoteJudge(Endpoint("http://127.0.0.1:9/v1", "m", timeout_s=2), Rubric(TEMPLATE)).probe()
+        RemoteJudge(JudgeConfig("http://127.0.0.1:9/v1", "m", timeout_s=2), TEMPLATE).probe()
 
 
 def test_unscored_rows_leave_the_update_and_their_groups(tmp_path):

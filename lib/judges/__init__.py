@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lib.judges.remote import Endpoint, RemoteJudge, Rubric
+from lib.judges.remote import RemoteJudge
 
 DEFAULT_TEMPLATE = """You are grading a response to a question.
 
@@ -68,6 +68,4 @@ def build(cfg: Any) -> RemoteJudge | None:
             problems.append(f"judge.{name}={getattr(cfg, name)} must be > 0")
     if problems:
         raise ValueError("; ".join(problems))
-    endpoint = Endpoint(cfg.url, cfg.model, key, cfg.max_in_flight, cfg.timeout_s, cfg.deadline_s, cfg.max_retries,
-                        cfg.backoff_s, cfg.budget_tokens, cfg.max_tokens, cfg.temperature)
-    return RemoteJudge(endpoint, Rubric(template, cfg.parse, cfg.field, (cfg.scale_min, cfg.scale_max)))
+    return RemoteJudge(cfg, template, key)

@@ -17,62 +17,36 @@ import hashlib
 import json
 import random
 import time
-from dataclasses import dataclass
 
 import httpx
 
-from lib.judges.parse import DEADLINE, ERROR, OK, OVER_BUDGET, TRUNCATED, UNPARSED, Verdict, verdict
+from lib.config import JudgeConfig
+from lib.judges.parse import DEADLINE, ERROR, OVER_BUDGET, TRUNCATED, UNPARSED, Verdict, verdict
 
 RETRIED = (429, 500, 502, 503, 504)
 
 
-@dataclass
-class Endpoint:
-    url: str  # the API's base, e.g. http://host:8000/v1 (``/chat/completions`` is added)
-    model: str
-    api_key: str = ""
-    max_in_flight: int = 16
-    timeout_s: float = 120.0
-    deadline_s: float = 900.0
-    max_retries: int = 4
-    backoff_s: float = 1.0
-    budget_tokens: int = 0  # 0: none
-    max_tokens: int = 1024
-    temperature: float = 0.0
-
-
-@dataclass
-class Rubric:
-    """What the judge reads and how its verdict is read: ``template`` with {question}, {response}, {reference}
-    (str.format); the verdict's form (parse.raw_score's ``how`` and JSON ``field``), its scale and the reward range
-    it maps onto."""
-
-    template: str
-    how: str = "auto"
-    field: str = "score"
-    scale: tuple[float, float] = (0.0, 10.0)
-    reward: tuple[float, float] = (0.0, 1.0)
-
-
 class RemoteJudge:
-    def __init__(self, endpoint: Endpoint, rubric: Rubric):
-        self.endpoint, self.rubric = endpoint, rubric
+    def __init__(self, cfg: JudgeConfig, template: str, api_key: str = ""):
+        """The endpoint, limits and verdict form of ``cfg`` (lib.config.JudgeConfig); ``template``: the judge's
+        prompt, {question}, {response} and {reference} filled in (str.format); ``api_key``: sent as a bearer token."""
+        self.endpoint, self.template, self.api_key = cfg, template, api_key
         self.cache: dict[str, tuple[str, bool]] = {}  # key -> (the judge's text, cut by its token limit)
         self.used_tokens = 0  # over the run, for the budget
 
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.endpoint.api_key}"} if self.endpoint.api_key else {}
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _body(self, text: str, max_tokens: int) -> dict:
         return {"model": self.endpoint.model, "messages": [{"role": "user", "content": text}],
                 "temperature": self.endpoint.temperature, "max_tokens": max_tokens}
 
     def _key(self, text: str) -> str:
-        settings = (self.endpoint.model, self.rubric.template, self.endpoint.temperature, self.endpoint.max_tokens)
+        settings = (self.endpoint.model, self.template, self.endpoint.temperature, self.endpoint.max_tokens)
         return hashlib.sha256(json.dumps([*settings, text]).encode()).hexdigest()
 
     def render(self, question: str, response: str, reference: str = "") -> str:
-        return self.rubric.template.format(question=question, response=response, reference=reference)
+        return self.template.format(question=question, response=response, reference=reference)
 
     def probe(self) -> None:
         """One short request: a refused key or an endpoint that cannot be reached is one clear error, now."""
@@ -130,8 +104,9 @@ class RemoteJudge:
                     if isinstance(answers[key], tuple):
                         self.cache[key] = answers[key]
             await asyncio.gather(*tasks.values(), return_exceptions=True)
-        r = self.rubric
-        return [Verdict(None, a) if isinstance(a, str) else verdict(a[0], a[1], r.how, r.field, r.scale, r.reward)
+        e = self.endpoint
+        return [Verdict(None, a) if isinstance(a, str) else
+                verdict(a[0], a[1], e.parse, e.field, (e.scale_min, e.scale_max), (0.0, 1.0))
                 for a in (answers[k] for k in keys)], counts
 
     async def _ask(self, client: httpx.AsyncClient, gate: asyncio.Semaphore, text: str,
