@@ -136,7 +136,8 @@ def test_the_vllm_rows_on_cpu(tmp_path):
     sleep (the same seed gives the same tokens, the trainer agrees with the adapter on and not off); our engine's
     tokens/s against bare LLM.generate is measured (a figure, no verdict on CPU); 2 GRPO steps with the vLLM engine,
     and 2 with a LoRA policy served to it as an adapter."""
-    report, _ = _run(tmp_path, "--only", "correctness", "lora_sleep", "rollout", "grpo_vllm", "grpo_lora_vllm")
+    report, _ = _run(tmp_path, "--only", "correctness", "rollout", "grpo_vllm", "lora_sleep", "grpo_lora_vllm",
+                     "--lanes", "2")  # the two LoRA checks together, as the GPU session runs them
     assert list(report["checks"]) == ["correctness", "lora_sleep", "rollout", "grpo_vllm", "grpo_lora_vllm"]
     rows = {r["figure"]: r for c in report["checks"].values() for r in c["rows"]}
     for name in ("correctness (vllm engine): trainer's margin at the engine's greedy tokens (max)",

@@ -104,7 +104,11 @@ def test_every_estimator_is_independent_of_the_world_size():
         torch.testing.assert_close(torch.cat([r0[name][1], r1[name][1]]), ret, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _agg_body(path, mode):
+MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _agg_body(path):
+    """One update step in every aggregation mode, each from a fresh model (one process start for all five)."""
     from lib.actor import Trainee, update_policy
     from lib.config import ActorConfig, BatchingConfig, ModelConfig, OptimConfig
     from lib.dist import init_topology
@@ -112,24 +116,29 @@ def _agg_body(path, mode):
     from lib.optim import build_optimizer
 
     topo = init_topology(device="cpu")
-    cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0),
-                      batching=BatchingConfig(micro_batch_size_per_rank=3 if topo.world_size == 1 else 1),
-                      loss_agg_mode=mode, loss_scale_factor=5.0)
-    model = build_sharded_model(cfg.model, cfg.fsdp, topo)
-    optimizer, scheduler = build_optimizer(model, cfg.optim)
-    per_rank = ROWS // topo.world_size
-    local = _data()[topo.rank * per_rank:(topo.rank + 1) * per_rank]
-    metrics = update_policy(Trainee(model, optimizer, scheduler, topo), local, cfg)
-    return {"metrics": metrics, "weights": {n: t.clone() for n, t in iter_full_params(model)}}
+    out = {}
+    for mode in MODES:
+        cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0),
+                          batching=BatchingConfig(micro_batch_size_per_rank=3 if topo.world_size == 1 else 1),
+                          loss_agg_mode=mode, loss_scale_factor=5.0)
+        model = build_sharded_model(cfg.model, cfg.fsdp, topo)
+        optimizer, scheduler = build_optimizer(model, cfg.optim)
+        per_rank = ROWS // topo.world_size
+        local = _data()[topo.rank * per_rank:(topo.rank + 1) * per_rank]
+        metrics = update_policy(Trainee(model, optimizer, scheduler, topo), local, cfg)
+        out[mode] = {"metrics": metrics, "weights": {n: t.clone() for n, t in iter_full_params(model)}}
+    return out
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
-def test_every_aggregation_is_independent_of_ranks_and_micro_batches(tmp_path, mode):
+def test_every_aggregation_is_independent_of_ranks_and_micro_batches(tmp_path):
+    """Each loss aggregation mode: one rank with micro-batches of 3 rows against two ranks with micro-batches of 1
+    give the same loss, gradient norm and weights after a step."""
     path = save_tiny_model(str(tmp_path / "m"), "qwen2")
-    (one,) = run_distributed(_agg_body, path, mode, world_size=1)
-    two, _ = run_distributed(_agg_body, path, mode, world_size=2)
-    for key in ("actor/pg_loss", "actor/grad_norm"):
-        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), key
-    for name, w in one["weights"].items():
-        torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=2e-6, msg=name)
+    (ones,) = run_distributed(_agg_body, path, world_size=1)
+    twos, _ = run_distributed(_agg_body, path, world_size=2)
+    for mode in MODES:
+        one, two = ones[mode], twos[mode]
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-6), (mode, key)
+        for name, w in one["weights"].items():
+            torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=2e-6, msg=f"{mode}: {name}")
