@@ -46,13 +46,18 @@ def _worker(rank: int, world: int, port: int, target: tuple[str, str, str], args
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend)
+        ok = False
         try:
             # plain pickle bytes: torch's queue pickler would share tensors by file descriptor, gone when we exit
             results.put((rank, "ok", pickle.dumps(_load(*target)(*args)), 0.0))
+            ok = True
         except BaseException:  # noqa: BLE001 - the parent shows it
             # Report before the group is torn down: that teardown is what makes the other ranks fail.
             results.put((rank, "error", traceback.format_exc(), time.time()))
         if dist.is_initialized():  # a vLLM engine's close() tears down the default group itself
+            if ok:  # every rank done first: rank 0 hosts the store, and a rank still making a group of its own (a
+                # mesh axis of size 1) failed with "Broken pipe" once rank 0 had finished and left (seen under load)
+                dist.barrier()
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - before the body ran: the rendezvous, not the test, failed
         results.put((rank, "setup_error", traceback.format_exc(), time.time()))
