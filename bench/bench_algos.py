@@ -1,11 +1,15 @@
 """Vectorized RL math vs the plain references, printed as ratios measured in the same run.
 
     python bench/bench_algos.py [--batch 16384] [--n 16] [--vocab 151936] [--tokens 4096] [--device auto]
+                                [--head-tokens 4096] [--hidden 1536]
 
 1. GRPO and RLOO advantages at B sequences in groups of n: ms for lib/algos.py vs lib/algos_ref.py.
 2. Token log-probs (+ entropy) from logits (tokens x vocab): peak extra memory and time of the chunked
    version vs the naive ``log_softmax(logits.float()).gather(...)``. On CUDA memory is the allocator's peak;
    on CPU it is the peak RSS growth of a fresh process per variant (so the numbers do not share an allocator).
+3. The LM head and the log-probs from hidden states (head tokens x hidden, a vocab x hidden head), forward and
+   backward into both: the head's logits then the chunked log-probs (lib.logprobs.log_probs_from_logits, what a
+   forward with fused_head off does) vs the fused head (lib.logprobs.head_log_probs); memory and time as in 2.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from lib import algos, algos_ref  # noqa: E402
-from lib.logprobs import log_probs_from_logits  # noqa: E402
+from lib.logprobs import head_log_probs, log_probs_from_logits  # noqa: E402
 
 
 def bench_advantages(batch: int, n: int) -> None:
@@ -49,6 +53,43 @@ def bench_advantages(batch: int, n: int) -> None:
         print(f"{name:<12}{t_fast:>15.1f}{t_slow:>12.1f}{t_slow / t_fast:>9.0f}x")
 
 
+def _measure(run, device: str) -> dict:
+    """Peak extra memory (bytes) and best-of-3 ms of ``run``: the allocator's peak on CUDA, RSS growth on CPU."""
+    if device == "cuda":
+        run()  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:  # the high-water mark only rises: take it before the first call, with the inputs already touched
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        run()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {"peak_extra_bytes": peak, "ms": min(times) * 1e3}
+
+
+def _variant(name: str, device: str, *args) -> dict:
+    """``name(*args)`` of this module: here on CUDA (the allocator's peak is reset per variant), in a new Python
+    process on CPU (ru_maxrss is a high-water mark: each variant needs its own)."""
+    if device == "cuda":
+        out = globals()[name](*args)
+        torch.cuda.empty_cache()
+        return out
+    code = (f"import sys, json; sys.path.insert(0, {ROOT!r}); from bench.bench_algos import {name} as r; "
+            f"print(json.dumps(r(*{args!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _run_logprob_variant(variant: str, tokens: int, vocab: int, dtype: str, device: str, backward: bool) -> dict:
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
@@ -65,27 +106,7 @@ def _run_logprob_variant(variant: str, tokens: int, vocab: int, dtype: str, devi
             logits.grad = None
         return logp
 
-    if device == "cuda":
-        run()  # warm-up
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:  # the high-water mark only rises: take it before the first call, with the logits already touched
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        run()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        out = run()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        del out
-    if device == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"peak_extra_bytes": peak, "ms": min(times) * 1e3}
+    return _measure(run, device)
 
 
 def bench_logprobs(tokens: int, vocab: int, device: str) -> None:
@@ -100,20 +121,47 @@ def bench_logprobs(tokens: int, vocab: int, device: str) -> None:
         for backward in (False, True):
             res = {}
             for variant in ("naive", "chunked"):
-                if device == "cuda":
-                    res[variant] = _run_logprob_variant(variant, tokens, vocab, dtype, device, backward)
-                    torch.cuda.empty_cache()
-                else:  # a fresh process per variant: ru_maxrss is a high-water mark
-                    code = (f"import sys, json; sys.path.insert(0, {ROOT!r}); from bench.bench_algos import "
-                            f"_run_logprob_variant as r; print(json.dumps(r({variant!r}, {tokens}, {vocab}, "
-                            f"{dtype!r}, 'cpu', {backward})))")
-                    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-                    res[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+                res[variant] = _variant("_run_logprob_variant", device, variant, tokens, vocab, dtype, device,
+                                        backward)
             n, c = res["naive"], res["chunked"]
             case = f"{dtype} {'fwd+bwd' if backward else 'fwd'}"
             print(f"{case:<28}{n['peak_extra_bytes'] / 2**30:>10.2f}{c['peak_extra_bytes'] / 2**30:>12.2f}"
                   f"{c['peak_extra_bytes'] / max(n['peak_extra_bytes'], 1):>11.2f}{n['ms']:>10.1f}{c['ms']:>12.1f}"
                   f"{c['ms'] / n['ms']:>12.2f}")
+
+
+def _run_head_variant(variant: str, tokens: int, hidden: int, vocab: int, dtype: str, device: str) -> dict:
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    h = (torch.randn(tokens, hidden, device=device) / hidden ** 0.5).to(dt).requires_grad_(True)
+    w = torch.randn(vocab, hidden, device=device).to(dt).requires_grad_(True)
+    labels = torch.randint(0, vocab, (tokens,), device=device)
+
+    def run() -> None:
+        if variant == "head+chunked":
+            logp, _ = log_probs_from_logits(torch.nn.functional.linear(h, w), labels)
+        else:
+            logp, _ = head_log_probs(h, w, labels)
+        logp.sum().backward()
+        h.grad = w.grad = None
+
+    return _measure(run, device)
+
+
+def bench_head(tokens: int, hidden: int, vocab: int, device: str) -> None:
+    dtypes = ["bfloat16"] if device == "cuda" else ["float32"]
+    print(f"\nLM head + log-probs, fwd+bwd: {tokens} tokens x hidden {hidden} -> vocab {vocab}, {device}; peak memory "
+          f"beyond the inputs, best-of-3 time")
+    print(f"{'dtype':<12}{'head+chunked GB':>17}{'fused GB':>10}{'mem ratio':>11}{'head+chunked ms':>17}"
+          f"{'fused ms':>10}{'time ratio':>12}")
+    for dtype in dtypes:
+        res = {}
+        for variant in ("head+chunked", "fused"):
+            res[variant] = _variant("_run_head_variant", device, variant, tokens, hidden, vocab, dtype, device)
+        a, f = res["head+chunked"], res["fused"]
+        print(f"{dtype:<12}{a['peak_extra_bytes'] / 2**30:>17.2f}{f['peak_extra_bytes'] / 2**30:>10.2f}"
+              f"{f['peak_extra_bytes'] / max(a['peak_extra_bytes'], 1):>11.2f}{a['ms']:>17.1f}{f['ms']:>10.1f}"
+              f"{f['ms'] / a['ms']:>12.2f}")
 
 
 def main() -> None:
@@ -123,10 +171,17 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--head-tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=1536)
+    ap.add_argument("--only", choices=["advantages", "logprobs", "head"], default=None)
     args = ap.parse_args()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    bench_advantages(args.batch, args.n)
-    bench_logprobs(args.tokens, args.vocab, device)
+    if args.only in (None, "advantages"):
+        bench_advantages(args.batch, args.n)
+    if args.only in (None, "logprobs"):
+        bench_logprobs(args.tokens, args.vocab, device)
+    if args.only in (None, "head"):
+        bench_head(args.head_tokens, args.hidden, args.vocab, device)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ Long-tailed response lengths (log-normal, clipped to max-len). Baseline: fixed m
 of at most --max-tokens tokens, packed into one row (no pad compute). Prints valid tokens/s of each and
 the ratio; on GPU also the model FLOPs utilisation (6 * matmul params * tokens + attention, over the bf16 peak; the
 input embedding's lookup is no matmul). --heads/--kv-heads/--intermediate/--tied give a real model's shape.
+--compare-head adds the packed side with model.fused_head off (the whole logits tensor made and kept for backward):
+its tokens/s, and on GPU each side's peak memory.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=0, help="dynamic budget; 0: micro * mean row length")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--compare-head", action="store_true", help="also the packed side without the fused LM head")
     return ap
 
 
@@ -87,18 +90,21 @@ def measure(args: argparse.Namespace) -> dict:
         mean_len = valid_tokens / args.rows
         budget = args.max_tokens or int(args.micro * mean_len)
         budget = max(budget, int(data.batch["attention_mask"].sum(-1).max()))
-        results = {}
-        for name, batching in {
-            "padded, fixed micro-batches": BatchingConfig(micro_batch_size_per_rank=args.micro,
-                                                          use_remove_padding=False),
-            "packed, dynamic micro-batches": BatchingConfig(use_dynamic_batching=True, max_tokens_per_rank=budget,
-                                                            use_remove_padding=True),
-        }.items():
-            acfg = ActorConfig(model=ModelConfig(path=tmp), optim=OptimConfig(lr=1e-6), batching=batching)
+        results, peaks = {}, {}
+        packed = BatchingConfig(use_dynamic_batching=True, max_tokens_per_rank=budget, use_remove_padding=True)
+        sides = {"padded": (BatchingConfig(micro_batch_size_per_rank=args.micro, use_remove_padding=False), True),
+                 "packed": (packed, True)}
+        if args.compare_head:
+            sides["whole"] = (packed, False)  # packed, dynamic, fused_head off
+        for name, (batching, fused) in sides.items():
+            acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head=fused), optim=OptimConfig(lr=1e-6),
+                               batching=batching)
             model = build_sharded_model(acfg.model, acfg.fsdp, topo, packed=batching.use_remove_padding)
             optimizer, scheduler = build_optimizer(model, acfg.optim)
             trainee = Trainee(model, optimizer, scheduler, topo)
             update_policy(trainee, data, acfg)  # warm-up
+            if topo.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             times = []
             for _ in range(args.repeats):
                 if topo.device.type == "cuda":
@@ -109,6 +115,7 @@ def measure(args: argparse.Namespace) -> dict:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             results[name] = min(times)
+            peaks[name] = torch.cuda.max_memory_allocated() if topo.device.type == "cuda" else None
             n_params = sum(p.numel() for p in model.parameters())
             # the input embedding is a lookup, no matmul: out of the FLOPs (a tied one is the LM head's matmul too)
             n_matmul = n_params - (0 if args.tied else args.vocab * args.hidden)
@@ -119,8 +126,9 @@ def measure(args: argparse.Namespace) -> dict:
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
     lengths = data.batch["attention_mask"].sum(-1).double()
     flops = 6 * n_matmul * valid_tokens + 12 * args.layers * args.hidden * float((lengths ** 2).sum()) / 2
-    base, ours = results.values()
-    return {"rows": args.rows, "valid_tokens": valid_tokens, "mean_len": mean_len, "max_len": int(lengths.max()),
+    base, ours, whole = results["padded"], results["packed"], results.get("whole")
+    return {"whole_tokens_per_s": valid_tokens / whole if whole else None, "peak_bytes": peaks,
+            "rows": args.rows, "valid_tokens": valid_tokens, "mean_len": mean_len, "max_len": int(lengths.max()),
             "width": data.batch["input_ids"].shape[1], "params_m": n_params / 1e6, "device": str(topo.device),
             "budget": budget, "padded_tokens_per_s": valid_tokens / base, "packed_tokens_per_s": valid_tokens / ours,
             "ratio": base / ours, "mfu_padded": flops / base / (peak * 1e12) if peak else None,
@@ -138,6 +146,11 @@ def main() -> None:
             line += f"   MFU {r['mfu_' + side] * 100:.1f}%"
         print(line)
     print(f"  ratio packed+dynamic / padded: {r['ratio']:.2f}x tokens/s")
+    if r["whole_tokens_per_s"]:
+        print(f"  packed, whole logits (fused_head off) {r['whole_tokens_per_s']:>10.0f} tokens/s; fused / whole "
+              f"{r['packed_tokens_per_s'] / r['whole_tokens_per_s']:.2f}x")
+    if r["peak_bytes"].get("packed") is not None:
+        print("  peak GPU memory: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in r["peak_bytes"].items()))
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def check_update(args) -> list[Row]:
     flags = ["--rows", "64" if args.device == "cuda" else "8", "--max-len", "2048" if args.device == "cuda" else "256",
              "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab), "--heads", str(heads),
              "--kv-heads", str(kv), "--intermediate", str(inter), "--tied", "--device", args.device,
-             "--repeats", "2" if args.device == "cuda" else "1"]
+             "--repeats", "2" if args.device == "cuda" else "1", "--compare-head"]
     r = bench_train.measure(bench_train.parser().parse_args(flags))
     rows = [Row("update: packed / padded tokens/s", f"{r['ratio']:.2f}x ({r['packed_tokens_per_s']:.0f} vs "
                 f"{r['padded_tokens_per_s']:.0f})", ">= 1x", r["ratio"] >= 1.0 if args.device == "cuda" else None,
@@ -134,6 +134,13 @@ def check_update(args) -> list[Row]:
                         "lookup"))
     else:
         rows.append(Row("update: MFU", "not run", "", None, "needs a GPU with a known bf16 peak"))
+    peak = r["peak_bytes"]
+    memory = (f"; peak memory {peak['packed'] / 2**30:.1f} vs {peak['whole'] / 2**30:.1f} GiB"
+              if peak["packed"] is not None else "")
+    rows.append(Row("update: fused LM head / whole logits tokens/s",
+                    f"{r['packed_tokens_per_s'] / r['whole_tokens_per_s']:.2f}x", "", None,
+                    f"packed, the same micro-batches (issue 41's lever){memory}"
+                    + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU)))
     return rows
 
 

@@ -19,6 +19,10 @@ class ModelConfig:
     """auto: flash_attention_2 on GPU when installed, else sdpa. Or any transformers attention name."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
+    fused_head: bool = True
+    """Make the response log-probs (and entropy) inside the LM head, a chunk of tokens at a time, its matmul redone
+    per chunk in backward: no (tokens x vocabulary) logits tensor in forward or backward. Never for a model that
+    changes its logits after the head (Gemma's softcap, Cohere's and Granite's scales). Off: the whole logits."""
     min_pixels: int = 0
     """Vision-language models: the fewest pixels an image is resized to (0: the model's image processor's own). The
     same for rollout and training."""

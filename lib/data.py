@@ -22,11 +22,9 @@ import glob
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
@@ -35,6 +33,11 @@ from lib.protocol import DataProto
 from lib.vision import rope
 from lib.vision.processor import (PLACEHOLDER, VisionProcessor, count_placeholders, image_size, load_image,
                                   with_image_parts)
+
+if TYPE_CHECKING:
+    import datasets
+# datasets and pyarrow (~0.5 s to import) are imported where a parquet file or a saved dataset is read: every rank
+# of every run imports this module, most of them to read JSON lines
 
 TRUNCATION = ("filter", "left", "right", "error")
 STANDARD_COLUMNS = ("prompt", "data_source", "reward_model", "extra_info")
@@ -90,7 +93,7 @@ class ImageColumn:
     base_dir: str
 
     def entries(self, row: int) -> list:
-        value = self.table[row][self.name] if isinstance(self.table, datasets.Dataset) else self.table[row]
+        value = self.table[row] if isinstance(self.table, list) else self.table[row][self.name]
         if value is None:
             return []
         return list(value) if isinstance(value, (list, tuple)) else [value]
@@ -98,6 +101,8 @@ class ImageColumn:
 
 def _undecoded(table: datasets.Dataset, name: str) -> datasets.Dataset:
     """The column with ``datasets.Image`` features left as ``{"bytes", "path"}`` (decoded per batch, by us)."""
+    import datasets
+
     feature = table.features[name]
     inner = getattr(feature, "feature", feature)
     if isinstance(inner, datasets.Image):
@@ -117,6 +122,8 @@ def root_cause(e: BaseException) -> BaseException:
 
 def _read_table(path: str) -> tuple[list[Any], ImageColumn | None]:
     """The rows of a parquet file or a save_to_disk folder (through ``datasets``), the image column kept apart."""
+    import datasets
+
     datasets.disable_progress_bars()
     table = datasets.load_from_disk(path) if is_saved_dataset(path) else datasets.Dataset.from_parquet(path)
     name = next((c for c in IMAGE_COLUMNS if c in table.column_names), None)
@@ -135,6 +142,8 @@ def _read(path: str) -> tuple[list[Any], ImageColumn | None]:
         raise ValueError(f"{path} is an empty file (0 bytes): write the data again, or leave it out of the data files")
     try:
         if table:
+            import pyarrow.parquet as pq
+
             if path.endswith(".parquet") and pq.ParquetFile(path).metadata.num_rows == 0:
                 return [], None  # datasets fails on a file of no rows; the caller says "holds no rows"
             return _read_table(path)

@@ -9,7 +9,9 @@ Rows are ``input_ids = prompt (left-padded) + response (right-padded)`` with ``a
   computed once per micro-batch, passed in the model call) on GPU and with sequence parallelism; on CPU
   without SP, transformers' sdpa sees the restarts. No pad token is computed.
 
-Either way only the positions that predict a response token reach the LM head (``logits_to_keep``).
+Either way only the positions that predict a response token reach the LM head (``logits_to_keep``), and the head
+makes the log-probs itself (``_in_head``, lib.logprobs.head_log_probs): no (tokens x vocabulary) logits tensor, unless
+the model changes its logits after the head or model.fused_head is off.
 
 Vision-language rows (lib/vision) add two things, both per row: ``rope_position_ids`` (B, 3, L), the 3-D rope rows
 computed once per prompt, and the non-tensor ``multi_modal`` (a dict of ``pixel_values`` and ``image_grid_thw``, or
@@ -30,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lib import attention, routing, ulysses
-from lib.logprobs import log_probs_from_logits, top_log_probs
+from lib.models import UNFUSED_HEAD_ATTR
+from lib.logprobs import head_log_probs, log_probs_from_logits, top_log_probs
 from lib.protocol import DataProto
-from lib.vision import BANNED_ATTR, ban, blank_image, concat_features, two_way, type_ids
+from lib.vision import BANNED_ATTR, BANNED_LOGIT, ban, blank_image, concat_features, two_way, type_ids
 from lib.vision.rope import with_text_row
 
 Tensor = torch.Tensor
@@ -162,21 +165,25 @@ def _slice_rope(rope: Tensor, full_pos: Tensor, start: int, length: int) -> Tens
     return torch.cat([rope, pad], 2)[:, :, start:start + length]
 
 
-def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
-                vision: dict[str, Tensor] | None = None, routes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool, vision: dict[str, Tensor] | None = None,
+                routes: Tensor | None = None, head: _Head | None = None, labels: Tensor | None = None
+                ) -> tuple[Any, Tensor]:
     """Forward the packed row (sliced over the SP group when ``sp`` is a Topology with sp_size > 1); ``routes``
-    (N, layers, k): the packed row's replayed routes (lib/routing).
+    (N, layers, k): the packed row's replayed routes (lib/routing). ``head`` with ``labels`` (K, ...): the outputs
+    are ``head``'s at this rank's kept positions, made inside the LM head (``_in_head``).
     Returns (outputs at this rank's kept positions (k, ...), bool (K,) which kept positions they are)."""
     if sp is None or sp.sp_size == 1:
+        sel = torch.ones_like(p.keep, dtype=torch.bool)
         kw = {"logits_to_keep": p.keep} if lm_head else {}
         if attention.uses_packed_attention(model):  # the sequence bounds travel with the call (see attention.py)
             kw[attention.KWARG] = _packing(model, p.input_ids, p.position_ids)
         vision, around = _tower(model, vision or {}, p.input_ids)
-        with around, routing.use(model, routes):
+        with around, routing.use(model, routes), _in_head(model, head, labels, lambda h: h[0]) as made:
             out = model(input_ids=p.input_ids, position_ids=with_text_row(p.position_ids, p.rope), attention_mask=None,
                         use_cache=False, **kw, **vision)
-        logits = out.logits[0] if lm_head else out.logits[0, p.keep]
-        return logits, torch.ones_like(p.keep, dtype=torch.bool)
+        if made is not None:
+            return made(out), sel
+        return (out.logits[0] if lm_head else out.logits[0, p.keep]), sel
     ids, pos, full_pos, start = ulysses.pad_and_slice(p.input_ids, p.position_ids, sp.sp_size, sp.sp_rank)
     sel = (p.keep >= start) & (p.keep < start + ids.shape[1])
     local_keep = p.keep[sel] - start
@@ -185,16 +192,100 @@ def _run_packed(model: nn.Module, p: Packed, sp: Any, lm_head: bool,
     rope = None if p.rope is None else _slice_rope(p.rope, full_pos, start, ids.shape[1])
     vision, around = _tower(model, vision or {}, p.input_ids, (start, ids.shape[1]))
     local_routes = None if routes is None else routing.sp_slice(routes, sp.sp_size, start, ids.shape[1])
-    with around, routing.use(model, local_routes):
+    local_labels = None if labels is None else labels[sel]
+    with around, routing.use(model, local_routes), _in_head(model, head, local_labels, lambda h: h[0]) as made:
         out = model(input_ids=ids, position_ids=with_text_row(pos, rope), attention_mask=None, use_cache=False, **kw,
                     **vision)
+    if made is not None:
+        return made(out), sel
     return (out.logits[0] if lm_head else out.logits[0, local_keep]), sel
 
 
-def _response_outputs(model: nn.Module, micro: DataProto, fn: Callable[[Tensor, Tensor], tuple[Tensor | None, ...]],
-                      labels: Tensor, packed: bool, sp: Any) -> tuple[Tensor | None, ...]:
-    """``fn(logits (N, V), labels (N, ...))`` -> tensors (N, ...) (or None) at the N response positions of the
-    micro-batch, each returned as (B, R, ...) with zeros where the response is padding. ``labels``: (B, R, ...)."""
+@dataclass
+class _Head:
+    """What a forward computes at the response positions: ``on_logits(logits (N, V), labels (N, ...))`` -> a tuple
+    of (N, ...) tensors (or None), and, when it can, ``fused(hidden (N, H), weight (V, H), labels, banned, ban_value)``
+    -> the same, made from the LM head's input without the (N, V) logits tensor."""
+    on_logits: Callable[[Tensor, Tensor], tuple[Tensor | None, ...]]
+    fused: Callable[..., tuple[Tensor | None, ...]] | None = None
+
+
+UNFUSED_HEAD_ATTR = "_rl_unfused_head"
+"""Set on a model (lib.fsdp, from model.fused_head off) whose forwards make the whole logits tensor."""
+
+SOFTCAP = "final_logit_softcapping"
+LOGIT_SCALES = ("logit_scale", "logits_scaling")
+"""Config fields of architectures whose forward changes the logits after the LM head: Gemma's softcap (when set),
+Cohere's and Granite's scales (always applied, 1.0 included). Their heads are never fused: the forward's own code
+makes their logits."""
+
+
+def fuses_head(model: nn.Module) -> bool:
+    """Whether the forwards of ``model`` make the response log-probs inside its LM head (lib.logprobs.head_log_probs):
+    a bias-free linear head, a forward that uses the head's output as the logits, and not turned off."""
+    if getattr(model, UNFUSED_HEAD_ATTR, False):
+        return False
+    head = model.get_output_embeddings()
+    text = model.config.get_text_config()
+    return (isinstance(head, nn.Linear) and head.bias is None and getattr(text, SOFTCAP, None) is None
+            and not any(hasattr(text, k) for k in LOGIT_SCALES))
+
+
+def _not_fused(model: nn.Module) -> str:
+    return (f"{type(model).__name__} does not use its LM head as a plain last layer (it changes the logits after it, "
+            f"or gives it other positions); the fused head cannot compute its log-probs. Train with "
+            f"--actor.model.no-fused-head, and report the architecture (lib.forward.fuses_head should know it).")
+
+
+@contextlib.contextmanager
+def _in_head(model: nn.Module, head: _Head | None, labels: Tensor | None, take: Callable[[Tensor], Tensor]
+             ) -> Iterator[Callable[[Any], tuple[Tensor | None, ...]] | None]:
+    """For one model call, the LM head's forward computes ``head.fused`` on ``take(its input)`` (the hidden states
+    of the response positions, (N, H), in the order of ``labels``) with the head's weight as the forward holds it
+    (FSDP's gathered copy, in the compute dtype), and returns those outputs side by side, (1, N, columns), as the
+    logits: the model's output, so FSDP hooks its backward there and gathers the weight again before the fused
+    backward needs it. Yields the function that takes the model's output back to those outputs; it fails if the
+    forward changed the head's output, as a model that post-processes its logits would (then the outputs are not the
+    model's). None without ``head``'s fused form or where the model's head cannot take it (``fuses_head``)."""
+    if head is None or head.fused is None or not fuses_head(model):
+        yield None
+        return
+    lm_head = model.get_output_embeddings()
+    banned = getattr(model, BANNED_ATTR, None)
+    made: dict[str, Any] = {}
+
+    def forward(hidden: Tensor) -> Tensor:
+        ids = None if not banned else torch.tensor(banned, device=hidden.device)
+        positions, n = take(hidden), labels.shape[0]
+        if positions.shape[0] != n:  # the forward gave the head other positions than logits_to_keep names
+            raise RuntimeError(_not_fused(model))
+        outs = head.fused(positions, lm_head.weight, labels, ids, BANNED_LOGIT)
+        made["shapes"] = [None if o is None else o.shape for o in outs]
+        made["side_by_side"] = torch.cat([o.reshape(n, -1) for o in outs if o is not None], -1)[None]
+        return made["side_by_side"]
+
+    def outputs(out: Any) -> tuple[Tensor | None, ...]:
+        if out.logits is not made.get("side_by_side"):
+            raise RuntimeError(_not_fused(model))
+        columns = out.logits[0]
+        got, start = [], 0
+        for shape in made["shapes"]:
+            width = 0 if shape is None else shape[1:].numel()
+            got.append(None if shape is None else columns[:, start:start + width].reshape(shape))
+            start += width
+        return tuple(got)
+
+    lm_head.forward = forward
+    try:
+        yield outputs
+    finally:
+        del lm_head.forward
+
+
+def _response_outputs(model: nn.Module, micro: DataProto, head: _Head, labels: Tensor, packed: bool, sp: Any
+                      ) -> tuple[Tensor | None, ...]:
+    """``head``'s outputs (N, ...) (or None) at the N response positions of the micro-batch, each returned as
+    (B, R, ...) with zeros where the response is padding. ``labels``: (B, R, ...)."""
     b = micro.batch
     response_len = b["responses"].shape[1]
     vision = vision_inputs(micro)
@@ -202,21 +293,27 @@ def _response_outputs(model: nn.Module, micro: DataProto, fn: Callable[[Tensor, 
     if packed or (sp is not None and sp.sp_size > 1):
         p = pack(b["input_ids"], b["attention_mask"], b["position_ids"], response_len, b.get("rope_position_ids"))
         flat = None if routes is None else routing.flat_routes(routes, b["attention_mask"])
-        logits, sel = _run_packed(model, p, sp, lm_head=True, vision=vision, routes=flat)  # (k, V)
-        outs = fn(ban(logits, getattr(model, BANNED_ATTR, None)), labels[p.response_valid][sel])
+        got, sel = _run_packed(model, p, sp, lm_head=True, vision=vision, routes=flat, head=head,
+                               labels=labels[p.response_valid])
+        if torch.is_tensor(got):  # the logits (k, V)
+            got = head.on_logits(ban(got, getattr(model, BANNED_ATTR, None)), labels[p.response_valid][sel])
         if sp is not None and sp.sp_size > 1:
-            outs = tuple(None if o is None else _gather_keeps(o, sel, p.keep.numel(), sp.sp_group) for o in outs)
-        return tuple(_to_rows(o, p.response_valid) for o in outs)
+            got = tuple(None if o is None else _gather_keeps(o, sel, p.keep.numel(), sp.sp_group) for o in got)
+        return tuple(_to_rows(o, p.response_valid) for o in got)
     vision, around = _tower(model, vision, b["input_ids"])
     marks = type_ids(model.config, b["input_ids"]) if _vision_class(model) else {}
-    with around, routing.use(model, None if routes is None else routing.flat_routes(routes)):
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                       position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")), use_cache=False,
-                       logits_to_keep=response_len + 1, **vision, **marks).logits[:, :-1]  # (B, R, V)
-    logits = ban(logits, getattr(model, BANNED_ATTR, None))
     valid = b["attention_mask"][:, -response_len:].bool()
-    outs = fn(logits[valid], labels[valid])
-    return tuple(_to_rows(o, valid) for o in outs)
+    with around, routing.use(model, None if routes is None else routing.flat_routes(routes)), \
+            _in_head(model, head, labels[valid], lambda h: h[:, :-1][valid]) as made:
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                    position_ids=with_text_row(b["position_ids"], b.get("rope_position_ids")), use_cache=False,
+                    logits_to_keep=response_len + 1, **vision, **marks)
+    if made is not None:
+        got = made(out)
+    else:
+        logits = ban(out.logits[:, :-1], getattr(model, BANNED_ATTR, None))  # (B, R, V)
+        got = head.on_logits(logits[valid], labels[valid])
+    return tuple(_to_rows(o, valid) for o in got)
 
 
 def _to_rows(out: Tensor | None, where: Tensor) -> Tensor | None:
@@ -237,9 +334,10 @@ def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 
     labels = micro.batch["responses"]
     if at is not None:
         labels = torch.cat([labels[..., None], at.to(labels.device)], -1)
-    return _response_outputs(
-        model, micro, lambda logits, lab: log_probs_from_logits(logits, lab, temperature, with_entropy), labels,
-        packed, sp)
+    head = _Head(lambda logits, lab: log_probs_from_logits(logits, lab, temperature, with_entropy),
+                 lambda hidden, weight, lab, banned, fill: head_log_probs(hidden, weight, lab, temperature,
+                                                                          with_entropy, banned, fill))
+    return _response_outputs(model, micro, head, labels, packed, sp)
 
 
 def response_top_log_probs(model: nn.Module, micro: DataProto, k: int, temperature: float = 1.0, packed: bool = True,
@@ -251,7 +349,7 @@ def response_top_log_probs(model: nn.Module, micro: DataProto, k: int, temperatu
         return (log_probs_from_logits(logits, labels, temperature)[0], *top_log_probs(logits, k, temperature))
 
     with torch.no_grad():
-        return _response_outputs(model, micro, fn, micro.batch["responses"], packed, sp)
+        return _response_outputs(model, micro, _Head(fn), micro.batch["responses"], packed, sp)
 
 
 def response_values(critic: nn.Module, micro: DataProto, packed: bool = True, sp: Any = None) -> Tensor:

@@ -287,6 +287,8 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     del full
     models.check_not_meta(model)
     model.dropout_off = dropout_off  # the settings turned off, for the start-up log
+    if not model_cfg.fused_head:
+        setattr(model, models.UNFUSED_HEAD_ATTR, True)
     if kind == "vision_lm":
         setattr(model, BANNED_ATTR, placeholder_ids(config))
     if pc is None:

@@ -28,6 +28,10 @@ KINDS = ("causal_lm", "critic", "vision_lm")
 """vision_lm: a vision-language model trained with its images (lib/vision); its language model alone is a causal_lm."""
 
 
+UNFUSED_HEAD_ATTR = "_rl_unfused_head"
+"""Set on a model (lib.fsdp, from model.fused_head off) whose forwards make the whole logits tensor (lib.forward)."""
+
+
 def attn_implementation(requested: str = "auto", packed: bool = False, sp_size: int = 1, config: Any = None) -> str:
     """The attention a trained model is built with. Packed rows go through lib/attention.py (varlen kernels: torch's
     own or flash-attn on CUDA; one padded causal sdpa elsewhere, or exact math where the model's attention has a

@@ -13,7 +13,10 @@ if ROOT not in sys.path:
 from lib import toy  # noqa: E402 - the repository's root goes on the path first
 from lib.vision import toy as vision_toy  # noqa: E402
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# the cores shared among test.sh's pytest-xdist workers: a worker's torch threads beyond its share spin-wait against
+# the other's (measured, 2 cores, 2 workers busy: the tool task's build took 282 s in 2 threads, 39 s in 1)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // WORKERS)))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,7 +18,7 @@ EOS_IDS = [1, 3]  # the tokenizer's eos and a second one, as Qwen2.5-Instruct's 
 
 
 def tiny_config(arch: str = "qwen2", **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
@@ -30,6 +30,8 @@ def tiny_config(arch: str = "qwen2", **overrides):
         return Qwen3Config(head_dim=8, **common)
     if arch == "llama":
         return LlamaConfig(**common)
+    if arch == "granite":  # its forward divides the logits by logits_scaling, 1.0 included
+        return GraniteConfig(**common)
     raise ValueError(arch)
 
 

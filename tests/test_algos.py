@@ -10,7 +10,7 @@ from lib import algos, algos_ref
 from lib.algos import (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, AdaptiveKLController, FixedKLController,
                        agg_loss, apply_kl_penalty, filter_groups, kl_penalty, masked_whiten, overlong_penalty,
                        rollout_correction, value_loss)
-from lib.logprobs import entropy_from_logits, log_probs_from_logits, log_probs_naive
+from lib.logprobs import entropy_from_logits, head_log_probs, log_probs_from_logits, log_probs_naive
 
 
 def outcome(scores, T=3, lengths=None):
@@ -455,6 +455,48 @@ def test_log_probs_at_no_position():
     one, ent = log_probs_from_logits(logits, torch.zeros(0, dtype=torch.long), with_entropy=True)
     several, _ = log_probs_from_logits(logits, torch.zeros(0, 3, dtype=torch.long))
     assert one.shape == ent.shape == (0,) and several.shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("labels_per_position,with_entropy,frozen",
+                         [(None, True, False), (3, False, False), (None, False, True), (2, True, True)])
+def test_the_fused_head_is_the_head_then_the_chunked_log_probs(dtype, labels_per_position, with_entropy, frozen):
+    """lib.logprobs.head_log_probs (the LM head's matmul redone per chunk, no (N, V) logits) against the head's
+    logits then log_probs_from_logits: the log-probs, the entropy, and the gradients into the hidden states and the
+    weight (none for a frozen head, as LoRA's), with placeholder columns banned and chunks that do not divide N."""
+    g = torch.Generator().manual_seed(8)
+    n, h, v = 23, 12, 61
+    hidden = (torch.randn(n, h, generator=g, dtype=torch.float64)).to(dtype).requires_grad_(True)
+    weight = (torch.randn(v, h, generator=g, dtype=torch.float64)).to(dtype).requires_grad_(not frozen)
+    shape = (n,) if labels_per_position is None else (n, labels_per_position)
+    labels = torch.randint(0, v, shape, generator=g)
+    banned = torch.tensor([4, 40])
+    ref_hidden, ref_weight = (x.detach().clone().requires_grad_(x.requires_grad) for x in (hidden, weight))
+    logp, ent = head_log_probs(hidden, weight, labels, 0.8, with_entropy, banned, -1e9, chunk_tokens=5)
+    logits = torch.nn.functional.linear(ref_hidden, ref_weight).index_fill(-1, banned, -1e9)
+    ref_logp, ref_ent = log_probs_from_logits(logits, labels, 0.8, with_entropy, chunk_tokens=5)
+    assert logp.shape == shape and (ent is None) != with_entropy
+    # bf16: a matmul over 5 rows may round differently from one over 23 on some CPU; the weight's gradient is summed
+    # over chunks in fp32 (the reference: one bf16 matmul over all N)
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    torch.testing.assert_close(logp, ref_logp, rtol=tol, atol=tol)
+    w = torch.randn(shape, generator=g, dtype=torch.float64).float()
+    loss, ref_loss = (logp * w).sum(), (ref_logp * w).sum()
+    if with_entropy:
+        torch.testing.assert_close(ent, ref_ent, rtol=tol, atol=tol)
+        we = torch.randn(n, generator=g, dtype=torch.float64).float()
+        loss, ref_loss = loss + (ent * we).sum(), ref_loss + (ref_ent * we).sum()
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=tol, atol=tol)
+    assert hidden.grad.dtype == dtype
+    if frozen:
+        assert weight.grad is None
+    else:
+        assert weight.grad.dtype == dtype and weight.grad[banned].abs().max() == 0
+        torch.testing.assert_close(weight.grad.double(), ref_weight.grad.double(), rtol=tol, atol=tol)
+    empty, _ = head_log_probs(hidden[:0], weight, labels[:0], with_entropy=True)
+    assert empty.shape == (0, *shape[1:])
 
 
 @pytest.mark.parametrize("used", ["log-probs", "entropy"])

@@ -275,3 +275,61 @@ def test_balance_across_two_ranks():
     assert sum(r.startswith("0-") for r in rows0) == 4  # the long rows are split evenly
     assert m0["balance/imbalance_before"] > 1.9 and m0["balance/imbalance_after"] == pytest.approx(1.0)
     assert k0 == k1 == 4
+
+
+def _tiny_lm(arch="qwen2", **overrides):
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import tiny_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32,
+                                            attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_fused_head_makes_no_logits_and_trains_the_same_model(packed):
+    """model.fused_head (the default): the forward's LM head makes the response log-probs and entropy itself, chunk by
+    chunk (lib.logprobs.head_log_probs): the head returns 2 columns (log-prob, entropy), not the vocabulary's, and
+    the log-probs, the entropy and every parameter's gradient (the tied embedding's among them) are those of the
+    whole-logits forward. (Under FSDP: tests/test_train_engine.py's 2-rank tests, which run it by default.)"""
+    from lib.forward import fuses_head, response_log_probs
+    from lib.models import UNFUSED_HEAD_ATTR
+
+    model = _tiny_lm()
+    assert model.lm_head.weight is model.model.embed_tokens.weight and fuses_head(model)
+    widths = []
+    model.lm_head.register_forward_hook(lambda m, args, out: widths.append(out.shape[-1]))
+    data = rl_batch(6, prompt_len=7, response_len=6, seed=3)
+    got = {}
+    for fused in (True, False):
+        setattr(model, UNFUSED_HEAD_ATTR, not fused)
+        model.zero_grad()
+        logp, entropy = response_log_probs(model, data, 0.9, packed=packed, with_entropy=True)
+        ((logp * data.batch["response_mask"]).sum() + 0.1 * entropy.sum()).backward()
+        got[fused] = (logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert widths == [2, model.config.vocab_size]
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[True][1], got[False][1], rtol=1e-6, atol=1e-6)
+    for name, grad in got[False][2].items():
+        torch.testing.assert_close(got[True][2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_model_that_changes_its_logits_after_the_head_is_never_fused():
+    """Gemma's softcap and Granite's scale (applied at 1.0 too) are known (lib.forward.fuses_head): such a model makes
+    its whole logits. One that changes them some other way is caught at its first forward (the head's output is not
+    what the forward returned), with the flag that turns the fused head off, rather than trained on log-probs that are
+    not its own."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from lib.forward import fuses_head, response_log_probs
+
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           final_logit_softcapping=30.0))
+    assert not fuses_head(gemma)
+    assert not fuses_head(_tiny_lm("granite")) and fuses_head(_tiny_lm("llama"))
+    model = _tiny_lm()
+    model.register_forward_hook(lambda m, args, out: out.__setitem__("logits", out.logits * 2))
+    with pytest.raises(RuntimeError, match="changes the logits after it.*--actor.model.no-fused-head"):
+        response_log_probs(model, rl_batch(2, seed=1), packed=True)

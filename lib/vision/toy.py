@@ -16,7 +16,6 @@ import io
 import os
 import random
 
-import datasets
 import torch
 from PIL import Image
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -152,6 +151,8 @@ def prepare(path: str = "runs/toy_vision_assets", seed: int = 0, warm_steps: int
                                              merge_size=MERGE, temporal_patch_size=2)
         processor.save_pretrained(model_dir)
         train, val = rows(num_train, seed), rows(num_val, seed + 1000)
+        import datasets  # here: ~0.5 s to import, and every run imports this module
+
         datasets.disable_progress_bars()
         datasets.Dataset.from_list(train).to_parquet(os.path.join(tmp, "data", "train.parquet"))
         datasets.Dataset.from_list(val).to_parquet(os.path.join(tmp, "data", "val.parquet"))
