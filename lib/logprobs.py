@@ -170,7 +170,10 @@ class _FusedHeadLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[s:e] = g @ weight
             if grad_weight is not None:
-                grad_weight += (g.t() @ hidden[s:e]).to(acc)
+                if g.dtype == acc:  # in place: no (V, H) temporary per chunk
+                    grad_weight.addmm_(g.t(), hidden[s:e])
+                else:  # a bf16 product (half the weight's float32 size), summed in float32
+                    grad_weight += (g.t() @ hidden[s:e]).to(acc)
             del g
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None, None, None, None, None, None)
