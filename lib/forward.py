@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lib import attention, routing, ulysses
-from lib.models import UNFUSED_HEAD_ATTR
 from lib.logprobs import head_log_probs, log_probs_from_logits, top_log_probs
+from lib.models import UNFUSED_HEAD_ATTR
 from lib.protocol import DataProto
 from lib.vision import BANNED_ATTR, BANNED_LOGIT, ban, blank_image, concat_features, two_way, type_ids
 from lib.vision.rope import with_text_row
@@ -209,9 +209,6 @@ class _Head:
     on_logits: Callable[[Tensor, Tensor], tuple[Tensor | None, ...]]
     fused: Callable[..., tuple[Tensor | None, ...]] | None = None
 
-
-UNFUSED_HEAD_ATTR = "_rl_unfused_head"
-"""Set on a model (lib.fsdp, from model.fused_head off) whose forwards make the whole logits tensor."""
 
 SOFTCAP = "final_logit_softcapping"
 LOGIT_SCALES = ("logit_scale", "logits_scaling")
