@@ -6,8 +6,7 @@
 # to a worker. Extra arguments go to pytest in both passes, e.g. `bash test.sh -m "not slow" -x`.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 set +e
-# a file to a worker, in the order tests/conftest.py gives them (the longest first)
-workers=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
+workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 vllm_pass=0
 if [ "${SKIP_VLLM_CPU:-0}" != 1 ] && ! has_gpu && [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ]; then
   vllm_pass=1

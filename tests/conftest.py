@@ -19,21 +19,7 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // WORKERS)))
 
 
-# Seconds each file's tests took in test.sh's first pass (2 workers on 2 cores, 2026-11-26), rounded. test.sh hands
-# files to its workers in this order, longest first (--no-loadscope-reorder): a long file started last would leave
-# the other worker idle at the end (pytest-xdist's own order, by number of tests, started test_slurm.py and
-# test_acceptance.py last). A file not listed runs after these.
-FILE_SECONDS = {"test_recipes.py": 700, "test_multi_turn.py": 480, "test_resume.py": 350, "test_vision.py": 350,
-                "test_bad_input.py": 330, "test_lora.py": 280, "test_model_zoo.py": 250, "test_acceptance.py": 250,
-                "test_slurm.py": 215, "test_paths.py": 200, "test_stops.py": 160, "test_e2e.py": 160,
-                "test_distill.py": 135, "test_train_engine.py": 130, "test_models_2026.py": 100, "test_ulysses.py": 75,
-                "test_routing.py": 75, "test_world_size_invariance.py": 50, "test_wandb.py": 50, "test_dist.py": 40,
-                "test_judges.py": 35, "test_export.py": 30, "test_metrics.py": 20, "test_rollout.py": 20,
-                "test_reward_model.py": 20}
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: -FILE_SECONDS.get(os.path.basename(str(item.path)), 0))  # stable: files stay whole
     has_cuda = torch.cuda.is_available()
     has_vllm = importlib.util.find_spec("vllm") is not None
     for item in items:
