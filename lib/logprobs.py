@@ -41,8 +41,8 @@ def _softmax(chunk: Tensor, temperature: float) -> Tensor:
 def default_chunk_tokens(vocab: int, device: torch.device, fused: bool = False) -> int:
     """Tokens per chunk: ~0.3 GB of float32 logits on GPU (large kernels), ~16 MB on CPU, where the allocator
     returns big blocks to the OS and every fresh one costs page faults (measured: 2x slower at 512 tokens). The fused
-    head reads its whole weight for every chunk, four times: ~256 MB on CPU (measured at vocab 32768, hidden 256:
-    16 MB chunks took 3.4x the unfused time, 256 MB ones 1.3x)."""
+    head reads its whole weight for every chunk, four times: ~256 MB on CPU (measured at 1024 tokens, vocab 32768,
+    hidden 256, with other work on the 2 cores: 16 MB chunks took 3.1x the unfused time, 256 MB ones 1.06x)."""
     if device.type == "cuda":
         budget = 512 * 151936 * 4
     else:
