@@ -290,10 +290,10 @@ def _response_outputs(model: nn.Module, micro: DataProto, head: _Head, labels: T
     if packed or (sp is not None and sp.sp_size > 1):
         p = pack(b["input_ids"], b["attention_mask"], b["position_ids"], response_len, b.get("rope_position_ids"))
         flat = None if routes is None else routing.flat_routes(routes, b["attention_mask"])
-        got, sel = _run_packed(model, p, sp, lm_head=True, vision=vision, routes=flat, head=head,
-                               labels=labels[p.response_valid])
+        kept = labels[p.response_valid]  # (K, ...)
+        got, sel = _run_packed(model, p, sp, lm_head=True, vision=vision, routes=flat, head=head, labels=kept)
         if torch.is_tensor(got):  # the logits (k, V)
-            got = head.on_logits(ban(got, getattr(model, BANNED_ATTR, None)), labels[p.response_valid][sel])
+            got = head.on_logits(ban(got, getattr(model, BANNED_ATTR, None)), kept[sel])
         if sp is not None and sp.sp_size > 1:
             got = tuple(None if o is None else _gather_keeps(o, sel, p.keep.numel(), sp.sp_group) for o in got)
         return tuple(_to_rows(o, p.response_valid) for o in got)
