@@ -153,15 +153,20 @@ class RewardConfig:
 
 @dataclass
 class JudgeConfig:
-    """An LLM judge behind an OpenAI-compatible endpoint scores every response (lib/judges). A response it could not
-    score (unparseable, cut by its token limit, no answer after the retries or by the deadline, over the budget) is
-    masked from the update and counted in judge/*, never rewarded 0; with a group estimator, a group left with fewer
-    than two scored samples is masked whole (judge/dropped_groups)."""
+    """An LLM judge scores every response (lib/judges): a model behind an OpenAI-compatible endpoint (``url``) or a
+    judge model in the trainer's own processes (``path``), taking turns with the policy's engine on the device. A
+    response it could not score (unparseable, cut by its token limit, no answer after the retries or by the
+    deadline, over the budget) is masked from the update and counted in judge/*, never rewarded 0; with a group
+    estimator, a group left with fewer than two scored samples is masked whole (judge/dropped_groups)."""
 
     url: str = ""
-    """The endpoint's base URL, e.g. http://host:8000/v1 ("": no judge)."""
+    """The endpoint's base URL, e.g. http://host:8000/v1 ("": no remote judge)."""
     model: str = ""
     """The model name the endpoint serves."""
+    path: str = ""
+    """A judge model folder (a causal LM with a chat template; ``toy_judge``: the toy task's trained judge) run on
+    every rank beside the policy: woken after the rollout, when the policy's engine sleeps, it answers the rank's
+    samples greedily and sleeps again (offloaded to CPU). "": no judge model. Not with url."""
     api_key_env: str = ""
     """The name of the environment variable that holds the key ("": none sent). The key never goes in a config."""
     template: str = ""

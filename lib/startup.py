@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lib import distill, exits, export, judges, lora, multi_turn, routing, selfcheck, toy
+from lib.judges import toy as judge_toy
 from lib.config import Config, to_dict
 from lib.data import PromptSet, Sampler, expand_files, load_prompts
 from lib.dist import Topology, init_topology
@@ -160,9 +161,10 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers, inputs.judge,
                     (cfg.judge.rule_weight, cfg.judge.weight))
     if inputs.judge is not None:
-        logger.print(f"judge: {cfg.judge.model} at {cfg.judge.url}, {cfg.judge.max_in_flight} requests in flight a "
-                     f"rank; reward = {cfg.judge.weight:g} x judge + {cfg.judge.rule_weight:g} x rule; unscored "
-                     f"samples masked")
+        if isinstance(inputs.judge, judges.LocalJudge):
+            inputs.judge.start(topo.device, cfg.rollout.hf_batch_tokens, cfg.trainer.seed)
+        logger.print(f"{inputs.judge.describe()}; reward = {cfg.judge.weight:g} x judge + {cfg.judge.rule_weight:g} x "
+                     f"rule; unscored samples masked")
     tools = MultiTurn(cfg.multi_turn, tokenizer, cfg.rollout.max_response_length) if multi_turn.enabled(cfg) else None
     return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer, multi_turn=tools,
                vision=vision, scored=inputs.scored)
@@ -204,9 +206,10 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     d = cfg.data
     if distill.enabled(cfg):
         check_teacher(cfg, tokenizer)
-    judge = judges.build(cfg.judge)
+    judge = judges.build(cfg.judge, cfg.actor.model.trust_remote_code)
     if judge is not None:
         judge.probe()  # a refused key or an endpoint that cannot be reached: one error, before any model loads
+        judge.check_context(d.max_prompt_length, cfg.rollout.max_response_length)
     # an RM or a judge alone scores any row; pure distillation's rows need no reward function
     any_row = cfg.reward.custom_fn or cfg.reward.reward_model or (judge is not None and not cfg.judge.rule_weight)
     known = None if any_row or (distill.enabled(cfg) and not cfg.distill.task_reward) else set(RULES)
@@ -302,9 +305,9 @@ def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:
     teacher) in the model path, data files or distill.teacher means the embedded task: rank 0 builds it once
     (``topo`` None: a single process, lib/check.py)."""
     for name, build in (("toy", toy.prepare), ("toy_tool", toy.prepare_tool), ("toy_vision", vision_toy.prepare),
-                        ("toy_teacher", toy.prepare_teacher)):
+                        ("toy_teacher", toy.prepare_teacher), ("toy_judge", judge_toy.prepare)):
         if not (cfg.actor.model.path == name or name in cfg.data.train_files or name in cfg.data.val_files
-                or cfg.distill.teacher == name):
+                or cfg.distill.teacher == name or cfg.judge.path == name):
             continue
         assets = os.path.join(cfg.trainer.output_root, f"{name}_assets")
         if topo is None or topo.is_main:
@@ -316,6 +319,9 @@ def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:
             cfg.actor.model.path = paths["model"]
         if cfg.distill.teacher == name:
             cfg.distill.teacher = paths["model"]
+        if cfg.judge.path == name:  # the toy judge reads its own short prompt unless the config names another
+            cfg.judge.path = paths["model"]
+            cfg.judge.template = cfg.judge.template or paths["template"]
         cfg.data.train_files = [paths["train"] if f == name else f for f in cfg.data.train_files]
         cfg.data.val_files = [paths["val"] if f == name else f for f in cfg.data.val_files]
 
@@ -395,21 +401,23 @@ def _samplings(cfg: Config) -> tuple[SamplingConfig, SamplingConfig]:
                            seed=cfg.trainer.seed + 1))
 
 
-def _hf_engine(run: Run, path: str, eos: list[int], lora: Any = None) -> HFEngine:
+def _hf_engine(run: Run, path: str, eos: list[int], lora: Any = None, name: str = "policy") -> HFEngine:
     """An HF engine of the model at ``path``'s shape with the run's sampling, asleep."""
     cfg, topo = run.cfg, run.topo
     sampling, val = _samplings(cfg)
     return HFEngine(load_config(path, cfg.actor.model.trust_remote_code), topo.device, run.tokenizer.pad_token_id,
                     eos, sampling, val, dtype=engine_dtype(run), rank_seed=topo.rollout_dp_rank,
                     attn_implementation=cfg.actor.model.attn_implementation, batch_tokens=cfg.rollout.hf_batch_tokens,
-                    lora=lora, vision=run.vision, routes=cfg.rollout.routing_replay and path == cfg.actor.model.path)
+                    lora=lora, vision=run.vision, routes=cfg.rollout.routing_replay and path == cfg.actor.model.path,
+                    name=name)
 
 
 def build_teacher_engine(run: Run) -> HFEngine:
     """An HF engine of distill.teacher's shape, with the policy's sampling and its own stop tokens, asleep (the teacher's
     own validation, lib.validation.validate_teacher, fills and uses it once)."""
     path = run.cfg.distill.teacher
-    return _hf_engine(run, path, stop_token_ids(path, run.tokenizer, run.cfg.actor.model.trust_remote_code))
+    return _hf_engine(run, path, stop_token_ids(path, run.tokenizer, run.cfg.actor.model.trust_remote_code),
+                      name="teacher")
 
 
 def build_engine(run: Run) -> Any:

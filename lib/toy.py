@@ -87,17 +87,17 @@ def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
 
 
 def fit(model, examples: list[tuple[list[int], list[int]]], steps: int, seed: int, pad_id: int,
-        extra: Any = None, image_token_id: int | None = None) -> None:
-    """Supervised steps (AdamW, lr 3e-3) on batches of 32 examples (ids, labels with -100 off the loss) drawn with
-    replacement, right-padded where their lengths differ. ``extra(rows)``: more inputs of a batch (a vision model's
-    images, whose placeholders are ``image_token_id``)."""
+        extra: Any = None, image_token_id: int | None = None, batch: int = 32) -> None:
+    """Supervised steps (AdamW, lr 3e-3) on batches of ``batch`` examples (ids, labels with -100 off the loss) drawn
+    with replacement, right-padded where their lengths differ. ``extra(rows)``: more inputs of a batch (a vision
+    model's images, whose placeholders are ``image_token_id``)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        rows = [examples[i] for i in torch.randint(0, len(examples), (32,), generator=g).tolist()]
+        rows = [examples[i] for i in torch.randint(0, len(examples), (batch,), generator=g).tolist()]
         width = max(len(ids) for ids, _ in rows)
         ids = torch.tensor([r + [pad_id] * (width - len(r)) for r, _ in rows])
         labels = torch.tensor([x + [-100] * (width - len(x)) for _, x in rows])

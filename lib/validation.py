@@ -44,21 +44,36 @@ def validate_policy(run: Run, step: int, other: tuple[Any, Any] | None = None) -
     out, _ = generate(run, prompts, validate=True, other=other)
     scored = run_scorer(run, out)
     votes = [a if a is not None else t.strip() for a, t in zip(scored.answers, scored.texts)]
+    n = len(votes)
+    unscored = scored.unscored or [False] * n
+    rule = scored.rule_scores or [None] * n
     local = list(zip(out.non_tensor_batch["uid"].tolist(), out.non_tensor_batch["data_source"].tolist(),
-                     scored.scores, votes))[:real * run.cfg.rollout.val_n]
+                     scored.scores, votes, unscored, rule))[:real * run.cfg.rollout.val_n]
     gathered: list[Any] = [None] * topo.world_size
     dist.all_gather_object(gathered, local)  # every rank: the val metrics are logged by rank 0
+    # a response the judge could not score counts in no mean (as in the update); a prompt left without a scored
+    # one leaves the per-prompt figures
     by_prompt: dict[Any, list[tuple[float, str]]] = defaultdict(list)
+    by_rule: dict[Any, list[tuple[float, str]]] = defaultdict(list)
     source_of: dict[Any, str] = {}
+    skipped = 0
     for part in gathered:
-        for uid, source, s, vote in part:
-            by_prompt[uid].append((s, vote))
+        for uid, source, s, vote, no_score, r in part:
             source_of[uid] = str(source)
-    metrics = prompt_metrics(by_prompt, "val")
+            if r is not None:
+                by_rule[uid].append((r, vote))
+            if no_score:
+                skipped += 1
+                continue
+            by_prompt[uid].append((s, vote))
+    metrics = prompt_metrics(by_prompt, "val") if by_prompt else {"val/mean@1": float("nan")}
     metrics["val/score_mean"] = metrics[next(k for k in metrics if k.startswith("val/mean@"))]
     for source in sorted(set(source_of.values())):
-        metrics.update(prompt_metrics({u: v for u, v in by_prompt.items() if source_of[u] == source},
-                                      f"val/{source}"))
+        if mine := {u: v for u, v in by_prompt.items() if source_of[u] == source}:
+            metrics.update(prompt_metrics(mine, f"val/{source}"))
+    if scored.unscored is not None:  # a judge scored: how many it could not, and the rule's own figures beside
+        metrics["val/unscored"] = float(skipped)
+        metrics.update(prompt_metrics(by_rule, "val/rule") if by_rule else {})
     return metrics
 
 

@@ -12,6 +12,7 @@ if ROOT not in sys.path:
 
 from lib import toy  # noqa: E402 - the repository's root goes on the path first
 from lib.vision import toy as vision_toy  # noqa: E402
+from lib.judges import toy as judge_toy  # noqa: E402
 
 # the cores shared among test.sh's pytest-xdist workers: a worker's torch threads beyond its share spin-wait against
 # the other's (measured, 2 cores, 2 workers busy: the tool task's build took 282 s in 2 threads, 39 s in 1)
@@ -34,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 # warm start takes most of a minute on 2 cores). A session builds each once, on first use, and links it into the
 # output root of every test that may run it; a run finds its assets there as if it had built them.
 BUILDS = {"toy_assets": toy.prepare, "toy_tool_assets": toy.prepare_tool, "toy_vision_assets": vision_toy.prepare,
-          "toy_teacher_assets": toy.prepare_teacher}
+          "toy_teacher_assets": toy.prepare_teacher, "toy_judge_assets": judge_toy.prepare}
 
 
 @pytest.fixture(scope="session")
@@ -74,5 +75,6 @@ def _shared_toy_assets(request):
     node = request.node.nodeid.lower()
     names = ["toy_assets"] + (["toy_tool_assets"] if "tool" in node else []) \
         + (["toy_vision_assets"] if "vision" in node or "_vl_" in node else []) \
-        + (["toy_teacher_assets"] if "distill" in node or "opd" in node else [])
+        + (["toy_teacher_assets"] if "distill" in node or "opd" in node else []) \
+        + (["toy_judge_assets"] if "judge" in node else [])
     link_assets(request.getfixturevalue("shared_assets_dir"), names, request.getfixturevalue("tmp_path"))

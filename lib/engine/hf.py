@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Dyna
 
 from lib import routing
 from lib.data import left_pad
+from lib.engine import awake
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, rollout_columns,
                         stop_ids, turns_from)
 from lib.lora import base_name, check_engine_load, inject, is_adapter_param, peft_name
@@ -68,7 +69,7 @@ class HFEngine:
     def __init__(self, config: Any, device: torch.device, pad_token_id: int, eos_token_ids: list[int],
                  sampling: SamplingConfig, val_sampling: SamplingConfig | None = None, dtype: torch.dtype | None = None,
                  rank_seed: int = 0, attn_implementation: str = "auto", batch_tokens: int = 65536, lora: Any = None,
-                 vision: bool = False, routes: bool = False):
+                 vision: bool = False, routes: bool = False, name: str = "policy"):
         """``eos_token_ids``: every id that ends a response (lib.models.stop_token_ids). ``attn_implementation``:
         auto picks sdpa, or eager for models transformers runs only that way (lib.models.padded_attention).
         ``batch_tokens``: prompt + response tokens generated together (see ``generate``). ``lora``: a PEFT
@@ -76,7 +77,8 @@ class HFEngine:
         ``load_adapter`` and never merged into the base. ``vision``: the replica is the vision-language class (the
         prompts' images go to its generate); else a vision-language checkpoint's language model alone. ``routes``: a
         mixture-of-experts model's routers are recorded while it samples (lib/routing; training calls only), and the
-        rollout carries them as ``routed_experts``."""
+        rollout carries them as ``routed_experts``. ``name``: the engine's name in lib.engine.awake's log."""
+        self.name = name
         self.device, self.pad_id, self.eos_ids = device, pad_token_id, list(eos_token_ids)
         self.sampling, self.val_sampling = sampling, val_sampling or SamplingConfig(temperature=0.0,
                                                                                     max_new_tokens=sampling.max_new_tokens)
@@ -130,6 +132,7 @@ class HFEngine:
         self.model.to("meta" if level == 2 else "cpu")
         self._moved()
         self.level = level
+        awake.slept(self.name)
         if level == 2:
             self._written = set()
             self.base_loaded = False
@@ -151,6 +154,7 @@ class HFEngine:
                 self.model.to(self.device)
             self._moved()
             self.level = 0
+            awake.woke(self.name)
             self.metrics["engine/mem_after_wake_gb"] = self._mem()
 
     def _moved(self) -> None:

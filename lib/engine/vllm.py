@@ -38,6 +38,7 @@ from transformers import AutoConfig
 
 from lib import routing
 from lib.dist import Topology, all_gather
+from lib.engine import awake
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, prompt_images,
                         request_seeds, rollout_columns, stop_ids, turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
@@ -163,6 +164,7 @@ class VLLMEngine:
         if self.sleep_mode:
             self.llm.sleep(level=level)
         self.asleep = {"weights", "kv_cache"}
+        awake.slept("policy")
         if level == 2:
             self.base_loaded = False
         self.metrics["engine/mem_after_sleep_gb"] = self._mem()
@@ -173,6 +175,8 @@ class VLLMEngine:
         if self.sleep_mode:
             self.llm.wake_up(tags=tags)
         self.asleep -= set(tags)
+        if "weights" in tags:
+            awake.woke("policy")
         self.metrics[f"engine/mem_after_wake_{'_'.join(tags)}_gb"] = self._mem()
         if "kv_cache" in tags:
             self._finish_load()  # the sync is over: process the last layers

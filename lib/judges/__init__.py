@@ -3,8 +3,11 @@ and writes a verdict, which becomes the sample's reward.
 
 - ``parse.py``: a verdict's text -> a score in the reward range, or the reason there is none (unparseable,
   truncated by the judge's token limit);
+- ``base.py``: what every judge shares: the prompt from the template, the cache, verdicts and metrics;
 - ``remote.py``: an OpenAI-compatible endpoint (a vLLM or SGLang server, a hosted API): requests in flight capped,
-  timeouts, a deadline per step, retries with jittered backoff on 429, 5xx and time-outs, a cache, a token budget.
+  timeouts, a deadline per step, retries with jittered backoff on 429, 5xx and time-outs, a cache, a token budget;
+- ``local.py``: a judge model in the trainer's processes, taking turns with the policy's engine on the device;
+- ``toy.py``: the toy task's judge, a tiny model trained offline to grade it (``judge.path toy_judge``).
 
 A sample the judge could not score is masked from the update and counted, never rewarded 0.
 """
@@ -14,6 +17,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lib.judges.base import Judge
+from lib.judges.local import LocalJudge
 from lib.judges.remote import RemoteJudge
 
 DEFAULT_TEMPLATE = """You are grading a response to a question.
@@ -31,16 +36,20 @@ Judge how correct and helpful the response is. Think briefly, then end with a li
 (wrong or useless) to 10 (fully correct and helpful)."""
 
 
-def build(cfg: Any) -> RemoteJudge | None:
-    """The judge of the config's ``judge`` section (None without a url), its key read from the environment variable
-    the config names. Raises ValueError naming the fix for what cannot work."""
-    if not cfg.url:
+def build(cfg: Any, trust_remote_code: bool = False) -> Judge | None:
+    """The judge of the config's ``judge`` section (None without a url or a path): a remote endpoint, its key read
+    from the environment variable the config names, or a judge model (not loaded yet: ``LocalJudge.start``).
+    Raises ValueError naming the fix for what cannot work."""
+    if not cfg.url and not cfg.path:
         return None
+    if cfg.url and cfg.path:
+        raise ValueError(f"judge.url={cfg.url!r} and judge.path={cfg.path!r} both name a judge; keep one (url: a "
+                         f"served model, path: a judge model run beside the policy)")
     problems = []
-    if not cfg.model:
+    if cfg.url and not cfg.model:
         problems.append("judge.model is empty: name the model the endpoint serves")
     key = ""
-    if cfg.api_key_env:
+    if cfg.url and cfg.api_key_env:
         key = os.environ.get(cfg.api_key_env, "")
         if not key:
             problems.append(f"judge.api_key_env={cfg.api_key_env}: that environment variable is not set; export it "
@@ -68,4 +77,6 @@ def build(cfg: Any) -> RemoteJudge | None:
             problems.append(f"judge.{name}={getattr(cfg, name)} must be > 0")
     if problems:
         raise ValueError("; ".join(problems))
+    if cfg.path:
+        return LocalJudge(cfg, template, trust_remote_code)
     return RemoteJudge(cfg, template, key)

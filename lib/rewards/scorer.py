@@ -28,6 +28,7 @@ class Scored:
     texts: list[str]  # the decoded responses that were scored
     messages: dict[str, str]
     unscored: list[bool] | None = None  # with a judge: the rows it could not score (masked from the update)
+    rule_scores: list[float] | None = None  # with a judge: the rule / custom / RM scores alone, before it
 
 
 def last_sampled(mask: torch.Tensor) -> torch.Tensor:
@@ -88,8 +89,9 @@ class Scorer:
             rm = self.reward_model(data).tolist()
             scores = [s + r for s, r in zip(scores, rm)]
             sums["rm_score"] = rm
-        unscored, judged = None, {}
+        unscored, judged, rule = None, {}, None
         if self.judge is not None:
+            rule = scores
             scores, unscored, judged = self._judge(data, texts, truths.tolist(), scores)
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
         m = mask.cpu()  # scores are placed on CPU, then follow the batch's device
@@ -99,7 +101,7 @@ class Scorer:
         metrics.update({f"reward/{k}": float(np.mean(v)) for k, v in sums.items()})
         metrics.update(judged)
         return Scored(token_scores.to(mask.device), metrics, scores, [r[2] for r in results], texts, messages,
-                      unscored)
+                      unscored, rule)
 
     def _judge(self, data: DataProto, texts: list[str], truths: list[Any], rule: list[float]
                ) -> tuple[list[float], list[bool], dict[str, float]]:

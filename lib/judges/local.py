@@ -1,0 +1,147 @@
+"""A judge model in the trainer's own processes, taking turns with the policy's engine on the device.
+
+Each rank holds a replica (an HF engine, lib/engine/hf.py: the policy's HF engine's own chunked, KV-cached decoding)
+and judges the rank's own samples, as each rank generates its own. Its weights are read from the folder once and
+live on the CPU between uses: after the rollout, when the policy's engine sleeps, the judge wakes (moved to the
+device), answers greedily (or at judge.temperature) and sleeps again, whether or not scoring raised. It refuses to
+wake while another engine of the process is awake (lib.engine.awake), so the two never hold the device together.
+
+With vLLM a second sleep-mode engine cannot live in the process (one CuMemAllocator per process); the judge model
+always decodes with the HF engine here, whatever rollout.engine is.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from lib.config import JudgeConfig
+from lib.engine import SamplingConfig, awake
+from lib.engine.hf import HFEngine
+from lib.judges.base import Answer, Judge
+from lib.judges.parse import ERROR
+from lib.models import load_config, load_tokenizer, stop_token_ids
+
+NAME = "judge"
+
+
+def checkpoint_tensors(path: str) -> Any:
+    """(name, tensor) of every tensor in the folder's safetensors files, on CPU."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"judge.path={path!r} holds no *.safetensors weights; point it at a model folder")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def context_of(config: Any) -> int | None:
+    """The positions the model was built for (None where its config does not say)."""
+    text = getattr(config, "text_config", None) or config
+    return getattr(text, "max_position_embeddings", None)
+
+
+class LocalJudge(Judge):
+    def __init__(self, cfg: JudgeConfig, template: str, trust_remote_code: bool = False):
+        """Reads the judge's config and tokenizer (no weights yet: ``start`` loads them). Raises ValueError naming
+        the fix for a folder that cannot judge: no chat template, no stop token."""
+        super().__init__(cfg, template)
+        path = cfg.path
+        try:
+            self.config = load_config(path, trust_remote_code)
+            self.tokenizer = load_tokenizer(path, trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"judge.path={path!r} cannot be loaded ({type(e).__name__}: {str(e)[:200]}); point it at "
+                             f"a model folder with its tokenizer") from None
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"judge.path={path!r}: its tokenizer has no chat template, so the judge's prompt cannot be "
+                             f"put in its own format; use the instruct (chat) variant of the model, or add a "
+                             f"chat_template to its tokenizer_config.json")
+        self.eos = stop_token_ids(path, self.tokenizer, trust_remote_code)
+        if not self.eos:
+            raise ValueError(f"judge.path={path!r}: neither its tokenizer nor its generation_config.json names an eos "
+                             f"token, so a verdict could never end; add eos_token_id to generation_config.json")
+        self.engine: HFEngine | None = None
+        self.calls = 0
+
+    def describe(self) -> str:
+        how = f"temperature {self.endpoint.temperature:g}" if self.endpoint.temperature else "greedy"
+        return (f"judge model: {self.endpoint.path} on every rank, taking turns with the policy's engine (offloaded to "
+                f"CPU between uses), {how}, verdicts of at most {self.endpoint.max_tokens} tokens")
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
+
+    def check_context(self, prompt_tokens: int, response_tokens: int) -> None:
+        """Refuse a judge whose context cannot hold its prompt around the longest question and response (counted in
+        the policy's tokens) and the verdict's token limit."""
+        context = context_of(self.config)
+        overhead = len(self.prompt_ids(self.render("", "", "")))
+        need = overhead + prompt_tokens + response_tokens + self.endpoint.max_tokens
+        if context is not None and need > context:
+            raise ValueError(
+                f"judge.path={self.endpoint.path!r}: its context is {context} positions, and a verdict may need "
+                f"{need} ({overhead} of its prompt template, {prompt_tokens} of question (data.max_prompt_length), "
+                f"{response_tokens} of response (rollout.max_response_length), {self.endpoint.max_tokens} of verdict "
+                f"(judge.max_tokens)); lower judge.max_tokens or those lengths, shorten judge.template, or use a judge "
+                f"with a longer context")
+
+    def start(self, device: torch.device, batch_tokens: int = 65536, seed: int = 0) -> None:
+        """Build the replica and load the folder's weights into it, then put it to sleep on the CPU."""
+        cfg = self.endpoint
+        sampling = SamplingConfig(temperature=cfg.temperature, n=1, max_new_tokens=cfg.max_tokens, seed=seed)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
+        self.engine = HFEngine(self.config, device, pad, self.eos, sampling, sampling, batch_tokens=batch_tokens,
+                               name=NAME)
+        with self.turn():
+            self.engine.load_weights((n, t) for n, t in checkpoint_tensors(cfg.path) if n not in self.engine.aliases)
+            self.engine.finish_sync()
+
+    def turn(self) -> Any:
+        """Context: the judge awake on the device, asleep on the CPU again after, whatever happens inside."""
+        judge = self
+
+        class _Turn:
+            def __enter__(self) -> None:
+                busy = awake.others(NAME)
+                if busy:
+                    raise RuntimeError(f"the judge model would wake while {sorted(busy)} is awake on the device; "
+                                       f"the judge scores after the rollout, when the policy's engine sleeps")
+                judge.engine.wake_up(["weights"])
+
+            def __exit__(self, *exc: Any) -> None:
+                judge.engine.sleep(1)
+
+        return _Turn()
+
+    def _answers(self, todo: dict[str, str], counts: dict[str, int]) -> dict[str, Answer]:
+        return dict(zip(todo, self.complete(list(todo.values()), counts)))
+
+    def complete(self, texts: list[str], counts: dict[str, int] | None = None) -> list[Answer]:
+        """The judge's answer to each prompt text, in one turn on the device: (text, cut by judge.max_tokens), or
+        ERROR for a prompt its context cannot hold with the verdict. ``counts``: tokens and requests added."""
+        if self.engine is None:
+            raise RuntimeError("LocalJudge.start() was never called")
+        counts = {"tokens": 0, "calls": 0} if counts is None else counts
+        prompts = [self.prompt_ids(t) for t in texts]
+        context = context_of(self.config)
+        fits = [context is None or len(p) + self.endpoint.max_tokens <= context for p in prompts]
+        answers: list[Answer] = [ERROR] * len(texts)  # counted in judge/errors
+        asked = [i for i, ok in enumerate(fits) if ok]
+        if asked:
+            with self.turn():
+                turns = self.engine.generate_ids([prompts[i] for i in asked], [self.endpoint.max_tokens] * len(asked),
+                                                 validate=True, key=self.calls)
+            self.calls += 1
+            counts["calls"] += len(asked)
+            for i, turn in zip(asked, turns):
+                counts["tokens"] += len(prompts[i]) + len(turn.ids)
+                self.used_tokens += len(prompts[i]) + len(turn.ids)
+                answers[i] = (self.tokenizer.decode(turn.ids, skip_special_tokens=True), not turn.stopped)
+        return answers

@@ -1,0 +1,90 @@
+"""The toy judge (``judge.path toy_judge``): a tiny model trained offline to grade the embedded digit task, so that a
+judged run's reward carries the task's signal and its learning can be compared with the rule reward's.
+
+It reads the question, the reference answer and the response through its own prompt (``template.txt`` of the
+build: short, the reference just before the response so that their characters sit a fixed distance apart) and its
+own ChatML-shaped tokenizer (the tool task's), and answers ``Score: N``, N = round(10 x the toy rule's reward).
+Trained with supervised steps on responses that share a prefix of random length with the answer and go on at
+random, the answer itself, and empty or overlong ones. Built once under ``runs/toy_judge_assets`` like the toy
+policy; its data files are the toy task's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+from lib import toy
+from lib.rewards.builtin import toy as toy_reward
+
+TEMPLATE = "Q:{question}\nR:{reference}\nA:{response}\n"
+STEPS = 300
+LAYERS = 4
+HIDDEN = 64
+BATCH = 128
+
+
+def label(response: str, answer: str) -> int:
+    """The verdict's N: the toy rule's reward on the 0-10 scale, rounded."""
+    return round(10 * toy_reward(response, answer)["score"])
+
+
+def responses(answer: str, rng: random.Random) -> str:
+    """A response to grade: the answer's first k characters, then random digits and commas, of a random length
+    (the policy's own alphabet); a quarter are the answer itself."""
+    if rng.random() < 0.25:
+        return answer
+    keep = rng.randrange(len(answer) + 1)
+    length = rng.randrange(max(keep, 1), len(answer) + 4)
+    out = list(answer[:keep])
+    while len(out) < length:
+        out.append(rng.choice("0123456789,"))
+    return "".join(out)
+
+
+def example(tokenizer, question: str, answer: str, response: str) -> tuple[list[int], list[int]]:
+    """(ids, labels): the judge's chat prompt, then its verdict and end of turn (the loss on the verdict only)."""
+    text = TEMPLATE.format(question=question, reference=answer, response=response)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    v = tokenizer(f"Score: {label(response, answer)}", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return p + v, [-100] * len(p) + v
+
+
+def build(tokenizer, pairs, seed: int = 0, steps: int = STEPS, examples_per_pair: int = 8, batch: int = BATCH):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    rng = random.Random(seed)
+    data = []
+    for digits in pairs:
+        question, answer = toy.example(digits)
+        data += [example(tokenizer, question, answer, responses(answer, rng)) for _ in range(examples_per_pair)]
+    torch.manual_seed(seed)
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<eos>")]
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=eos, bos_token_id=tokenizer.bos_token_id)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    toy.fit(model, data, steps, seed, tokenizer.pad_token_id, batch=batch)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = eos
+    return model
+
+
+def prepare(path: str = "runs/toy_judge_assets", seed: int = 0, steps: int = STEPS) -> dict[str, str]:
+    """Build (once) the toy judge's model folder, its ``template.txt`` and the toy task's data files; returns their
+    paths (``template`` among them)."""
+    def make(tmp: str) -> None:
+        tokenizer = toy.build_tool_tokenizer(os.path.join(tmp, "model"))
+        train_pairs, val_pairs = toy.split_pairs(seed)
+        toy.write_jsonl(os.path.join(tmp, "data", "train.jsonl"), train_pairs, repeats=1)
+        toy.write_jsonl(os.path.join(tmp, "data", "val.jsonl"), val_pairs, repeats=1)
+        with open(os.path.join(tmp, "model", "template.txt"), "w") as f:
+            f.write(TEMPLATE)
+        build(tokenizer, train_pairs, seed, steps).save_pretrained(os.path.join(tmp, "model"))
+
+    out = toy.build_once(path, make)
+    return {**out, "template": os.path.join(out["model"], "template.txt")}
