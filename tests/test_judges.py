@@ -401,7 +401,7 @@ JUDGE_MIN_GAIN = 0.05
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["in_process", "endpoint"])
 def test_grpo_learns_the_toy_task_from_the_toy_judge(tmp_path, monkeypatch, where):
-    """train_grpo.py on 2 CPU ranks rewarded by the toy judge alone (judge.weight 1, rule_weight 0): as a judge model
+    """train_grpo.py on 2 CPU ranks rewarded by the toy judge alone (the tiny_cpu_grpo_judge preset): as a judge model
     beside the policy (taking turns with its HF engine on the device) and through the fake endpoint serving the
     same judge. The held-out reward by the rule (val/rule/mean@1), which the policy never sees, rises as it does
     when the rule itself rewards; every step is judged, the canary stays at fp32 level."""
@@ -409,17 +409,14 @@ def test_grpo_learns_the_toy_task_from_the_toy_judge(tmp_path, monkeypatch, wher
 
     from tests.test_e2e import torchrun
 
-    args = ["--trainer.total_steps", "60", "--trainer.val_every", "30", "--judge.max_tokens", "12",
-            "--judge.weight", "1", "--judge.rule_weight", "0"]
+    args = ["--config", "tiny_cpu_grpo_judge", "--trainer.total_steps", "60", "--trainer.val_every", "30"]
     server = None
-    if where == "in_process":
-        args += ["--judge.path", "toy_judge"]
-    else:
+    if where == "endpoint":
         judge = _toy_judge(tmp_path)
         server = Server(grade=_BatchingGrader(judge))
         monkeypatch.setenv("TEST_JUDGE_KEY", "good")
-        args += ["--judge.url", server.url, "--judge.model", "toy-judge", "--judge.api_key_env", "TEST_JUDGE_KEY",
-                 "--judge.template", judge.endpoint.template]
+        args += ["--judge.path", "", "--judge.url", server.url, "--judge.model", "toy-judge", "--judge.api_key_env",
+                 "TEST_JUDGE_KEY", "--judge.template", judge.endpoint.template]
     try:
         out = torchrun("train_grpo.py", tmp_path, *args)
     finally:

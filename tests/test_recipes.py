@@ -120,8 +120,35 @@ def _preset_args(name):
     return args
 
 
+# Presets that a learning test runs whole (its own configuration, not shrunk, more steps than here): a launch here
+# would only repeat it. test_every_preset_runs_somewhere holds each entry to its test.
+RUN_WHOLE_ELSEWHERE = {
+    "tiny_cpu_grpo": ("test_e2e.py", "test_grpo_toy_reward_rises", 'torchrun("train_grpo.py", tmp_path, '),
+    "tiny_cpu_ppo": ("test_e2e.py", "test_ppo_toy_reward_rises", 'torchrun("train_ppo.py", tmp_path, '),
+    "tiny_cpu_opd": ("test_distill.py", "test_distillation_learns_the_toy_task_faster_than_grpo", '"tiny_cpu_opd"'),
+    "tiny_cpu_grpo_tools": ("test_multi_turn.py", "test_tool_task_reward_rises", "configs/tiny_cpu_grpo_tools.yaml"),
+    "tiny_cpu_grpo_vision": ("test_vision.py", "test_the_visual_task_is_learned", "*PRESET)"),
+    "tiny_cpu_grpo_judge": ("test_judges.py", "test_grpo_learns_the_toy_task_from_the_toy_judge", '"tiny_cpu_grpo_judge"'),
+}
+
+
+def test_every_preset_runs_somewhere():
+    """Each preset left out below is launched whole by the test named for it: the test exists, and its launch
+    names the preset (the scripts' default preset where it names none)."""
+    import inspect
+    import importlib
+
+    for name, (file, test, launch) in RUN_WHOLE_ELSEWHERE.items():
+        assert name in config.presets(), name
+        module = importlib.import_module(f"tests.{file[:-3]}")
+        assert launch in inspect.getsource(getattr(module, test)), (name, test)
+    assert "configs/tiny_cpu_grpo_vision.yaml" in importlib.import_module("tests.test_vision").PRESET
+    for script, preset in (("train_grpo.py", "tiny_cpu_grpo"), ("train_ppo.py", "tiny_cpu_ppo")):
+        assert f'default_preset="{preset}"' in open(os.path.join(ROOT, script)).read()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", config.presets())
+@pytest.mark.parametrize("name", [p for p in config.presets() if p not in RUN_WHOLE_ELSEWHERE])
 def test_preset_runs_end_to_end(tmp_path, name):
     script = "train_ppo.py" if config.load_preset(name).get("algorithm", {}).get("adv_estimator") == "gae" \
         else "train_grpo.py"

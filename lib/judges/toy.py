@@ -15,7 +15,6 @@ import os
 import random
 
 from lib import toy
-from lib.rewards.builtin import toy as toy_reward
 
 TEMPLATE = "Q:{question}\nR:{reference}\nA:{response}\n"
 STEPS = 300
@@ -24,22 +23,48 @@ HIDDEN = 64
 BATCH = 128
 
 
+def grade(response: str, answer: str) -> float:
+    """What the toy judge was taught: the share of positions where the response has the answer's character, over the
+    longer of the two (an extra character costs as much as a missing one). A grader's own view of the task, close to
+    the rule's (the correct prefix over the longer, lib.rewards.builtin.toy) and equal to it at both ends: a
+    character-by-character comparison a tiny model can learn, with no credit for a string that only looks right."""
+    matches = sum(a == b for a, b in zip(response, answer))
+    return matches / max(len(answer), len(response), 1)
+
+
 def label(response: str, answer: str) -> int:
-    """The verdict's N: the toy rule's reward on the 0-10 scale, rounded."""
-    return round(10 * toy_reward(response, answer)["score"])
+    """The verdict's N: ``grade`` on the 0-10 scale, rounded."""
+    return round(10 * grade(response, answer))
 
 
 def responses(answer: str, rng: random.Random) -> str:
-    """A response to grade: the answer's first k characters, then random digits and commas, of a random length
-    (the policy's own alphabet); a quarter are the answer itself."""
-    if rng.random() < 0.25:
+    """A response to grade, in the policy's alphabet (digits and commas), mostly of the answer's own shape so that
+    only its characters tell: the answer itself, its digits each right or not, one or two characters changed, its
+    first k characters then random ones, a character put in or left out (the rest shifted), or any string of up to
+    10 characters (what a policy that games its judge tries first)."""
+    alphabet, digits = "0123456789,", "0123456789"
+    kind = rng.random()
+    out = list(answer)
+    if kind < 0.15:
         return answer
-    keep = rng.randrange(len(answer) + 1)
-    length = rng.randrange(max(keep, 1), len(answer) + 4)
-    out = list(answer[:keep])
-    while len(out) < length:
-        out.append(rng.choice("0123456789,"))
-    return "".join(out)
+    if kind < 0.5:
+        right = rng.random()
+        return "".join(c if c == "," or rng.random() < right else rng.choice(digits) for c in answer)
+    if kind < 0.65:
+        for _ in range(rng.randrange(1, 3)):
+            out[rng.randrange(len(out))] = rng.choice(alphabet)
+        return "".join(out)
+    if kind < 0.8:
+        keep = rng.randrange(len(answer) + 1)
+        out = out[:keep]
+        while len(out) < rng.randrange(max(keep, 1), len(answer) + 4):
+            out.append(rng.choice(alphabet))
+        return "".join(out)
+    if kind < 0.9:
+        at = rng.randrange(len(out) + 1)
+        return "".join(out[:at] + [rng.choice(alphabet)] + out[at:]) if rng.random() < 0.5 else \
+            "".join(out[:at] + out[at + 1:])
+    return "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 11)))
 
 
 def example(tokenizer, question: str, answer: str, response: str) -> tuple[list[int], list[int]]:
