@@ -64,4 +64,6 @@ def log_step(run: Run, step: int, batch: DataProto, metrics: dict) -> None:
     metrics.update(run.carried_metrics)  # the checkpoint written after the previous step
     run.carried_metrics.clear()
     metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / max(metrics["timing/step_s"], 1e-9)
+    if "judge/seconds" in metrics:  # an LLM judge: its share of the step's time
+        metrics["judge/step_share"] = metrics["judge/seconds"] / max(metrics["timing/step_s"], 1e-9)
     run.logger.log(step + 1, global_metrics(run, metrics), samples_to_log(run, batch, run.cfg.trainer.log_samples))

@@ -12,7 +12,7 @@ import pytest
 
 from tests.test_resume import ROOT, TIMING, children, pause_at, wait_for_pause
 
-ARGS = ("--trainer.total_steps", "6", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "64",
+ARGS = ("--trainer.total_steps", "4", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "64",
         "--trainer.save_every", "0", "--trainer.val_every", "0")
 
 

@@ -72,9 +72,15 @@ def example(tokenizer, question: str, answer: str, response: str) -> tuple[list[
     text = TEMPLATE.format(question=question, reference=answer, response=response)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                            tokenize=False)
-    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    enc = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+    p = enc["input_ids"]
+    # the response's characters that repeat the answer's are targets too: they teach the judge to read the answer's
+    # character at the same place (a fixed distance back), which its verdict needs
+    start = prompt.index(text) + text.index("\nA:") + 3
+    copied = {start + i for i, (a, b) in enumerate(zip(response, answer)) if a == b}
+    own = [t if begin in copied else -100 for t, (begin, _) in zip(p, enc["offset_mapping"])]
     v = tokenizer(f"Score: {label(response, answer)}", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return p + v, [-100] * len(p) + v
+    return p + v, own + v
 
 
 def build(tokenizer, pairs, seed: int = 0, steps: int = STEPS, examples_per_pair: int = 8, batch: int = BATCH):
