@@ -2,7 +2,7 @@
 
 Recipes run on top of the tiny preset of their script; presets are shrunk to the toy model and data (sizes only:
 every option stays, the sp4 preset runs sp=2 with gradient checkpointing, dynamic sampling and the overlong
-penalty on 2 gloo ranks). Each runs 3 steps through torchrun; DAPO must need >= 2 generation rounds.
+penalty on 2 gloo ranks). Each runs 2 steps through torchrun; DAPO must need >= 2 generation rounds.
 Every flag written in README.md and every preset key is also checked against the command line.
 """
 
@@ -21,7 +21,7 @@ RECIPES = [(name.strip(), script.strip(), shlex.split(flags)) for name, script, 
            re.findall(r"^\| ([^|`]+?) \| (train_\w+\.py) \| `([^`]+)`", README, flags=re.M)]
 # sizes a toy run cannot take: (flag, toy value)
 SHRINK = {"--algorithm.overlong_buffer": "4"}
-STEPS = ("--trainer.total_steps", "3", "--trainer.val_every", "0", "--trainer.save_every", "0")
+STEPS = ("--trainer.total_steps", "2", "--trainer.val_every", "0", "--trainer.save_every", "0")
 
 
 def shrink(flags):
@@ -81,7 +81,7 @@ def test_recipe_runs_end_to_end(tmp_path, name, script, flags):
         extra += ["--rollout.temperature", "0.3"]
     torchrun(script, tmp_path, *STEPS, *extra, *shrink(flags))
     got = rows(tmp_path)
-    assert [r["step"] for r in got] == [1, 2, 3]
+    assert [r["step"] for r in got] == [1, 2]
     part = "critic" if script == "train_ppo.py" else "actor"  # the PPO preset warms the critic up first
     assert all(r[f"{part}/skipped_steps"] == 0 and r[f"{part}/grad_norm"] > 0 for r in got), got
     if name == "DAPO":
@@ -120,15 +120,17 @@ def _preset_args(name):
     return args
 
 
-# Presets that a learning test runs whole (its own configuration, not shrunk, more steps than here): a launch here
-# would only repeat it. test_every_preset_runs_somewhere holds each entry to its test.
+# Presets that another test launches in their own configuration (a learning test: whole, more steps than here; the
+# judge preset's: as here, a few steps on fewer prompts): a launch here would only repeat it.
+# test_every_preset_runs_somewhere holds each entry to its test.
 RUN_WHOLE_ELSEWHERE = {
     "tiny_cpu_grpo": ("test_e2e.py", "test_grpo_toy_reward_rises", 'torchrun("train_grpo.py", tmp_path, '),
     "tiny_cpu_ppo": ("test_e2e.py", "test_ppo_toy_reward_rises", 'torchrun("train_ppo.py", tmp_path, '),
     "tiny_cpu_opd": ("test_distill.py", "test_distillation_learns_the_toy_task_faster_than_grpo", '"tiny_cpu_opd"'),
     "tiny_cpu_grpo_tools": ("test_multi_turn.py", "test_tool_task_reward_rises", "configs/tiny_cpu_grpo_tools.yaml"),
     "tiny_cpu_grpo_vision": ("test_vision.py", "test_the_visual_task_is_learned", "*PRESET)"),
-    "tiny_cpu_grpo_judge": ("test_judges.py", "test_grpo_learns_the_toy_task_from_the_toy_judge", '"tiny_cpu_grpo_judge"'),
+    "tiny_cpu_grpo_judge": ("test_judges.py", "test_grpo_with_the_toy_judge_beside_the_policy_and_behind_an_endpoint",
+                            '"tiny_cpu_grpo_judge"'),
 }
 
 
@@ -154,6 +156,6 @@ def test_preset_runs_end_to_end(tmp_path, name):
         else "train_grpo.py"
     torchrun(script, tmp_path, *_preset_args(name))
     got = rows(tmp_path)
-    assert [r["step"] for r in got] == [1, 2, 3]
+    assert [r["step"] for r in got] == [1, 2]
     part = "critic" if script == "train_ppo.py" else "actor"
     assert all(r[f"{part}/skipped_steps"] == 0 for r in got), got

@@ -1,12 +1,16 @@
-"""The toy judge (``judge.path toy_judge``): a tiny model trained offline to grade the embedded digit task, so that a
-judged run's reward carries the task's signal and its learning can be compared with the rule reward's.
+"""The toy judge (``judge.path toy_judge``): a tiny model trained offline to grade the embedded digit task, so that
+a judged run can be compared with the rule reward's.
 
 It reads the question, the reference answer and the response through its own prompt (``template.txt`` of the
 build: short, the reference just before the response so that their characters sit a fixed distance apart) and its
-own ChatML-shaped tokenizer (the tool task's), and answers ``Score: N``, N = round(10 x the toy rule's reward).
-Trained with supervised steps on responses that share a prefix of random length with the answer and go on at
-random, the answer itself, and empty or overlong ones. Built once under ``runs/toy_judge_assets`` like the toy
-policy; its data files are the toy task's.
+own ChatML-shaped tokenizer (the tool task's), and answers ``Score: N``, N = round(10 x ``grade``). Trained with
+supervised steps on responses of the policy's alphabet (the answer, its digits right or not, prefixes of it,
+shifted and random strings). Built once under
+``runs/toy_judge_assets`` like the toy policy; its data files are the toy task's.
+
+What it is not (measured, 2-core CPU): a grader the policy cannot game. Its scores follow the rule's on held-out
+graded responses (correlation 0.86 with its own grade), but GRPO on its verdicts alone finds strings it over-rates, and the rule's
+held-out reward falls (0.269 -> 0.04 in 60 steps, GPT-2- and Qwen2-shaped judges of 4 layers alike).
 """
 
 from __future__ import annotations
@@ -19,15 +23,15 @@ from lib import toy
 TEMPLATE = "Q:{question}\nR:{reference}\nA:{response}\n"
 STEPS = 300
 LAYERS = 4
-HIDDEN = 64
-BATCH = 128
+HIDDEN = 128
+BATCH = 64
 
 
 def grade(response: str, answer: str) -> float:
-    """What the toy judge was taught: the share of positions where the response has the answer's character, over the
-    longer of the two (an extra character costs as much as a missing one). A grader's own view of the task, close to
-    the rule's (the correct prefix over the longer, lib.rewards.builtin.toy) and equal to it at both ends: a
-    character-by-character comparison a tiny model can learn, with no credit for a string that only looks right."""
+    """What the toy judge is taught: the share of positions where the response has the answer's character, over the
+    longer of the two (an extra character costs as much as a missing one). A grader's own view of the task, equal to
+    the rule's (the correct prefix over the longer, lib.rewards.builtin.toy) at both ends and kinder between: a
+    comparison character by character, which a tiny model learns (it did not learn the rule's prefix as well)."""
     matches = sum(a == b for a, b in zip(response, answer))
     return matches / max(len(answer), len(response), 1)
 
@@ -84,8 +88,11 @@ def example(tokenizer, question: str, answer: str, response: str) -> tuple[list[
 
 
 def build(tokenizer, pairs, seed: int = 0, steps: int = STEPS, examples_per_pair: int = 8, batch: int = BATCH):
+    """The toy judge: a 4-layer GPT-2-shaped model (learned positions: with them it learns to read the answer's
+    character at the same place; RoPE models of the same size did not within ten times the steps, measured), trained
+    on ``examples_per_pair`` graded responses to each training prompt."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, GPT2Config
 
     rng = random.Random(seed)
     data = []
@@ -94,10 +101,8 @@ def build(tokenizer, pairs, seed: int = 0, steps: int = STEPS, examples_per_pair
         data += [example(tokenizer, question, answer, responses(answer, rng)) for _ in range(examples_per_pair)]
     torch.manual_seed(seed)
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<eos>")]
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=eos, bos_token_id=tokenizer.bos_token_id)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128,
+                        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos[0], bos_token_id=tokenizer.bos_token_id)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     toy.fit(model, data, steps, seed, tokenizer.pad_token_id, batch=batch)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
