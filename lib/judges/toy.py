@@ -10,7 +10,8 @@ shifted and random strings). Built once under
 
 What it is not (measured, 2-core CPU): a grader the policy cannot game. Its scores follow the rule's on held-out
 graded responses (correlation 0.86 with its own grade), but GRPO on its verdicts alone finds strings it over-rates, and the rule's
-held-out reward falls (0.269 -> 0.04 in 60 steps, GPT-2- and Qwen2-shaped judges of 4 layers alike).
+held-out reward falls (0.269 -> 0.07 in 60 steps with this judge; to 0.04 and 0.0 with a GPT-2-shaped judge trained
+with dropout and a Qwen2-shaped one).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def build(tokenizer, pairs, seed: int = 0, steps: int = STEPS, examples_per_pair
     torch.manual_seed(seed)
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<eos>")]
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128,
+                        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         pad_token_id=tokenizer.pad_token_id, eos_token_id=eos[0], bos_token_id=tokenizer.bos_token_id)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     toy.fit(model, data, steps, seed, tokenizer.pad_token_id, batch=batch)
