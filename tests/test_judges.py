@@ -307,7 +307,7 @@ def test_the_judge_model_takes_turns_with_the_policy_engine(tmp_path, monkeypatc
 def test_the_toy_judge_grades_the_toy_task(tmp_path):
     """The toy judge's verdicts carry the task's signal: on 100 held-out prompts with responses right, partly right
     and wrong, its score (0..10, mapped to 0..1) follows the grade it was taught (lib.judges.toy.grade; correlation
-    measured 0.86 on the 2-core AMD machine, the bound sits well below), and nearly every verdict parses."""
+    measured 0.81 on the 2-core AMD machine, the bound sits below), and nearly every verdict parses."""
     import numpy as np
 
     from lib.judges import toy as judge_toy

@@ -5,13 +5,13 @@ It reads the question, the reference answer and the response through its own pro
 build: short, the reference just before the response so that their characters sit a fixed distance apart) and its
 own ChatML-shaped tokenizer (the tool task's), and answers ``Score: N``, N = round(10 x ``grade``). Trained with
 supervised steps on responses of the policy's alphabet (the answer, its digits right or not, prefixes of it,
-shifted and random strings). Built once under
-``runs/toy_judge_assets`` like the toy policy; its data files are the toy task's.
+shifted and random strings). Built once under ``runs/toy_judge_assets`` like the toy policy; its data files are
+the toy task's.
 
-What it is not (measured, 2-core CPU): a grader the policy cannot game. Its scores follow the rule's on held-out
-graded responses (correlation 0.86 with its own grade), but GRPO on its verdicts alone finds strings it over-rates, and the rule's
-held-out reward falls (0.269 -> 0.07 in 60 steps with this judge; to 0.04 and 0.0 with a GPT-2-shaped judge trained
-with dropout and a Qwen2-shaped one).
+What it is not (measured, 2-core CPU): a grader the policy cannot game. Its scores follow its grade on held-out
+graded responses (correlation 0.81), but GRPO on its verdicts alone finds strings it over-rates, and the rule's
+held-out reward falls (0.269 -> 0.07 in 60 steps with this judge; to 0.04 and 0.0 with a GPT-2-shaped judge
+trained with dropout and a Qwen2-shaped one).
 """
 
 from __future__ import annotations
@@ -89,9 +89,10 @@ def example(tokenizer, question: str, answer: str, response: str) -> tuple[list[
 
 
 def build(tokenizer, pairs, seed: int = 0, steps: int = STEPS, examples_per_pair: int = 8, batch: int = BATCH):
-    """The toy judge: a 4-layer GPT-2-shaped model (learned positions: with them it learns to read the answer's
-    character at the same place; RoPE models of the same size did not within ten times the steps, measured), trained
-    on ``examples_per_pair`` graded responses to each training prompt."""
+    """The toy judge: a 4-layer GPT-2-shaped model without dropout, trained on ``examples_per_pair`` graded responses
+    to each training prompt. Learned positions: with them it learns, in part, to read the answer's character at the
+    same place; Qwen2-shaped (RoPE) models of 4 layers, trained on up to five times as many examples, graded by
+    length and shape alone (measured)."""
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config
 
