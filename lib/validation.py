@@ -51,27 +51,31 @@ def validate_policy(run: Run, step: int, other: tuple[Any, Any] | None = None) -
                      scored.scores, votes, unscored, rule))[:real * run.cfg.rollout.val_n]
     gathered: list[Any] = [None] * topo.world_size
     dist.all_gather_object(gathered, local)  # every rank: the val metrics are logged by rank 0
-    # a response the judge could not score counts in no mean (as in the update); a prompt left without a scored
-    # one leaves the per-prompt figures
+    return val_metrics([row for part in gathered for row in part], scored.unscored is not None)
+
+
+def val_metrics(rows: list[tuple], judged: bool) -> dict[str, float]:
+    """The held-out figures of every rank's (uid, data source, score, vote, unscored, rule score) rows. A response
+    the judge could not score counts in no mean (as in the update); a prompt left without a scored one leaves the
+    per-prompt figures. ``judged``: also val/unscored, and the rule's own figures where the rows have a rule."""
     by_prompt: dict[Any, list[tuple[float, str]]] = defaultdict(list)
     by_rule: dict[Any, list[tuple[float, str]]] = defaultdict(list)
     source_of: dict[Any, str] = {}
     skipped = 0
-    for part in gathered:
-        for uid, source, s, vote, no_score, r in part:
-            source_of[uid] = str(source)
-            if r is not None:
-                by_rule[uid].append((r, vote))
-            if no_score:
-                skipped += 1
-                continue
-            by_prompt[uid].append((s, vote))
+    for uid, source, s, vote, no_score, r in rows:
+        source_of[uid] = str(source)
+        if r is not None:
+            by_rule[uid].append((r, vote))
+        if no_score:
+            skipped += 1
+            continue
+        by_prompt[uid].append((s, vote))
     metrics = prompt_metrics(by_prompt, "val") if by_prompt else {"val/mean@1": float("nan")}
     metrics["val/score_mean"] = metrics[next(k for k in metrics if k.startswith("val/mean@"))]
     for source in sorted(set(source_of.values())):
         if mine := {u: v for u, v in by_prompt.items() if source_of[u] == source}:
             metrics.update(prompt_metrics(mine, f"val/{source}"))
-    if scored.unscored is not None:  # a judge scored: how many it could not, and the rule's own figures beside
+    if judged:
         metrics["val/unscored"] = float(skipped)
         metrics.update(prompt_metrics(by_rule, "val/rule") if by_rule else {})
     return metrics

@@ -144,6 +144,25 @@ def test_unscored_rows_leave_the_update_and_their_groups(tmp_path):
     assert ppo.batch["response_mask"].sum(1).tolist() == [3, 0, 3, 3, 0, 3, 3]
 
 
+def test_validation_leaves_unscored_responses_out_and_shows_the_rule_beside_the_judge():
+    """Held-out figures with a judge (lib.validation.val_metrics, every rank's rows): a response the judge could not
+    score counts in no mean (it counted as 0 before: mean@2 0.5625 instead of 0.75), a prompt left without a scored
+    response leaves the per-prompt figures (it scored 0 before), and the rule's own scores are reported beside the
+    judge's, every row counted."""
+    from lib.validation import val_metrics
+
+    rows = [("p1", "toy", 1.0, "a", False, 0.5), ("p1", "toy", 0.5, "b", False, 0.25),
+            ("p2", "toy", 0.0, "c", True, 0.75), ("p2", "toy", 0.75, "d", False, 1.0)]
+    got = val_metrics(rows, judged=True)
+    assert got["val/mean@2"] == got["val/score_mean"] == (1.0 + 0.5 + 0.75) / 3 and got["val/unscored"] == 1.0
+    assert got["val/best@N"] == (1.0 + 0.75) / 2 and got["val/toy/mean@2"] == got["val/mean@2"]
+    assert got["val/rule/mean@2"] == (0.5 + 0.25 + 0.75 + 1.0) / 4 and got["val/rule/best@N"] == (0.5 + 1.0) / 2
+    lone = val_metrics([("p1", "toy", 1.0, "a", False, 1.0), ("p2", "toy", 0.0, "c", True, 0.0)], judged=True)
+    assert lone["val/best@N"] == 1.0 and lone["val/maj@N"] == 1.0 and lone["val/unscored"] == 1.0
+    plain = val_metrics([(u, s, sc, v, False, None) for u, s, sc, v, _, _ in rows], judged=False)
+    assert plain["val/mean@2"] == 2.25 / 4 and "val/unscored" not in plain and "val/rule/mean@2" not in plain
+
+
 def test_a_refused_key_or_a_missing_one_stops_the_start_before_any_model_loads(server, tmp_path, monkeypatch):
     """The start-up's input check builds the judge and probes it: a key the endpoint refuses, or a key variable that
     is not set, is one ValueError naming the fix (lib.startup.check_inputs, which every rank runs before a model
