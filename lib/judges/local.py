@@ -12,9 +12,10 @@ always decodes with the HF engine here, whatever rollout.engine is.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -103,22 +104,18 @@ class LocalJudge(Judge):
             self.engine.load_weights((n, t) for n, t in checkpoint_tensors(cfg.path) if n not in self.engine.aliases)
             self.engine.finish_sync()
 
-    def turn(self) -> Any:
-        """Context: the judge awake on the device, asleep on the CPU again after, whatever happens inside."""
-        judge = self
-
-        class _Turn:
-            def __enter__(self) -> None:
-                busy = awake.others(NAME)
-                if busy:
-                    raise RuntimeError(f"the judge model would wake while {sorted(busy)} is awake on the device; "
-                                       f"the judge scores after the rollout, when the policy's engine sleeps")
-                judge.engine.wake_up(["weights"])
-
-            def __exit__(self, *exc: Any) -> None:
-                judge.engine.sleep(1)
-
-        return _Turn()
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """The judge awake on the device inside, asleep on the CPU again after, whatever happens inside."""
+        busy = awake.others(NAME)
+        if busy:
+            raise RuntimeError(f"the judge model would wake while {sorted(busy)} is awake on the device; the judge "
+                               f"scores after the rollout, when the policy's engine sleeps")
+        self.engine.wake_up(["weights"])
+        try:
+            yield
+        finally:
+            self.engine.sleep(1)
 
     def _answers(self, todo: dict[str, str], counts: dict[str, int]) -> dict[str, Answer]:
         return dict(zip(todo, self.complete(list(todo.values()), counts)))
