@@ -153,25 +153,23 @@ class RewardConfig:
 
 @dataclass
 class JudgeConfig:
-    """An LLM judge scores every response (lib/judges): a model behind an OpenAI-compatible endpoint (``url``) or a
-    judge model in the trainer's own processes (``path``), taking turns with the policy's engine on the device. A
-    response it could not score (unparseable, cut by its token limit, no answer after the retries or by the
-    deadline, over the budget) is masked from the update and counted in judge/*, never rewarded 0; with a group
-    estimator, a group left with fewer than two scored samples is masked whole (judge/dropped_groups)."""
+    """An LLM judge scores every response (lib/judges): behind an endpoint (``url``) or a model beside the policy
+    (``path``). A response it could not score (unparseable, cut, no answer, over the budget) is masked from the update
+    and counted in judge/*, never rewarded 0; with a group estimator, a group left with fewer than two scored samples
+    is masked whole (judge/dropped_groups)."""
 
     url: str = ""
     """The endpoint's base URL, e.g. http://host:8000/v1 ("": no remote judge)."""
     model: str = ""
     """The model name the endpoint serves."""
     path: str = ""
-    """A judge model folder (a causal LM with a chat template; ``toy_judge``: the toy task's trained judge) run on
-    every rank beside the policy: woken after the rollout, when the policy's engine sleeps, it answers the rank's
-    samples greedily and sleeps again (offloaded to CPU). "": no judge model. Not with url."""
+    """A judge model folder (a causal LM with a chat template; toy_judge: the toy task's) on every rank, taking turns
+    with the policy's engine on the device, on the CPU between uses (lib/judges/local.py). "": none. Not with url."""
     api_key_env: str = ""
     """The name of the environment variable that holds the key ("": none sent). The key never goes in a config."""
     template: str = ""
-    """A text file with the judge's prompt: {question}, {response} and {reference} (the row's ground truth) filled
-    in. "": a built-in rubric asking for "Score: N" from 0 to 10."""
+    """A text file with the judge's prompt, {question}, {response} and {reference} (ground truth) filled in ("": a
+    rubric asking for "Score: N", 0-10)."""
     parse: Literal["auto", "json", "boxed", "score"] = "auto"
     """How the verdict is read: a JSON field, \\boxed{N}, a "Score: N" line, or the first of them found."""
     field: str = "score"
@@ -190,13 +188,11 @@ class JudgeConfig:
     deadline_s: float = 900.0
     """One step's scoring time limit: what is not back by then is masked (judge/deadline)."""
     max_retries: int = 4
-    """Retries after a 429, a 5xx, a time-out or a dropped connection (jittered exponential backoff); never after
-    another 4xx."""
+    """Retries after a 429, a 5xx, a time-out or a dropped connection (jittered backoff); never after another 4xx."""
     backoff_s: float = 1.0
     """The first retry's wait (doubled each time, times a random 0.5-1.5)."""
     budget_tokens: int = 0
-    """Judge tokens (prompt + completion, as the endpoint counts them) per rank over the run; reached, no more calls
-    (the rest masked, judge/over_budget). 0: no budget."""
+    """Endpoint tokens per rank over the run; reached, no more calls (the rest masked, judge/over_budget). 0: none."""
     max_tokens: int = 1024
     """The judge's completion limit; a verdict cut there is masked (judge/parse_failures)."""
     temperature: float = 0.0

@@ -441,8 +441,9 @@ def test_grpo_with_the_toy_judge_beside_the_policy_and_behind_an_endpoint(tmp_pa
     val = [r for r in rows if "val/rule/mean@1" in r]
     assert [r["step"] for r in val] == [0, 2] and all(r["val/unscored"] == 0 for r in val), val
     train = [r for r in rows if "actor/pg_loss" in r]
-    samples = 16 * 8 / 2  # a rank's
-    assert len(train) == 2 and all(r["judge/requests"] + r["judge/cache_hits"] == samples for r in train), train
+    samples = 16 * 8 / 2  # a rank's; behind the endpoint a retried request (a dropped connection) counts twice
+    asked = [r["judge/requests"] + r["judge/cache_hits"] for r in train]
+    assert len(train) == 2 and all(a == samples if where == "in_process" else a >= samples for a in asked), asked
     assert all(r["judge/parse_failures"] == 0 and r["judge/errors"] == 0 and 0 < r["judge/step_share"] < 1
                and r["rollout/logp_abs_diff"] < 1e-5 for r in train), train
     if where == "in_process":
