@@ -396,19 +396,17 @@ class _BatchingGrader:
                     waiting.append(self.queue.get(timeout=0.02))
                 except queue.Empty:
                     break
-            answers = self.judge.complete([text for text, _ in waiting])
-            for (_, slot), answer in zip(waiting, answers):
-                slot.append(answer[0] if isinstance(answer, tuple) else "")
-                slot.append(None)
+            for (_, slot), answer in zip(waiting, self.judge.complete([text for text, _ in waiting])):
+                slot["text"] = answer[0] if isinstance(answer, tuple) else ""
+                slot["done"].set()
 
     def __call__(self, text):
-        import time
+        import threading
 
-        slot = []
+        slot = {"done": threading.Event()}
         self.queue.put((text, slot))
-        while len(slot) < 2:
-            time.sleep(0.005)
-        return slot[0]
+        slot["done"].wait()
+        return slot["text"]
 
 
 @pytest.mark.slow

@@ -137,8 +137,8 @@ RUN_WHOLE_ELSEWHERE = {
 def test_every_preset_runs_somewhere():
     """Each preset left out below is launched whole by the test named for it: the test exists, and its launch
     names the preset (the scripts' default preset where it names none)."""
-    import inspect
     import importlib
+    import inspect
 
     for name, (file, test, launch) in RUN_WHOLE_ELSEWHERE.items():
         assert name in config.presets(), name

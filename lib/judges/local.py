@@ -30,12 +30,16 @@ from lib.models import load_config, load_tokenizer, stop_token_ids
 NAME = "judge"
 
 
-def checkpoint_tensors(path: str) -> Any:
-    """(name, tensor) of every tensor in the folder's safetensors files, on CPU."""
+def weight_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"judge.path={path!r} holds no *.safetensors weights; point it at a model folder")
-    for file in files:
+    return files
+
+
+def checkpoint_tensors(path: str) -> Any:
+    """(name, tensor) of every tensor in the folder's safetensors files, on CPU."""
+    for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -63,6 +67,7 @@ class LocalJudge(Judge):
             raise ValueError(f"judge.path={path!r}: its tokenizer has no chat template, so the judge's prompt cannot be "
                              f"put in its own format; use the instruct (chat) variant of the model, or add a "
                              f"chat_template to its tokenizer_config.json")
+        weight_files(path)  # no weights: refused now, before any model loads
         self.eos = stop_token_ids(path, self.tokenizer, trust_remote_code)
         if not self.eos:
             raise ValueError(f"judge.path={path!r}: neither its tokenizer nor its generation_config.json names an eos "
