@@ -10,15 +10,18 @@ class Server:
     ``plan`` gets that key's statuses in turn (an int: that HTTP status; "hold": no answer until the test ends;
     "cut": a verdict cut by its token limit), then a verdict "Score: N" with N the length of the response line.
     Counts calls per prompt and the most requests in flight. ``grade(prompt text) -> str``: the verdict instead.
+    A request with a JSON schema in ``response_format`` (guided decoding) gets ``{"<its one field>": N}``, or HTTP 400
+    from a server made with ``guided=False``; the schemas asked for are kept in ``formats``.
     """
 
-    def __init__(self, key: str = "good", grade=None):
+    def __init__(self, key: str = "good", grade=None, guided: bool = True):
         self.plan: dict[str, list] = {}
         self.calls: dict[str, int] = {}
         self.in_flight = self.most_in_flight = 0
         self.release = threading.Event()
         self.lock = threading.Lock()
-        self.key, self.grade = key, grade
+        self.key, self.grade, self.guided = key, grade, guided
+        self.formats: list[dict] = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -43,6 +46,13 @@ class Server:
                         return self._send(step, {"error": f"scripted {step}"})
                     response = text.split("A: ")[1].split("\n")[0] if "A: " in text else ""
                     content = outer.grade(text) if outer.grade else f"Score: {len(response)}" if response else "OK"
+                    schema = (body.get("response_format") or {}).get("json_schema")
+                    if schema is not None:
+                        if not outer.guided:
+                            return self._send(400, {"error": "response_format json_schema is not supported"})
+                        with outer.lock:
+                            outer.formats.append(schema)
+                        content = json.dumps({next(iter(schema["schema"]["properties"])): len(response)})
                     answer = {"message": {"content": content},
                               "finish_reason": "length" if step == "cut" else "stop"}
                     self._send(200, {"choices": [answer], "usage": {"total_tokens": 10}})

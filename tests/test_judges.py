@@ -117,6 +117,28 @@ def test_a_wrong_key_or_url_is_one_clear_error_from_the_probe(server):
         RemoteJudge(JudgeConfig("http://127.0.0.1:9/v1", "m", timeout_s=2), TEMPLATE).probe()
 
 
+def test_a_json_verdict_is_asked_for_by_schema_and_a_server_without_guided_decoding_is_refused(server):
+    """parse json: every request (the probe too) carries the verdict's JSON schema (response_format, guided decoding
+    on the server: the field, numbers on the judge's scale); an endpoint that refuses the schema is one error at
+    start-up naming the way out; the other parse modes ask for free text."""
+    cfg = JudgeConfig(server.url, "m", parse="json", field="rating", scale_max=5)
+    judge = RemoteJudge(cfg, TEMPLATE, "good")
+    judge.probe()
+    verdicts, _ = judge.score(_items("abc", "abcd"))
+    assert [v.score for v in verdicts] == [3 / 5, 4 / 5] and [v.text for v in verdicts] == ['{"rating": 3}',
+                                                                                             '{"rating": 4}']
+    assert len(server.formats) == 3 and all(f["schema"]["required"] == ["rating"] for f in server.formats)
+    assert server.formats[0]["schema"]["properties"]["rating"] == {"type": "number", "minimum": 0.0, "maximum": 5}
+    _judge(server).score(_items("free"))
+    assert len(server.formats) == 3  # parse auto: no schema sent
+    plain = Server(guided=False)
+    try:
+        with pytest.raises(ValueError, match="HTTP 400.*a server without guided decoding refuses it; use parse auto"):
+            RemoteJudge(JudgeConfig(plain.url, "m", parse="json"), TEMPLATE, "good").probe()
+    finally:
+        plain.close()
+
+
 def test_unscored_rows_leave_the_update_and_their_groups(tmp_path):
     """A row the judge could not score leaves the update (response_mask 0, score 0) and its group (a uid of its
     own); with a group estimator a group left with fewer than two scored samples leaves whole; with PPO's GAE only

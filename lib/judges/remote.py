@@ -7,7 +7,8 @@ request's own fault and is not. Answers are cached by (model, template, sampling
 duplicate, in one step or a later one, makes no second call. Token usage is counted per step, and an optional
 budget stops new calls once reached (calls in flight then finish: the budget is exceeded by at most that many).
 The key comes from an environment variable the config names, never from the config file; ``probe`` sends one short
-request at start-up, so that a wrong key or URL is one clear error before any model loads.
+request at start-up, so that a wrong key or URL is one clear error before any model loads. With ``parse json`` the
+requests ask for the verdict as JSON by ``response_format`` (guided decoding on the server).
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from lib.judges.base import Answer, Judge
 from lib.judges.parse import DEADLINE, ERROR, OVER_BUDGET
 
 RETRIED = (429, 500, 502, 503, 504)
+
+
+def verdict_schema(field: str, low: float, high: float) -> dict:
+    """The OpenAI ``response_format`` that makes the server decode a JSON verdict, ``{"<field>": N}`` with N on the
+    judge's scale (guided decoding: vLLM's and SGLang's servers and hosted APIs take this form). An endpoint that
+    does not is refused by the start-up probe, which sends it too."""
+    number = {"type": "number", "minimum": low, "maximum": high}
+    return {"type": "json_schema", "json_schema": {"name": "verdict", "strict": True, "schema": {
+        "type": "object", "properties": {field: number}, "required": [field], "additionalProperties": False}}}
 
 
 class RemoteJudge(Judge):
@@ -39,8 +49,12 @@ class RemoteJudge(Judge):
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _body(self, text: str, max_tokens: int) -> dict:
-        return {"model": self.endpoint.model, "messages": [{"role": "user", "content": text}],
-                "temperature": self.endpoint.temperature, "max_tokens": max_tokens}
+        e = self.endpoint
+        body = {"model": e.model, "messages": [{"role": "user", "content": text}], "temperature": e.temperature,
+                "max_tokens": max_tokens}
+        if e.parse == "json":
+            body["response_format"] = verdict_schema(e.field, e.scale_min, e.scale_max)
+        return body
 
     def probe(self) -> None:
         """One short request: a refused key or an endpoint that cannot be reached is one clear error, now."""
@@ -55,7 +69,10 @@ class RemoteJudge(Judge):
             raise ValueError(f"judge endpoint {url} refused the key (HTTP {r.status_code}): set the environment "
                              f"variable the config's api_key_env names to a valid key") from None
         if r.status_code >= 400:
-            raise ValueError(f"judge endpoint {url} answered a probe with HTTP {r.status_code}: {r.text[:200]}")
+            guided = " (parse json asks it for a JSON verdict by response_format: a server without guided decoding " \
+                     "refuses it; use parse auto or score)" if self.endpoint.parse == "json" else ""
+            raise ValueError(f"judge endpoint {url} answered a probe with HTTP {r.status_code}: {r.text[:200]}"
+                             f"{guided}")
 
     def _answers(self, todo: dict[str, str], counts: dict[str, int]) -> dict[str, Answer]:
         return asyncio.run(self._ask_all(todo, counts))
