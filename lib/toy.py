@@ -87,14 +87,19 @@ def warm_start(model, tokenizer, pairs, steps: int, seed: int) -> None:
 
 
 def fit(model, examples: list[tuple[list[int], list[int]]], steps: int, seed: int, pad_id: int,
-        extra: Any = None, image_token_id: int | None = None, batch: int = 32) -> None:
+        extra: Any = None, image_token_id: int | None = None, batch: int = 32, decay: bool = False) -> None:
     """Supervised steps (AdamW, lr 3e-3) on batches of ``batch`` examples (ids, labels with -100 off the loss) drawn
     with replacement, right-padded where their lengths differ. ``extra(rows)``: more inputs of a batch (a vision
-    model's images, whose placeholders are ``image_token_id``)."""
+    model's images, whose placeholders are ``image_token_id``). ``decay``: the rate warms up over 50 steps, then
+    falls to 0 on a cosine (a model that must be exact, not just close)."""
+    import math
+
     import torch
 
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rate = (lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))) if decay else (lambda s: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
     model.train()
     for _ in range(steps):
         rows = [examples[i] for i in torch.randint(0, len(examples), (batch,), generator=g).tolist()]
@@ -107,6 +112,7 @@ def fit(model, examples: list[tuple[list[int], list[int]]], steps: int, seed: in
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
     model.eval()
 
 
@@ -230,15 +236,16 @@ def tool_call_text(key: str) -> str:
     return '<tool_call>{"name":"lookup","arguments":{"key":"' + key + '"}}</tool_call>'
 
 
-def build_tool_tokenizer(path: str):
+def build_tool_tokenizer(path: str, words: tuple[str, ...] = ()):
+    """The tool task's tokenizer; ``words``: more whole-word tokens after its own (the toy judge's think tags)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIAL + TOOL_SPECIAL + TOOL_WORDS + TOOL_CHARS)}
+    vocab = {t: i for i, t in enumerate(SPECIAL + TOOL_SPECIAL + TOOL_WORDS + TOOL_CHARS + list(words))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in TOOL_WORDS])
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in TOOL_WORDS + list(words)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token="<bos>",
                                    unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<eos>"])
     fast.chat_template = TOOL_TEMPLATE

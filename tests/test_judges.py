@@ -260,7 +260,7 @@ def _toy_judge(tmp_path, **overrides):
     from lib.judges import toy as judge_toy
 
     paths = judge_toy.prepare(str(tmp_path / "toy_judge_assets"))
-    cfg = JudgeConfig(path=paths["model"], template=paths["template"], max_tokens=12, **overrides)
+    cfg = JudgeConfig(path=paths["model"], template=paths["template"], max_tokens=64, **overrides)
     judge = judges.build(cfg)
     judge.start(torch.device("cpu"))
     return judge
@@ -346,21 +346,36 @@ def test_the_judge_model_takes_turns_with_the_policy_engine(tmp_path, monkeypatc
 
 
 def test_the_toy_judge_grades_the_toy_task(tmp_path):
-    """The toy judge's verdicts carry the task's signal: on 100 held-out prompts with responses right, partly right
-    and wrong, its score (0..10, mapped to 0..1) follows the grade it was taught (lib.judges.toy.grade; correlation
-    measured 0.81 on the 2-core AMD machine, the bound sits below), and nearly every verdict parses."""
-    import numpy as np
-
+    """The toy judge grades exactly what it was taught, the rule's reward (lib.judges.toy.grade): on 100 held-out
+    prompts with responses right, nearly right, partly right and wrong, every verdict parses after its thinking, and
+    nearly every score is the rule's on the 0-10 scale (measured: 98 of 100 on the 2-core AMD machine; the bound sits
+    below, for other CPUs' builds)."""
     from lib.judges import toy as judge_toy
 
     items = _graded_items(100)
     verdicts, metrics = _toy_judge(tmp_path).score(items)
-    pairs = [(v.score, judge_toy.grade(response, reference)) for v, (_, response, reference) in zip(verdicts, items)
-             if v.score is not None]
-    assert len(pairs) >= 95 and metrics["judge/parse_failures"] == 100 - len(pairs), metrics
-    judged, taught = np.array(pairs).T
-    assert np.corrcoef(judged, taught)[0, 1] > 0.6, pairs
+    exact = [v.score == judge_toy.label(response, reference) / 10 for v, (_, response, reference) in
+             zip(verdicts, items)]
+    assert metrics["judge/parse_failures"] == 0 and all(v.text.startswith("<think>a") for v in verdicts), metrics
+    assert sum(exact) >= 90, [(v.text, item) for v, item, ok in zip(verdicts, items, exact) if not ok]
     assert metrics["judge/requests"] == len(set(items)) and metrics["judge/tokens"] > 0
+
+
+def test_the_toy_judges_thinking_is_the_rule():
+    """The toy judge's taught answer: slot by slot the response's and the answer's characters and the correct prefix
+    so far, then the rule's reward on the 0-10 scale, for responses short, long, empty and exact."""
+    from lib.judges import toy as judge_toy
+
+    assert judge_toy.reasoning("5,2,7", "5,1,7,3") == ("<think>a551b,,2c212d,,2e772f_,2g_32h__2</think>Score: 3", 3)
+    assert judge_toy.reasoning("5,1,7,3", "5,1,7,3")[1] == 10 and judge_toy.reasoning("", "5,1,7,3")[1] == 0
+    long = judge_toy.reasoning("5,1,7,3999", "5,1,7,3")
+    assert long == ("<think>a551b,,2c113d,,4e775f,,6g337h9_7i9_7j9_7k__7</think>Score: 7", 7)
+    rng = __import__("random").Random(0)
+    for _ in range(500):
+        response = judge_toy.responses("5,1,7,3", rng)
+        text, n = judge_toy.reasoning(response, "5,1,7,3")
+        assert n == round(10 * judge_toy.rule(response, "5,1,7,3")["score"]) and text.endswith(f"Score: {n}")
+        assert len(response) <= 10
 
 
 def test_a_judge_model_that_cannot_judge_is_refused_at_the_start_naming_the_fix(tmp_path):
@@ -381,7 +396,7 @@ def test_a_judge_model_that_cannot_judge_is_refused_at_the_start_naming_the_fix(
     with pytest.raises(ValueError, match=r"its context is 128 positions, and a verdict may need 1\d\d\d .*lower "
                                          r"judge.max_tokens"):
         check_inputs(cfg, 1, False, str(tmp_path / "run"))
-    cfg.judge.max_tokens = 12
+    cfg.judge.max_tokens = 64
     assert isinstance(check_inputs(cfg, 1, False, str(tmp_path / "run")).judge, judges.LocalJudge)
     cfg.judge.url = "http://127.0.0.1:9/v1"
     with pytest.raises(ValueError, match="both name a judge; keep one"):
