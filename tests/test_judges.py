@@ -260,7 +260,7 @@ def _toy_judge(tmp_path, **overrides):
     from lib.judges import toy as judge_toy
 
     paths = judge_toy.prepare(str(tmp_path / "toy_judge_assets"))
-    cfg = JudgeConfig(path=paths["model"], template=paths["template"], max_tokens=64, **overrides)
+    cfg = JudgeConfig(path=paths["model"], template=paths["template"], max_tokens=72, **overrides)
     judge = judges.build(cfg)
     judge.start(torch.device("cpu"))
     return judge
@@ -362,14 +362,16 @@ def test_the_toy_judge_grades_the_toy_task(tmp_path):
 
 
 def test_the_toy_judges_thinking_is_the_rule():
-    """The toy judge's taught answer: slot by slot the response's and the answer's characters and the correct prefix
-    so far, then the rule's reward on the 0-10 scale, for responses short, long, empty and exact."""
+    """The toy judge's taught answer: slot by slot the response's and the answer's characters, whether they are the
+    same, and the correct prefix so far, then the rule's reward on the 0-10 scale, for responses short, long, empty
+    and exact."""
     from lib.judges import toy as judge_toy
 
-    assert judge_toy.reasoning("5,2,7", "5,1,7,3") == ("<think>a551b,,2c212d,,2e772f_,2g_32h__2</think>Score: 3", 3)
+    assert judge_toy.reasoning("5,2,7", "5,1,7,3") == ("<think>a55=1b,,=2c21-2d,,=2e77=2f_,-2g_3-2h__-2</think>Score: 3",
+                                                            3)
     assert judge_toy.reasoning("5,1,7,3", "5,1,7,3")[1] == 10 and judge_toy.reasoning("", "5,1,7,3")[1] == 0
     long = judge_toy.reasoning("5,1,7,3999", "5,1,7,3")
-    assert long == ("<think>a551b,,2c113d,,4e775f,,6g337h9_7i9_7j9_7k__7</think>Score: 7", 7)
+    assert long == ("<think>a55=1b,,=2c11=3d,,=4e77=5f,,=6g33=7h9_-7i9_-7j9_-7k__-7</think>Score: 7", 7)
     rng = __import__("random").Random(0)
     for _ in range(500):
         response = judge_toy.responses("5,1,7,3", rng)
@@ -396,7 +398,7 @@ def test_a_judge_model_that_cannot_judge_is_refused_at_the_start_naming_the_fix(
     with pytest.raises(ValueError, match=r"its context is 128 positions, and a verdict may need 1\d\d\d .*lower "
                                          r"judge.max_tokens"):
         check_inputs(cfg, 1, False, str(tmp_path / "run"))
-    cfg.judge.max_tokens = 64
+    cfg.judge.max_tokens = 72
     assert isinstance(check_inputs(cfg, 1, False, str(tmp_path / "run")).judge, judges.LocalJudge)
     cfg.judge.url = "http://127.0.0.1:9/v1"
     with pytest.raises(ValueError, match="both name a judge; keep one"):
@@ -446,27 +448,34 @@ class _BatchingGrader:
         return slot["text"]
 
 
+# Held-out greedy reward of tiny_cpu_grpo_judge, step 0 -> 60, 2 ranks, seed 1, on the 2-core AMD machine: the
+# judge's 0.269 -> 0.475 and the rule's (never trained on) 0.269 -> 0.472, in process. The toy judge's verdict is the
+# rule's reward rounded to tenths, so the rule's measured spread carries over (tests/test_e2e.py: +0.10 to +0.30 at
+# 60 steps over seeds and machines); the threshold is the rule test's, half its worst case.
+JUDGE_MIN_GAIN = 0.05
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["in_process", "endpoint"])
-def test_grpo_with_the_toy_judge_beside_the_policy_and_behind_an_endpoint(tmp_path, monkeypatch, where):
-    """train_grpo.py on 2 CPU ranks in the tiny_cpu_grpo_judge preset (the toy judge's verdicts alone are the
-    reward): the judge model beside the policy, taking turns with its HF engine, and the same judge served by the
-    fake endpoint. Every sample of every step is judged (requests + cache hits), the verdicts parse, validation logs
-    the rule's reward beside the judge's, the canary stays at fp32 level. (A learning test is not here: the policy
-    games this judge; lib/judges/toy.py gives the figures.)"""
+def test_grpo_learns_the_toy_task_from_the_toy_judge_beside_the_policy_and_behind_an_endpoint(tmp_path, monkeypatch,
+                                                                                              where):
+    """train_grpo.py on 2 CPU ranks in the tiny_cpu_grpo_judge preset, rewarded by the toy judge's verdicts alone:
+    the judge model beside the policy, taking turns with its HF engine, and the same judge served by the fake
+    endpoint. The held-out reward rises as with the rule reward, the judge's and the rule's (which the policy never
+    sees: it learns the task, not the judge's flaws); every sample of every step is judged (requests + cache hits),
+    every verdict parses, the canary stays at fp32 level."""
     import json
 
     from tests.test_e2e import torchrun
 
-    args = ["--config", "tiny_cpu_grpo_judge", "--trainer.total_steps", "2", "--trainer.val_every", "2",
-            "--trainer.train_batch_size", "16"]
+    args = ["--config", "tiny_cpu_grpo_judge", "--trainer.total_steps", "60", "--trainer.val_every", "60"]
     server = None
     if where == "endpoint":
         judge = _toy_judge(tmp_path)
         server = Server(grade=_BatchingGrader(judge))
         monkeypatch.setenv("TEST_JUDGE_KEY", "good")
         args += ["--judge.path", "", "--judge.url", server.url, "--judge.model", "toy-judge", "--judge.api_key_env",
-                 "TEST_JUDGE_KEY", "--judge.template", judge.endpoint.template]
+                 "TEST_JUDGE_KEY", "--judge.template", judge.endpoint.template, "--judge.max_in_flight", "256"]
     try:
         out = torchrun("train_grpo.py", tmp_path, *args)
     finally:
@@ -474,11 +483,13 @@ def test_grpo_with_the_toy_judge_beside_the_policy_and_behind_an_endpoint(tmp_pa
             server.close()
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     val = [r for r in rows if "val/rule/mean@1" in r]
-    assert [r["step"] for r in val] == [0, 2] and all(r["val/unscored"] == 0 for r in val), val
+    assert [r["step"] for r in val] == [0, 60] and all(r["val/unscored"] == 0 for r in val), val
+    curve = [(r["val/mean@1"], r["val/rule/mean@1"]) for r in val]
+    assert curve[1][0] > curve[0][0] + JUDGE_MIN_GAIN and curve[1][1] > curve[0][1] + JUDGE_MIN_GAIN, curve
     train = [r for r in rows if "actor/pg_loss" in r]
-    samples = 16 * 8 / 2  # a rank's; behind the endpoint a retried request (a dropped connection) counts twice
+    samples = 64 * 8 / 2  # a rank's; behind the endpoint a retried request (a dropped connection) counts twice
     asked = [r["judge/requests"] + r["judge/cache_hits"] for r in train]
-    assert len(train) == 2 and all(a == samples if where == "in_process" else a >= samples for a in asked), asked
+    assert len(train) == 60 and all(a == samples if where == "in_process" else a >= samples for a in asked), asked
     assert all(r["judge/parse_failures"] == 0 and r["judge/errors"] == 0 and 0 < r["judge/step_share"] < 1
                and r["rollout/logp_abs_diff"] < 1e-5 for r in train), train
     if where == "in_process":

@@ -120,8 +120,8 @@ def _preset_args(name):
     return args
 
 
-# Presets that another test launches in their own configuration (a learning test: whole, more steps than here; the
-# judge preset's: as here, a few steps on fewer prompts): a launch here would only repeat it.
+# Presets that another test launches whole, in a learning test (more steps than here): a launch here would only
+# repeat it.
 # test_every_preset_runs_somewhere holds each entry to its test.
 RUN_WHOLE_ELSEWHERE = {
     "tiny_cpu_grpo": ("test_e2e.py", "test_grpo_toy_reward_rises", 'torchrun("train_grpo.py", tmp_path, '),
@@ -129,7 +129,8 @@ RUN_WHOLE_ELSEWHERE = {
     "tiny_cpu_opd": ("test_distill.py", "test_distillation_learns_the_toy_task_faster_than_grpo", '"tiny_cpu_opd"'),
     "tiny_cpu_grpo_tools": ("test_multi_turn.py", "test_tool_task_reward_rises", "configs/tiny_cpu_grpo_tools.yaml"),
     "tiny_cpu_grpo_vision": ("test_vision.py", "test_the_visual_task_is_learned", "*PRESET)"),
-    "tiny_cpu_grpo_judge": ("test_judges.py", "test_grpo_with_the_toy_judge_beside_the_policy_and_behind_an_endpoint",
+    "tiny_cpu_grpo_judge": ("test_judges.py",
+                            "test_grpo_learns_the_toy_task_from_the_toy_judge_beside_the_policy_and_behind_an_endpoint",
                             '"tiny_cpu_grpo_judge"'),
 }
 

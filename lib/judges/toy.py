@@ -4,10 +4,11 @@ so that a run rewarded by its verdicts alone can be set beside one rewarded by t
 It reads the reference answer and the response through its own prompt (``template.txt`` of the build: the
 reference just before the response, so their characters sit a fixed distance apart) and its own ChatML-shaped
 tokenizer (the tool task's, with ``<think>`` tags), thinks, then answers ``Score: N``. Its thinking goes through the
-response slot by slot: the slot's letter, the response's character there, the answer's (``_`` past either end) and
-the correct prefix so far; it stops after the first slot where both have ended:
+response slot by slot: the slot's letter, the response's character there, the answer's (``_`` past either end),
+``=`` where they are the same character (``-`` where not) and the correct prefix so far; it stops after the first
+slot where both have ended:
 
-    answer 5,1,7,3, response 5,2,7:   <think>a551b,,2c212d,,2e772f_,2g_32h__2</think>Score: 3
+    answer 5,1,7,3, response 5,2,7:   <think>a55=1b,,=2c21-2d,,=2e77=2f_,-2g_3-2h__-2</think>Score: 3
 
 N = round(10 x prefix / slots), the rule's reward (lib.rewards.builtin.toy) on a 0-10 scale. Each token it writes is
 a lookup a small transformer learns exactly (a character read at a fixed place, a comparison of the two tokens
@@ -24,10 +25,10 @@ import random
 from lib import toy
 from lib.rewards.builtin import toy as rule
 
-TEMPLATE = "Q:{question}\nR:{reference}\nA:{response}\n"
+TEMPLATE = "R:{reference}\nA:{response}\n"
 THINK = ("<think>", "</think>")
 SLOTS = "abcdefghijk"  # a response of up to 10 characters, then the slot where both have ended
-STEPS = 800
+STEPS = 500
 LAYERS = 4
 HIDDEN = 128
 BATCH = 64
@@ -40,8 +41,9 @@ def reasoning(response: str, answer: str) -> tuple[str, int]:
     while True:
         x = response[j] if j < len(response) else "_"
         y = answer[j] if j < len(answer) else "_"
-        prefix += x == y != "_" and prefix == j
-        slots.append(f"{SLOTS[j]}{x}{y}{prefix}")
+        same = x == y != "_"
+        prefix += same and prefix == j
+        slots.append(f"{SLOTS[j]}{x}{y}{'=' if same else '-'}{prefix}")
         if x == y == "_":
             break
         j += 1
@@ -65,17 +67,17 @@ def responses(answer: str, rng: random.Random) -> str:
     taught as often wrong as right, where a learning policy samples); cut short; each character the answer's with a
     chance drawn per response, else any (commas anywhere); or its digits each right or not."""
     kind = rng.random()
-    if kind < 0.1:
+    if kind < 0.05:
         return answer
-    if kind < 0.45:
+    if kind < 0.6:
         k = rng.randrange(len(answer) + 1)
         wrong = rng.choice([c for c in ALPHABET if k == len(answer) or c != answer[k]])
         rest = answer[k + 1:] if rng.random() < 0.5 else \
             "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(0, 10 - k)))
         return answer[:k] + wrong + rest
-    if kind < 0.55:
+    if kind < 0.65:
         return answer[:rng.randrange(len(answer))]
-    if kind < 0.85:
+    if kind < 0.9:
         n = len(answer) if rng.random() < 0.5 else rng.randrange(0, 11)
         right = rng.random()
         return "".join(answer[i] if i < len(answer) and rng.random() < right else rng.choice(ALPHABET)
