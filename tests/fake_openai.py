@@ -5,6 +5,12 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+class _Listener(ThreadingHTTPServer):
+    # the judge opens up to max_in_flight connections a rank at once: with the socket's default backlog of 5 most are
+    # refused, and each comes back after a retry's backoff
+    request_queue_size = 1024
+
+
 class Server:
     """A fake /v1/chat/completions. The judge's answer is scripted by the prompt's text: a prompt holding a key of
     ``plan`` gets that key's statuses in turn (an int: that HTTP status; "hold": no answer until the test ends;
@@ -68,7 +74,7 @@ class Server:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _Listener(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()

@@ -367,8 +367,8 @@ def test_the_toy_judges_thinking_is_the_rule():
     and exact."""
     from lib.judges import toy as judge_toy
 
-    assert judge_toy.reasoning("5,2,7", "5,1,7,3") == ("<think>a55=1b,,=2c21-2d,,=2e77=2f_,-2g_3-2h__-2</think>Score: 3",
-                                                            3)
+    short = judge_toy.reasoning("5,2,7", "5,1,7,3")
+    assert short == ("<think>a55=1b,,=2c21-2d,,=2e77=2f_,-2g_3-2h__-2</think>Score: 3", 3)
     assert judge_toy.reasoning("5,1,7,3", "5,1,7,3")[1] == 10 and judge_toy.reasoning("", "5,1,7,3")[1] == 0
     long = judge_toy.reasoning("5,1,7,3999", "5,1,7,3")
     assert long == ("<think>a55=1b,,=2c11=3d,,=4e77=5f,,=6g33=7h9_-7i9_-7j9_-7k__-7</think>Score: 7", 7)
@@ -416,7 +416,9 @@ def test_a_judge_model_that_cannot_judge_is_refused_at_the_start_naming_the_fix(
 
 class _BatchingGrader:
     """The fake endpoint's judge: the toy judge model itself, answering the requests that arrive together as one batch
-    (one request at a time would make a step's few hundred verdicts as many decodes)."""
+    (one request at a time would make a step's few hundred verdicts as many decodes). A step's requests reach the
+    server over a few hundred milliseconds (a thread a connection): a batch closes after a quarter second without
+    one (with 20 ms, measured: a step's judging took 6 s in small batches, against 2 s in process)."""
 
     def __init__(self, judge):
         import queue
@@ -432,7 +434,7 @@ class _BatchingGrader:
             waiting = [self.queue.get()]
             while True:
                 try:
-                    waiting.append(self.queue.get(timeout=0.02))
+                    waiting.append(self.queue.get(timeout=0.25))
                 except queue.Empty:
                     break
             for (_, slot), answer in zip(waiting, self.judge.complete([text for text, _ in waiting])):
@@ -448,49 +450,63 @@ class _BatchingGrader:
         return slot["text"]
 
 
-# Held-out greedy reward of tiny_cpu_grpo_judge, step 0 -> 60, 2 ranks, seed 1, on the 2-core AMD machine: the
-# judge's 0.269 -> 0.475 and the rule's (never trained on) 0.269 -> 0.472, in process. The toy judge's verdict is the
-# rule's reward rounded to tenths, so the rule's measured spread carries over (tests/test_e2e.py: +0.10 to +0.30 at
-# 60 steps over seeds and machines); the threshold is the rule test's, half its worst case.
+# Held-out greedy reward of tiny_cpu_grpo_judge, step 0 -> 60, 2 ranks, seed 1, on the 2-core AMD machine: by the
+# judge 0.269 -> 0.463 and by the rule (never trained on) 0.269 -> 0.459, in process (an earlier build of the judge:
+# 0.475 / 0.472). The toy judge's verdict is the rule's reward rounded to tenths, so the rule's measured spread
+# carries over (tests/test_e2e.py: +0.10 to +0.30 at 60 steps over seeds and machines); the threshold is the rule
+# test's, half its worst case.
 JUDGE_MIN_GAIN = 0.05
+ENDPOINT_STEPS = 10
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["in_process", "endpoint"])
-def test_grpo_learns_the_toy_task_from_the_toy_judge_beside_the_policy_and_behind_an_endpoint(tmp_path, monkeypatch,
-                                                                                              where):
-    """train_grpo.py on 2 CPU ranks in the tiny_cpu_grpo_judge preset, rewarded by the toy judge's verdicts alone:
-    the judge model beside the policy, taking turns with its HF engine, and the same judge served by the fake
-    endpoint. The held-out reward rises as with the rule reward, the judge's and the rule's (which the policy never
-    sees: it learns the task, not the judge's flaws); every sample of every step is judged (requests + cache hits),
-    every verdict parses, the canary stays at fp32 level."""
+def _judged_run(tmp_path, preset, steps, *more):
     import json
+    import os
 
     from tests.test_e2e import torchrun
 
-    args = ["--config", "tiny_cpu_grpo_judge", "--trainer.total_steps", "60", "--trainer.val_every", "60"]
-    server = None
-    if where == "endpoint":
-        judge = _toy_judge(tmp_path)
-        server = Server(grade=_BatchingGrader(judge))
-        monkeypatch.setenv("TEST_JUDGE_KEY", "good")
-        args += ["--judge.path", "", "--judge.url", server.url, "--judge.model", "toy-judge", "--judge.api_key_env",
-                 "TEST_JUDGE_KEY", "--judge.template", judge.endpoint.template, "--judge.max_in_flight", "256"]
-    try:
-        out = torchrun("train_grpo.py", tmp_path, *args)
-    finally:
-        if server is not None:
-            server.close()
+    os.makedirs(tmp_path)
+    for name in ("toy_assets", "toy_judge_assets"):  # the session's builds, linked into the test's folder
+        os.symlink(os.path.realpath(tmp_path.parent / name), tmp_path / name)
+    out = torchrun("train_grpo.py", tmp_path, "--config", preset, "--trainer.total_steps", str(steps),
+                   "--trainer.val_every", "60", *more)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    val = [r for r in rows if "val/rule/mean@1" in r]
+    train = [r for r in rows if "actor/pg_loss" in r]
+    samples = 64 * 8 / 2  # a rank's
+    assert len(train) == steps and all(r["judge/requests"] + r["judge/cache_hits"] == samples for r in train), train
+    assert all(r["judge/parse_failures"] == 0 and r["judge/errors"] == 0 and 0 < r["judge/step_share"] < 1
+               and r["rollout/logp_abs_diff"] < 1e-5 for r in train), train
+    return out, [r for r in rows if "val/rule/mean@1" in r], train
+
+
+@pytest.mark.slow
+def test_grpo_learns_the_toy_task_from_the_toy_judge_beside_the_policy_and_behind_an_endpoint(tmp_path, monkeypatch):
+    """train_grpo.py on 2 CPU ranks in the tiny_cpu_grpo_judge preset, rewarded by the toy judge's verdicts alone.
+    The judge model beside the policy, taking turns with its HF engine, 60 steps: the held-out reward rises as with
+    the rule reward, the judge's and the rule's (which the policy never sees: it learns the task, not the judge's
+    flaws). The same judge served by the fake endpoint: the same run, step for step (the same verdicts, so the same
+    rewards, losses and cache hits), for its first 10 steps (measured whole, 60 steps: 7 s a step, one server judging
+    both ranks' samples in turn, against 2 s in process; see the closing figures in lib/judges/toy.py). Every sample
+    of every step is judged, every verdict parses, the canary stays at fp32 level."""
+    preset = "tiny_cpu_grpo_judge"
+    out, val, inside = _judged_run(tmp_path / "in_process", preset, 60)
+    assert "judge model:" in out and "taking turns with the policy's engine" in out
     assert [r["step"] for r in val] == [0, 60] and all(r["val/unscored"] == 0 for r in val), val
     curve = [(r["val/mean@1"], r["val/rule/mean@1"]) for r in val]
     assert curve[1][0] > curve[0][0] + JUDGE_MIN_GAIN and curve[1][1] > curve[0][1] + JUDGE_MIN_GAIN, curve
-    train = [r for r in rows if "actor/pg_loss" in r]
-    samples = 64 * 8 / 2  # a rank's; behind the endpoint a retried request (a dropped connection) counts twice
-    asked = [r["judge/requests"] + r["judge/cache_hits"] for r in train]
-    assert len(train) == 60 and all(a == samples if where == "in_process" else a >= samples for a in asked), asked
-    assert all(r["judge/parse_failures"] == 0 and r["judge/errors"] == 0 and 0 < r["judge/step_share"] < 1
-               and r["rollout/logp_abs_diff"] < 1e-5 for r in train), train
-    if where == "in_process":
-        assert "judge model:" in out and "taking turns with the policy's engine" in out
+
+    judge = _toy_judge(tmp_path)
+    server = Server(grade=_BatchingGrader(judge))
+    monkeypatch.setenv("TEST_JUDGE_KEY", "good")
+    try:
+        _, val, behind = _judged_run(
+            tmp_path / "endpoint", preset, ENDPOINT_STEPS, "--judge.path", "", "--judge.url", server.url, "--judge.model",
+            "toy-judge", "--judge.api_key_env", "TEST_JUDGE_KEY", "--judge.template", judge.endpoint.template,
+            "--judge.max_in_flight", "256")
+    finally:
+        server.close()
+    assert val[0]["val/mean@1"] == curve[0][0]
+    same = ("judge/score_mean", "judge/cache_hits", "reward/mean", "critic/advantages/mean", "actor/pg_loss",
+            "actor/grad_norm")
+    for a, b in zip(inside, behind):
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7) for k in same), (a["step"], a, b)

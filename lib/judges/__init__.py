@@ -7,7 +7,8 @@ and writes a verdict, which becomes the sample's reward.
 - ``remote.py``: an OpenAI-compatible endpoint (a vLLM or SGLang server, a hosted API): requests in flight capped,
   timeouts, a deadline per step, retries with jittered backoff on 429, 5xx and time-outs, a cache, a token budget;
 - ``local.py``: a judge model in the trainer's processes, taking turns with the policy's engine on the device;
-- ``toy.py``: the toy task's judge, a tiny model trained offline to grade it (``judge.path toy_judge``).
+- ``toy.py``: the toy task's judge, a tiny reasoning model trained offline to grade it exactly
+  (``judge.path toy_judge``).
 
 A sample the judge could not score is masked from the update and counted, never rewarded 0.
 """

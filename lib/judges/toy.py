@@ -11,10 +11,12 @@ slot where both have ended:
     answer 5,1,7,3, response 5,2,7:   <think>a55=1b,,=2c21-2d,,=2e77=2f_,-2g_3-2h__-2</think>Score: 3
 
 N = round(10 x prefix / slots), the rule's reward (lib.rewards.builtin.toy) on a 0-10 scale. Each token it writes is
-a lookup a small transformer learns exactly (a character read at a fixed place, a comparison of the two tokens
-before): graded in one step, from the whole strings, the 4-layer judges of stop 48 followed their labels at
-correlation 0.8-0.9 and the policy gamed every one of them (the rule's held-out reward fell 0.27 -> 0.0-0.07 in 60
-steps); this one grades held-out responses exactly (measured: in tests/test_judges.py).
+a lookup a small transformer learns exactly: a character read at a fixed place, the comparison of the two before,
+the prefix from the mark and the count before. Measured on the 2-core AMD machine, 1600 held-out graded responses
+(right, nearly right, partly right, random): builds of seeds 0 and 1 score every one exactly. Without the mark (the
+count compared the characters itself) builds of 500 steps scored 80-100% exactly, by seed; judges that graded in
+one token, from the whole strings, followed their labels at correlation 0.8-0.9 only, and the policy gamed every one
+of them (the rule's held-out reward fell 0.27 -> 0.0-0.07 in 60 steps).
 """
 
 from __future__ import annotations
