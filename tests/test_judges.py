@@ -451,8 +451,8 @@ class _BatchingGrader:
 
 
 # Held-out greedy reward of tiny_cpu_grpo_judge, step 0 -> 60, 2 ranks, seed 1, on the 2-core AMD machine: by the
-# judge 0.269 -> 0.463 and by the rule (never trained on) 0.269 -> 0.459, in process (an earlier build of the judge:
-# 0.475 / 0.472). The toy judge's verdict is the rule's reward rounded to tenths, so the rule's measured spread
+# judge 0.269 -> 0.463 and by the rule (never trained on) 0.269 -> 0.459, in process and (measured once, 60 steps in
+# 7 minutes) behind the endpoint alike; an earlier build of the judge: 0.475 / 0.472. The toy judge's verdict is the rule's reward rounded to tenths, so the rule's measured spread
 # carries over (tests/test_e2e.py: +0.10 to +0.30 at 60 steps over seeds and machines); the threshold is the rule
 # test's, half its worst case.
 JUDGE_MIN_GAIN = 0.05
@@ -485,8 +485,8 @@ def test_grpo_learns_the_toy_task_from_the_toy_judge_beside_the_policy_and_behin
     The judge model beside the policy, taking turns with its HF engine, 60 steps: the held-out reward rises as with
     the rule reward, the judge's and the rule's (which the policy never sees: it learns the task, not the judge's
     flaws). The same judge served by the fake endpoint: the same run, step for step (the same verdicts, so the same
-    rewards, losses and cache hits), for its first 10 steps (measured whole, 60 steps: 7 s a step, one server judging
-    both ranks' samples in turn, against 2 s in process; see the closing figures in lib/judges/toy.py). Every sample
+    rewards, losses and cache hits), for its first 10 steps (measured whole, 60 steps: the same held-out figures, at
+    6.2 s of judging a step, one server judging both ranks' samples in turn, against 2 s in process). Every sample
     of every step is judged, every verdict parses, the canary stays at fp32 level."""
     preset = "tiny_cpu_grpo_judge"
     out, val, inside = _judged_run(tmp_path / "in_process", preset, 60)
