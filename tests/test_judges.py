@@ -456,7 +456,7 @@ class _BatchingGrader:
 # carries over (tests/test_e2e.py: +0.10 to +0.30 at 60 steps over seeds and machines); the threshold is the rule
 # test's, half its worst case.
 JUDGE_MIN_GAIN = 0.05
-ENDPOINT_STEPS = 10
+ENDPOINT_STEPS = 3
 
 
 def _judged_run(tmp_path, preset, steps, *more):
@@ -485,7 +485,7 @@ def test_grpo_learns_the_toy_task_from_the_toy_judge_beside_the_policy_and_behin
     The judge model beside the policy, taking turns with its HF engine, 60 steps: the held-out reward rises as with
     the rule reward, the judge's and the rule's (which the policy never sees: it learns the task, not the judge's
     flaws). The same judge served by the fake endpoint: the same run, step for step (the same verdicts, so the same
-    rewards, losses and cache hits), for its first 10 steps (measured whole, 60 steps: the same held-out figures, at
+    rewards, losses and cache hits), for its first 3 steps (measured whole, 60 steps: the same held-out figures, at
     6.2 s of judging a step, one server judging both ranks' samples in turn, against 2 s in process). Every sample
     of every step is judged, every verdict parses, the canary stays at fp32 level."""
     preset = "tiny_cpu_grpo_judge"
