@@ -34,7 +34,7 @@ STEPS = 500
 LAYERS = 4
 HIDDEN = 128
 BATCH = 64
-ALPHABET = "0123456789,"
+ALPHABET = "".join(toy.CHARS)  # the toy policy's own characters: digits and the comma
 
 
 def reasoning(response: str, answer: str) -> tuple[str, int]:
@@ -85,7 +85,7 @@ def responses(answer: str, rng: random.Random) -> str:
         return "".join(answer[i] if i < len(answer) and rng.random() < right else rng.choice(ALPHABET)
                        for i in range(n))
     right = rng.random()
-    return "".join(c if c == "," or rng.random() < right else rng.choice("0123456789") for c in answer)
+    return "".join(c if c == "," or rng.random() < right else rng.choice(ALPHABET[:-1]) for c in answer)
 
 
 def example(tokenizer, question: str, answer: str, response: str) -> tuple[list[int], list[int]]:
