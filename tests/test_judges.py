@@ -450,11 +450,11 @@ class _BatchingGrader:
         return slot["text"]
 
 
-# Held-out greedy reward of tiny_cpu_grpo_judge, step 0 -> 60, 2 ranks, seed 1, on the 2-core AMD machine: by the
-# judge 0.269 -> 0.463 and by the rule (never trained on) 0.269 -> 0.459, in process and (measured once, 60 steps in
-# 7 minutes) behind the endpoint alike; an earlier build of the judge: 0.475 / 0.472. The toy judge's verdict is the rule's reward rounded to tenths, so the rule's measured spread
-# carries over (tests/test_e2e.py: +0.10 to +0.30 at 60 steps over seeds and machines); the threshold is the rule
-# test's, half its worst case.
+# Held-out greedy reward of tiny_cpu_grpo_judge, step 0 -> 60, 2 ranks, 1 thread per rank, 2-core AMD EPYC, by the
+# judge / by the rule (never trained on): seed 1 +0.194 / +0.190 (in process, alone, in an xdist run beside other
+# tests, and behind the endpoint alike), seed 2 +0.295 / +0.287, seed 3 +0.176 / +0.165 (seeds 2 and 3 run at once,
+# four ranks on two cores). The verdict is the rule's reward in tenths, so the rule test's spread across machines
+# applies too (tests/test_e2e.py: +0.10 to +0.30); the threshold is the rule test's, under a third of the worst here.
 JUDGE_MIN_GAIN = 0.05
 ENDPOINT_STEPS = 3
 
