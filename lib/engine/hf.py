@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Dyna
 from lib import routing
 from lib.data import left_pad
 from lib.engine import awake
+from lib.engine.kv import reserve
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, rollout_columns,
                         stop_ids, turns_from)
 from lib.lora import base_name, check_engine_load, inject, is_adapter_param, peft_name
@@ -336,7 +337,7 @@ class HFEngine:
         rope = None if rope is None else rope[:, :, first:]
         # the model's own cache layers: sliding-window layers keep only their window, linear-attention and
         # convolution layers their state
-        cache = DynamicCache(config=self.model.config)
+        cache = reserve(DynamicCache(config=self.model.config), ids.shape[1] + sp.max_new_tokens)
         copy = sp.n > 1 and copyable(cache)
         if sp.n > 1 and not copy:  # a cache that cannot be copied exactly: each sample prefills its own
             ids, mask, pos = (x.repeat_interleave(sp.n, 0) for x in (ids, mask, pos))

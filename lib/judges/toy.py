@@ -13,7 +13,8 @@ slot where both have ended:
 N = round(10 x prefix / slots), the rule's reward (lib.rewards.builtin.toy) on a 0-10 scale. Each token it writes is
 a lookup a small transformer learns exactly: a character read at a fixed place, the comparison of the two before,
 the prefix from the mark and the count before. Measured on the 2-core AMD machine, 1600 held-out graded responses
-(right, nearly right, partly right, random): builds of seeds 0 and 1 score every one exactly. Without the mark (the
+(right, nearly right, partly right, random): builds of seeds 0 and 1 score 1600 and 1597 exactly in 360 steps (1600
+and 1600 in 500 steps, 1596 and 1594 in 300; 360 take ~3 minutes on one thread). Without the mark (the
 count compared the characters itself) builds of 500 steps scored 80-100% exactly, by seed; judges that graded in
 one token, from the whole strings, followed their labels at correlation 0.8-0.9 only, and the policy gamed every one
 of them (the rule's held-out reward fell 0.27 -> 0.0-0.07 in 60 steps).
@@ -30,7 +31,7 @@ from lib.rewards.builtin import toy as rule
 TEMPLATE = "R:{reference}\nA:{response}\n"
 THINK = ("<think>", "</think>")
 SLOTS = "abcdefghijk"  # a response of up to 10 characters, then the slot where both have ended
-STEPS = 500
+STEPS = 360
 LAYERS = 4
 HIDDEN = 128
 BATCH = 64
