@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 
-from lib.config import JudgeConfig
+from lib.config_judge import JudgeConfig
 from lib.judges.parse import DEADLINE, ERROR, OVER_BUDGET, TRUNCATED, UNPARSED, Verdict, verdict
 
 Answer = tuple[str, bool] | str

@@ -6,8 +6,9 @@ live on the CPU between uses: after the rollout, when the policy's engine sleeps
 device), answers greedily (or at judge.temperature) and sleeps again, whether or not scoring raised. It refuses to
 wake while another engine of the process is awake (lib.engine.awake), so the two never hold the device together.
 
-With vLLM a second sleep-mode engine cannot live in the process (one CuMemAllocator per process); the judge model
-always decodes with the HF engine here, whatever rollout.engine is.
+With vLLM a second sleep-mode engine cannot live in the process (one CuMemAllocator per process): with judge.engine
+vllm the judge decodes in vLLM in a child process of each rank (lib/judges/vllm_child.py), which takes turns the same
+way; with hf (the default) in our HF engine here, whatever rollout.engine is.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from lib.config import JudgeConfig
+from lib.config_judge import JudgeConfig
 from lib.engine import SamplingConfig, awake
 from lib.engine.hf import HFEngine
 from lib.judges.base import Answer, Judge
-from lib.judges.parse import ERROR
+from lib.judges.parse import ERROR, verdict_schema
 from lib.models import load_config, load_tokenizer, stop_token_ids
 
 NAME = "judge"
+MAX_SEQS = 256
+"""judge.engine vllm: the verdicts one scheduler step decodes together (more wait their turn)."""
 
 
 def weight_files(path: str) -> list[str]:
@@ -72,13 +75,16 @@ class LocalJudge(Judge):
         if not self.eos:
             raise ValueError(f"judge.path={path!r}: neither its tokenizer nor its generation_config.json names an eos "
                              f"token, so a verdict could never end; add eos_token_id to generation_config.json")
-        self.engine: HFEngine | None = None
+        self.engine: Any = None  # an HFEngine, or lib.judges.vllm_child.ChildEngine with judge.engine vllm
+        self.need = 0  # the longest judge sequence, once check_context has measured it
         self.calls = 0
 
     def describe(self) -> str:
         how = f"temperature {self.endpoint.temperature:g}" if self.endpoint.temperature else "greedy"
-        return (f"judge model: {self.endpoint.path} on every rank, taking turns with the policy's engine (offloaded to "
-                f"CPU between uses), {how}, verdicts of at most {self.endpoint.max_tokens} tokens")
+        where = ("decoded by vLLM in a child process of each rank, asleep between uses" if self.endpoint.engine == "vllm"
+                 else "offloaded to CPU between uses")
+        return (f"judge model: {self.endpoint.path} on every rank, taking turns with the policy's engine ({where}), "
+                f"{how}, verdicts of at most {self.endpoint.max_tokens} tokens")
 
     def prompt_ids(self, text: str) -> list[int]:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -90,6 +96,7 @@ class LocalJudge(Judge):
         context = context_of(self.config)
         overhead = len(self.prompt_ids(self.render("", "", "")))
         need = overhead + prompt_tokens + response_tokens + self.endpoint.max_tokens
+        self.need = need
         if context is not None and need > context:
             raise ValueError(
                 f"judge.path={self.endpoint.path!r}: its context is {context} positions, and a verdict may need "
@@ -99,8 +106,14 @@ class LocalJudge(Judge):
                 f"with a longer context")
 
     def start(self, device: torch.device, batch_tokens: int = 65536, seed: int = 0) -> None:
-        """Build the replica and load the folder's weights into it, then put it to sleep on the CPU."""
+        """Build the replica and load the folder's weights into it, then put it to sleep on the CPU (judge.engine
+        vllm: start the rank's vLLM child, which loads the folder itself and sleeps)."""
         cfg = self.endpoint
+        if cfg.engine == "vllm":
+            from lib.judges.vllm_child import ChildEngine
+
+            self.engine = ChildEngine(NAME, device, self.child_spec(device, seed), seed)
+            return
         sampling = SamplingConfig(temperature=cfg.temperature, n=1, max_new_tokens=cfg.max_tokens, seed=seed)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
         self.engine = HFEngine(self.config, device, pad, self.eos, sampling, sampling, batch_tokens=batch_tokens,
@@ -108,6 +121,34 @@ class LocalJudge(Judge):
         with self.turn():
             self.engine.load_weights((n, t) for n, t in checkpoint_tensors(cfg.path) if n not in self.engine.aliases)
             self.engine.finish_sync()
+
+    def child_spec(self, device: torch.device, seed: int) -> dict:
+        """The vLLM engine of judge.engine vllm: the folder's own weights and dtype, one sequence as long as
+        check_context measured (else the model's context), its KV cache in bytes for MAX_SEQS of them; guided JSON
+        verdicts with judge.parse json."""
+        from lib.engine import kv_cache_bytes
+
+        cfg = self.endpoint
+        length = self.need or context_of(self.config) or 4096
+        dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        text = getattr(self.config, "text_config", None) or self.config
+        args = {"model": cfg.path, "dtype": str(dtype).removeprefix("torch."), "seed": seed, "max_model_len": length,
+                "max_num_seqs": MAX_SEQS, "kv_cache_memory_bytes": kv_cache_bytes(
+                    text, MAX_SEQS, length, torch.empty((), dtype=dtype).element_size()),
+                "gpu_memory_utilization": 0.1,  # vLLM's start-up check only: the KV cache is sized in bytes
+                "enable_prefix_caching": True, "skip_tokenizer_init": cfg.parse != "json"}
+        if device.type == "cpu":  # whole prompts per prefill (lib/engine/vllm.py: CPU generators cannot rewind);
+            # no compiled graphs (minutes of start-up on CPU for a few seconds of judging)
+            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(length, 8192), enforce_eager=True)
+        schema = verdict_schema(cfg.field, cfg.scale_min, cfg.scale_max)["json_schema"]["schema"] \
+            if cfg.parse == "json" else None
+        return {"engine_args": args, "eos": self.eos, "temperature": cfg.temperature, "schema": schema}
+
+    def close(self) -> None:
+        """The vLLM child's end (the HF engine needs none)."""
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()
 
     @contextlib.contextmanager
     def turn(self) -> Iterator[None]:

@@ -80,3 +80,12 @@ def verdict(text: str, truncated: bool, how: str, field: str, scale: tuple[float
     if value is None or not low <= value <= high:
         return Verdict(None, UNPARSED, text)
     return Verdict(reward[0] + (value - low) / (high - low) * (reward[1] - reward[0]), OK, text)
+
+
+def verdict_schema(field: str, low: float, high: float) -> dict:
+    """The OpenAI ``response_format`` that makes the server decode a JSON verdict, ``{"<field>": N}`` with N on the
+    judge's scale (guided decoding: vLLM's and SGLang's servers and hosted APIs take this form). An endpoint that
+    does not is refused by the start-up probe, which sends it too."""
+    number = {"type": "number", "minimum": low, "maximum": high}
+    return {"type": "json_schema", "json_schema": {"name": "verdict", "strict": True, "schema": {
+        "type": "object", "properties": {field: number}, "required": [field], "additionalProperties": False}}}

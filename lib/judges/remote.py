@@ -18,20 +18,11 @@ import random
 
 import httpx
 
-from lib.config import JudgeConfig
+from lib.config_judge import JudgeConfig
 from lib.judges.base import Answer, Judge
-from lib.judges.parse import DEADLINE, ERROR, OVER_BUDGET
+from lib.judges.parse import DEADLINE, ERROR, OVER_BUDGET, verdict_schema
 
 RETRIED = (429, 500, 502, 503, 504)
-
-
-def verdict_schema(field: str, low: float, high: float) -> dict:
-    """The OpenAI ``response_format`` that makes the server decode a JSON verdict, ``{"<field>": N}`` with N on the
-    judge's scale (guided decoding: vLLM's and SGLang's servers and hosted APIs take this form). An endpoint that
-    does not is refused by the start-up probe, which sends it too."""
-    number = {"type": "number", "minimum": low, "maximum": high}
-    return {"type": "json_schema", "json_schema": {"name": "verdict", "strict": True, "schema": {
-        "type": "object", "properties": {field: number}, "required": [field], "additionalProperties": False}}}
 
 
 class RemoteJudge(Judge):
