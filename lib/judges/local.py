@@ -22,11 +22,13 @@ import torch
 from safetensors import safe_open
 
 from lib.config_judge import JudgeConfig
-from lib.engine import SamplingConfig, awake
+from lib.engine import SamplingConfig, awake, kv_cache_bytes
 from lib.engine.hf import HFEngine
 from lib.judges.base import Answer, Judge
 from lib.judges.parse import ERROR, verdict_schema
+from lib.judges.vllm_child import ChildEngine
 from lib.models import load_config, load_tokenizer, stop_token_ids
+from lib.preflight import vllm_problems
 
 NAME = "judge"
 MAX_SEQS = 256
@@ -79,6 +81,12 @@ class LocalJudge(Judge):
         self.need = 0  # the longest judge sequence, once check_context has measured it
         self.calls = 0
 
+    def probe(self) -> None:
+        """judge.engine vllm: what keeps vLLM from decoding this judge here (the package, its release, the model's
+        class and head size) is one error now, before any model loads."""
+        if self.endpoint.engine == "vllm" and (problems := vllm_problems(self.config, "judge.engine")):
+            raise ValueError(f"judge.path={self.endpoint.path!r}: " + "; ".join(problems))
+
     def describe(self) -> str:
         how = f"temperature {self.endpoint.temperature:g}" if self.endpoint.temperature else "greedy"
         where = ("decoded by vLLM in a child process of each rank, asleep between uses" if self.endpoint.engine == "vllm"
@@ -110,8 +118,6 @@ class LocalJudge(Judge):
         vllm: start the rank's vLLM child, which loads the folder itself and sleeps)."""
         cfg = self.endpoint
         if cfg.engine == "vllm":
-            from lib.judges.vllm_child import ChildEngine
-
             self.engine = ChildEngine(NAME, device, self.child_spec(device, seed), seed)
             return
         sampling = SamplingConfig(temperature=cfg.temperature, n=1, max_new_tokens=cfg.max_tokens, seed=seed)
@@ -126,8 +132,6 @@ class LocalJudge(Judge):
         """The vLLM engine of judge.engine vllm: the folder's own weights and dtype, one sequence as long as
         check_context measured (else the model's context), its KV cache in bytes for MAX_SEQS of them; guided JSON
         verdicts with judge.parse json."""
-        from lib.engine import kv_cache_bytes
-
         cfg = self.endpoint
         length = self.need or context_of(self.config) or 4096
         dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None) or torch.float32
