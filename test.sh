@@ -7,6 +7,12 @@
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 set +e
 workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+# the embedded tasks' builds (tests/conftest.py): made once for both passes, in a folder removed at the end
+if [ -z "${TEST_ASSETS:-}" ]; then
+  TEST_ASSETS="$(mktemp -d "${TMPDIR:-/tmp}/test_assets.XXXXXX")"
+  trap 'rm -rf "$TEST_ASSETS"' EXIT
+fi
+export TEST_ASSETS
 vllm_pass=0
 if [ "${SKIP_VLLM_CPU:-0}" != 1 ] && ! has_gpu && [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ]; then
   vllm_pass=1

@@ -1,6 +1,7 @@
 import fcntl
 import importlib.util
 import os
+import pathlib
 import sys
 
 import pytest
@@ -40,6 +41,10 @@ BUILDS = {"toy_assets": toy.prepare, "toy_tool_assets": toy.prepare_tool, "toy_v
 
 @pytest.fixture(scope="session")
 def shared_assets_dir(tmp_path_factory):
+    if os.environ.get("TEST_ASSETS"):  # test.sh: one folder for both of its passes (the builds are the same code's)
+        path = pathlib.Path(os.environ["TEST_ASSETS"])
+        path.mkdir(parents=True, exist_ok=True)
+        return path
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # test.sh runs two pytest-xdist workers: they share one build, in the folder above their own base folders
         path = tmp_path_factory.getbasetemp().parent / "shared_assets"

@@ -414,6 +414,32 @@ def test_a_judge_model_that_cannot_judge_is_refused_at_the_start_naming_the_fix(
         judges.build(JudgeConfig(path=str(plain), max_tokens=12))
 
 
+def test_a_vllm_judge_where_vllm_cannot_decode_it_is_refused_at_the_start(tmp_path, monkeypatch):
+    """judge.engine vllm, refused by check_inputs before any model loads, naming judge.engine=hf as the way on: without
+    the vllm package (the first test pass); with it, a judge whose head size vLLM's CPU attention lacks (here the
+    sizes it takes are made 64 and 128: the toy judge's is 32). Beside an endpoint (judge.url) it is a config error."""
+    import importlib.util
+
+    from lib import config, preflight
+    from lib.startup import check_inputs, resolve_toy
+
+    cfg = config.parse(["--judge.path", "toy_judge", "--judge.engine", "vllm", "--judge.max_tokens", "72",
+                        "--trainer.output_root", str(tmp_path)], default_preset="tiny_cpu_grpo")
+    resolve_toy(cfg)
+    if importlib.util.find_spec("vllm") is None:
+        expected = r"judge.path=.*: judge.engine=vllm needs the vllm package: .* or use judge.engine=hf"
+    else:
+        monkeypatch.setattr(preflight, "VLLM_CPU_HEAD_SIZES", (64, 128))
+        expected = r"judge.engine=vllm on CPU: vLLM's CPU attention takes head sizes \[64, 128\], this model's is 32; use " \
+                   r"judge.engine=hf"
+    with pytest.raises(ValueError, match=expected):
+        check_inputs(cfg, 1, False, str(tmp_path / "run"))
+    remote = config.parse(["--judge.url", "http://127.0.0.1:9/v1", "--judge.model", "m", "--judge.engine", "vllm"],
+                          default_preset="tiny_cpu_grpo")
+    with pytest.raises(ValueError, match="judge.engine=vllm decodes a judge model .judge.path.; an endpoint"):
+        preflight.validate(remote, 2)
+
+
 class _BatchingGrader:
     """The fake endpoint's judge: the toy judge model itself, answering the requests that arrive together as one batch
     (one request at a time would make a step's few hundred verdicts as many decodes). A step's requests reach the
@@ -511,3 +537,71 @@ def test_grpo_learns_the_toy_task_from_the_toy_judge_beside_the_policy_and_behin
             "actor/grad_norm")
     for a, b in zip(inside, behind):
         assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7) for k in same), (a["step"], a, b)
+
+
+def _children() -> set[int]:
+    import subprocess
+
+    found = subprocess.run(["pgrep", "-f", "lib.judges.vllm_child"], capture_output=True, text=True).stdout
+    return {int(p) for p in found.split()}
+
+
+@pytest.mark.vllm
+def test_the_judge_model_in_a_vllm_child_process_answers_as_the_hf_engine(tmp_path):
+    """judge.engine vllm (vllm-cpu here): the toy judge decoding in a child process writes the HF engine's verdicts,
+    token for token, on 40 held-out graded responses, in turns the event log shows as the HF judge's (wake, sleep),
+    and the same again after more turns; with judge.parse json every verdict is JSON of the judge's schema (guided
+    decoding: the toy judge was never taught JSON, the grammar alone makes it so). A child that dies is an error
+    naming its exit code; close() ends the child."""
+    import os
+    import signal
+
+    from lib.engine import awake
+
+    items = _graded_items(40)
+    texts = [v.text for v in _toy_judge(tmp_path).score(items)[0]]
+    before = _children()
+    judge = _toy_judge(tmp_path, engine="vllm")
+    child = judge.engine.proc.pid
+    assert _children() - before == {child}
+    try:
+        start = len(awake.EVENTS)
+        verdicts, metrics = judge.score(items)
+        assert [v.text for v in verdicts] == texts and metrics["judge/parse_failures"] == 0, metrics
+        judge.cache.clear()
+        assert [v.text for v in judge.score(items)[0]] == texts
+        assert list(awake.EVENTS)[start:] == [("judge", "wake"), ("judge", "sleep")] * 2
+    finally:
+        judge.close()
+    assert child not in _children() and judge.engine.proc.returncode == 0
+
+    judge = _toy_judge(tmp_path, engine="vllm", parse="json")
+    try:
+        verdicts, metrics = judge.score(items)
+        assert metrics["judge/parse_failures"] == 0 and all(v.text.startswith('{"score":') for v in verdicts), verdicts
+        assert all(0 <= v.score <= 1 for v in verdicts)
+        os.kill(judge.engine.proc.pid, signal.SIGKILL)
+        judge.cache.clear()
+        with pytest.raises(RuntimeError, match=r"the judge's vLLM child process \(pid \d+\) .*exit code -9"):
+            judge.score(items[:2])
+    finally:
+        judge.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_grpo_with_the_judge_model_in_vllm_child_processes_is_the_run_with_the_hf_judge(tmp_path):
+    """train_grpo.py on 2 CPU ranks in the tiny_cpu_grpo_judge preset, 2 steps, the judge model decoding in vLLM in
+    a child process of each rank (started under torchrun: the rank's own device, none of its process group): the
+    same run as with the judge in the HF engine, step for step (the same verdicts: the same scores, cache hits,
+    rewards, losses); every sample judged, the canary at fp32 level; the children end with the run."""
+    preset = "tiny_cpu_grpo_judge"
+    before = _children()
+    _, _, hf = _judged_run(tmp_path / "hf", preset, 2)
+    out, _, child = _judged_run(tmp_path / "vllm", preset, 2, "--judge.engine", "vllm")
+    assert "decoded by vLLM in a child process of each rank" in out
+    same = ("judge/score_mean", "judge/cache_hits", "reward/mean", "critic/advantages/mean", "actor/pg_loss",
+            "actor/grad_norm")
+    for a, b in zip(hf, child):
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7) for k in same), (a["step"], a, b)
+    assert _children() <= before

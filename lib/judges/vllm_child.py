@@ -89,7 +89,7 @@ class ChildEngine:
                                    f"during {message['op']!r}; its output is above (or in the run's logs)")
         try:
             reply = self.conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             raise RuntimeError(f"the judge's vLLM child process (pid {self.proc.pid}) closed its end during "
                                f"{message['op']!r} (exit code {self.proc.wait()})") from None
         if "error" in reply:
@@ -139,12 +139,13 @@ def _serve(conn: Connection) -> None:
 
     spec = conn.recv()
     sleep_mode = current_platform.is_sleep_mode_available()
-    llm = LLM(**spec["engine_args"], enable_sleep_mode=sleep_mode)
-    guided = {}
-    if spec.get("schema") is not None:
+    guided, structured = {}, {}
+    if spec.get("schema") is not None:  # JSON verdicts, written without the runs of whitespace a grammar allows
         from vllm.sampling_params import StructuredOutputsParams
 
         guided = {"structured_outputs": StructuredOutputsParams(json=spec["schema"])}
+        structured = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
+    llm = LLM(**spec["engine_args"], **structured, enable_sleep_mode=sleep_mode)
     if sleep_mode:
         llm.sleep(level=1)
     conn.send({"ok": True, "sleep_mode": sleep_mode})
