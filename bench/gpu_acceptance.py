@@ -62,7 +62,7 @@ SHAPES = {  # name: (hidden, layers, heads, kv heads, intermediate, vocabulary)
     "tiny-teacher": (96, 3, 3, 1, 192, 512),  # a wider, deeper teacher of the same vocabulary (distillation)
 }
 CHECKS = ("correctness", "sleep_wake", "lora_sleep", "rollout", "grpo_vllm", "grpo_hf", "update", "grpo_lora_vllm",
-          "ppo", "distill", "trl", "tools", "vision", "qwen3_5", "gemma4", "moe")
+          "ppo", "distill", "trl", "tools", "vision", "qwen3_5", "gemma4", "moe", "judge")
 GRPO_STEPS = {"cuda": 20, "cpu": 2}
 # GRPO runs in the 0.5B preset's configuration (configs/qwen2.5_0.5b_gsm8k_grpo.yaml: dynamic batching, gradient
 # checkpointing, the k3 KL loss with its reference model), sized for one GPU and a 15-minute lease: prompts per step
@@ -291,6 +291,35 @@ def check_distill(args) -> list[Row]:
         ok = all(np.isfinite(v) for v in kl)
         rows.append(Row(f"distill {engine} engine: the teacher scores every step (reverse KL finite)", str(ok), "True",
                         ok, "reverse KL " + ", ".join(f"{v:.3g}" for v in kl)))
+    return rows
+
+
+def check_judge(args) -> list[Row]:
+    """An LLM judge as the whole reward (issue 43): a 1.5B-shaped judge model (random weights, the toy's tokenizer and
+    chat template) beside the 0.5B policy, both on vLLM on a GPU, the judge in its own child process (judge.engine
+    vllm) with guided JSON verdicts, so a random model's every verdict parses; on CPU a tiny one in the HF engine
+    (no guided decoding there: its verdicts are unparsed and masked, the row says so). Figures: the judge's share of
+    the step and its seconds, the verdicts parsed, the step's memory per stage; the run itself proves the judge and
+    the policy's engine never woke together (the judge refuses to)."""
+    gpu = args.device == "cuda"
+    engine = "vllm" if gpu and has_vllm() else "hf"
+    judge, _ = model_folder(args.out, "qwen2.5-1.5b" if gpu else "tiny-teacher", args.device)
+    rows, train = _train(args, f"judge {engine} engine", "train_grpo.py", PRESETS["grpo"],
+                         args.grpo_steps or SHORT_STEPS[args.device], engine, "--judge.path", judge, "--judge.engine",
+                         engine, "--judge.parse", "json", "--judge.max_tokens", "128", "--judge.rule_weight", "0")
+    if train:
+        mean = lambda key: sum(r.get(key, 0.0) for r in train) / len(train)  # noqa: E731
+        asked = sum(r.get("judge/requests", 0.0) + r.get("judge/cache_hits", 0.0) for r in train)
+        parsed = 1 - sum(r.get("judge/parse_failures", 0.0) for r in train) / max(asked, 1)
+        rows.append(Row(f"judge {engine} engine: its share of a step", f"{mean('judge/step_share'):.1%} "
+                        f"({mean('judge/seconds'):.2f} s of {mean('timing/step_s'):.2f} s)", "", None,
+                        f"{mean('judge/tokens'):.0f} judge tokens a step" + ("" if gpu else "; " + TIMING_ON_CPU)))
+        guided = engine == "vllm"
+        # a random model under the grammar may write digits until its token limit (each one about 1 in 11 to stop)
+        rows.append(Row(f"judge {engine} engine: verdicts parsed", f"{parsed:.1%} of {asked:.0f}",
+                        ">= 99% (guided JSON)" if guided else "", parsed >= 0.99 if guided else None,
+                        "" if guided else "the HF engine has no guided decoding: a random judge's verdicts are "
+                        "unparsed and masked"))
     return rows
 
 
@@ -837,7 +866,7 @@ def result_path(out: str, name: str, child: bool = False) -> str:
 
 
 # Checks whose figures are times or device-memory readings run alone; the others may share the GPU (--lanes).
-TIMED = ("correctness", "sleep_wake", "rollout", "grpo_vllm", "grpo_hf", "update", "trl")
+TIMED = ("correctness", "sleep_wake", "rollout", "grpo_vllm", "grpo_hf", "update", "trl", "judge")
 
 
 @dataclass

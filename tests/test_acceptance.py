@@ -56,8 +56,8 @@ def test_the_gpu_session_on_cpu(tmp_path):
     every check into OUT; the fifth call finds nothing left to run. Each check in its own process: the HF engine's
     correctness after an update and a sync (greedy tokens = the model's own decode, the fp32 canary, seeds) on the
     0.5B layout, Qwen3.5 and Gemma-4; 2 steps each of GRPO in the 0.5B preset's configuration, PPO, distillation,
-    multi-turn tools, vision-language GRPO on a Qwen2.5-VL layout, TRL's GRPOTrainer and a Qwen3-MoE with routing
-    replay off and on; the update's packed/padded
+    multi-turn tools, vision-language GRPO on a Qwen2.5-VL layout, TRL's GRPOTrainer, a Qwen3-MoE with routing
+    replay off and on, and GRPO rewarded by a judge model alone; the update's packed/padded
     ratio; all measured and passing; the rows that need vLLM (or its GPU sleep mode) not run, with the reason."""
     _stage(tmp_path, parts=2)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DEVICE": "cpu", "PY": sys.executable,
@@ -91,6 +91,7 @@ def test_the_gpu_session_on_cpu(tmp_path):
                  "vision hf engine: one image a sample, the tower synced every step",
                  "trl 1.16.0 colocate (CPU: transformers' generate): 2 steps",
                  "moe hf engine, replay on: 2 steps", "moe hf engine: logp_abs_diff, replay on (off)",
+                 "judge hf engine: 2 steps", "judge hf engine: rollout/logp_abs_diff (max)",
                  *(f"correctness ({m} hf engine): {what}" for m in ("qwen3_5", "gemma4") for what in (
                      "trainer's margin at the engine's greedy tokens (max)", "greedy tokens = the model's own greedy "
                      "decode", "logp_abs_diff on sampled tokens", "same seed twice, same tokens"))):

@@ -361,6 +361,22 @@ def test_the_toy_judge_grades_the_toy_task(tmp_path):
     assert metrics["judge/requests"] == len(set(items)) and metrics["judge/tokens"] > 0
 
 
+def test_a_judge_turn_on_a_gpu_reads_the_whole_devices_memory(tmp_path, monkeypatch):
+    """lib/judges/local.py on a GPU (through lib/fake_device.py): still awake after its answers, the judge reads the
+    device's memory in use, total less free (a vLLM child's allocations are not this process's, so the allocator's
+    counters cannot see them): memory/judge_device_peak_gb, beside the stages' peaks. On CPU the figure is absent."""
+    from lib import fake_device
+
+    judge = _toy_judge(tmp_path)
+    items = _graded_items(3)
+    assert "memory/judge_device_peak_gb" not in judge.score(items)[1]
+    fake = fake_device.install(fake_device.FakeDevice(total_bytes=80 * 2**30, base_bytes=3 * 2**30, burst_bytes=0),
+                               monkeypatch.setattr)
+    judge.cache.clear()
+    metrics = judge.score(items)[1]
+    assert metrics["memory/judge_device_peak_gb"] == 3.0 and fake.calls["mem_get_info"] >= 1, metrics
+
+
 def test_the_toy_judges_thinking_is_the_rule():
     """The toy judge's taught answer: slot by slot the response's and the answer's characters, whether they are the
     same, and the correct prefix so far, then the rule's reward on the 0-10 scale, for responses short, long, empty

@@ -77,4 +77,5 @@ class Judge:
             "judge/errors": float(statuses.count(ERROR)),
             "judge/parse_failures": float(statuses.count(UNPARSED) + statuses.count(TRUNCATED)),
             "judge/deadline": float(statuses.count(DEADLINE)), "judge/over_budget": float(statuses.count(OVER_BUDGET)),
-            "judge/score_mean": sum(scored) / len(scored) if scored else float("nan")}
+            "judge/score_mean": sum(scored) / len(scored) if scored else float("nan"),
+            **({"memory/judge_device_peak_gb": counts["device_bytes"] / 2**30} if "device_bytes" in counts else {})}

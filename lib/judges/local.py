@@ -172,7 +172,8 @@ class LocalJudge(Judge):
 
     def complete(self, texts: list[str], counts: dict[str, int] | None = None) -> list[Answer]:
         """The judge's answer to each prompt text, in one turn on the device: (text, cut by judge.max_tokens), or
-        ERROR for a prompt its context cannot hold with the verdict. ``counts``: tokens and requests added."""
+        ERROR for a prompt its context cannot hold with the verdict. ``counts``: tokens and requests added (on a GPU,
+        ``device_bytes`` too: the device's memory in use at the end of the turn, every process's)."""
         if self.engine is None:
             raise RuntimeError("LocalJudge.start() was never called")
         counts = {"tokens": 0, "calls": 0} if counts is None else counts
@@ -185,6 +186,9 @@ class LocalJudge(Judge):
             with self.turn():
                 turns = self.engine.generate_ids([prompts[i] for i in asked], [self.endpoint.max_tokens] * len(asked),
                                                  validate=True, key=self.calls)
+                if torch.cuda.is_available():  # the device's whole use: a vLLM child's memory is not this process's
+                    free, total = torch.cuda.mem_get_info(self.engine.device)
+                    counts["device_bytes"] = max(counts.get("device_bytes", 0), total - free)
             self.calls += 1
             counts["calls"] += len(asked)
             for i, turn in zip(asked, turns):
