@@ -75,7 +75,8 @@ def main() -> None:
         model.load_state_dict(dict(checkpoint_tensors(args.judge)), strict=False)  # as the judge loads its weights
         jt = AutoTokenizer.from_pretrained(args.judge)
         answers = [toy.example(p)[1] for p in toy.split_pairs(0)[1]]
-        texts = [f"R:{a}\nA:{a[:k % (len(a) + 1)]}\n" for k, a in enumerate(answers[i % len(answers)] for i in range(256))]
+        drawn = (answers[i % len(answers)] for i in range(256))
+        texts = [f"R:{a}\nA:{a[:k % (len(a) + 1)]}\n" for k, a in enumerate(drawn)]
         prompts = [jt.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
                                           return_dict=False) for t in texts]
         eos = [jt.convert_tokens_to_ids("<|im_end|>")]

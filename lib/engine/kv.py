@@ -16,8 +16,8 @@ from transformers import cache_utils
 
 class ReservedLayer(cache_utils.DynamicLayer):
     """A full-attention layer whose keys and values live in buffers of ``room`` positions (more where a longer input
-    comes: then twice what it holds). What replaces its tensors from outside (repeating a prompt's cache for its samples, selecting or cropping
-    rows) is copied into fresh buffers at the next update."""
+    comes: then twice what it holds). What replaces its tensors from outside (repeating a prompt's cache for its
+    samples, selecting or cropping rows) is copied into fresh buffers at the next update."""
 
     def __init__(self, room: int):
         super().__init__()
@@ -31,7 +31,8 @@ class ReservedLayer(cache_utils.DynamicLayer):
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         held = self.held
-        if held is None or held[2] is not self.keys or held[0].shape[-2] < end or held[0].shape[0] != key_states.shape[0]:
+        if (held is None or held[2] is not self.keys or held[0].shape[-2] < end
+                or held[0].shape[0] != key_states.shape[0]):
             room = self.room if end <= self.room else max(end, 2 * length)  # past the room: doubling
             keys = key_states.new_empty((*key_states.shape[:-2], room, key_states.shape[-1]))
             values = value_states.new_empty((*value_states.shape[:-2], room, value_states.shape[-1]))

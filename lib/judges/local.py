@@ -89,8 +89,9 @@ class LocalJudge(Judge):
 
     def describe(self) -> str:
         how = f"temperature {self.endpoint.temperature:g}" if self.endpoint.temperature else "greedy"
-        where = ("decoded by vLLM in a child process of each rank, asleep between uses" if self.endpoint.engine == "vllm"
-                 else "offloaded to CPU between uses")
+        where = "offloaded to CPU between uses"
+        if self.endpoint.engine == "vllm":
+            where = "decoded by vLLM in a child process of each rank, asleep between uses"
         return (f"judge model: {self.endpoint.path} on every rank, taking turns with the policy's engine ({where}), "
                 f"{how}, verdicts of at most {self.endpoint.max_tokens} tokens")
 

@@ -47,7 +47,7 @@ def child_env(device: Any) -> dict[str, str]:
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the rank's output stays its own; the child's errors are raised there
+    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the rank's output stays its own; the child's errors are raised
     return env
 
 
