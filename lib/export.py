@@ -41,8 +41,7 @@ def write_hf(state: dict[str, torch.Tensor], model_path: str, out_dir: str, kind
     """Write full weights ``state`` (HF names) as a folder ``from_pretrained`` and vLLM load, in the dtype of the
     model at ``model_path``."""
     config = models.load_config(model_path, trust_remote_code)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = models.saved_dtype(config)
     model = models.build_empty(config, kind, models.padded_attention(config), trust_remote_code)
     apart = [a for a, t in models.tied_aliases(model).items()
              if a in state and t in state and not torch.equal(state[a], state[t])]

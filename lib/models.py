@@ -75,6 +75,12 @@ def check_model_path(path: str) -> None:
                          f"looks like a local path)")
 
 
+def saved_dtype(config: Any) -> torch.dtype:
+    """The dtype a checkpoint's config says its weights are in (fp32 where it says none)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
 def load_config(path: str, trust_remote_code: bool = False) -> Any:
     check_model_path(path)
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

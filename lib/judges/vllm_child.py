@@ -55,25 +55,20 @@ class ChildEngine:
     """The judge's engine in a child process: ``wake_up``, ``sleep`` and ``generate_ids`` as an engine of this process
     has them (lib/judges/local.py takes turns with it exactly as with the HF engine)."""
 
-    def __init__(self, name: str, device: Any, spec: dict, seed: int = 0, log_path: str | None = None):
-        """Start the child on ``device`` and build the engine of ``spec`` there (``engine_args``: vLLM's arguments;
-        ``eos``: the stop ids; ``schema``: a JSON schema every verdict is decoded into, or None); returns once its
-        weights are loaded and it sleeps. ``log_path``: the child's output (default: the rank's stderr)."""
-        self.name, self.device, self.seed, self.calls = name, device, seed, 0
-        self.schema, self.level = spec.get("schema"), 1
+    def __init__(self, name: str, device: Any, spec: dict, seed: int = 0):
+        """Start the child on ``device`` (its output goes to the rank's) and build the engine of ``spec`` there
+        (``engine_args``: vLLM's arguments; ``eos``: the stop ids; ``temperature``; ``schema``: a JSON schema every
+        verdict is decoded into, or None); returns once its weights are loaded and it sleeps."""
+        self.name, self.device, self.seed, self.level = name, device, seed, 1
         mine, theirs = socket.socketpair()
-        out = open(log_path, "ab") if log_path else None
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "lib.judges.vllm_child", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], env=child_env(device), stdout=out,
-                                         stderr=subprocess.STDOUT if out else None,
+                                         pass_fds=[theirs.fileno()], env=child_env(device),
                                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
         finally:
             theirs.close()
-            if out:
-                out.close()
         self.conn = Connection(mine.detach())
-        self.sleep_mode = bool(self._ask({"op": "start", **spec}, START_TIMEOUT_S)["sleep_mode"])
+        self._ask({"op": "start", **spec}, START_TIMEOUT_S)
 
     def _ask(self, message: dict, timeout_s: float = 3600.0) -> dict:
         try:
@@ -116,7 +111,6 @@ class ChildEngine:
             raise RuntimeError("generate on a sleeping engine: call wake_up() first")
         seeds = request_seeds(call_seed(self.seed, 0, validate, key), len(prompts))
         reply = self._ask({"op": "generate", "prompts": prompts, "caps": max_tokens, "seeds": seeds})
-        self.calls += 1
         return [Turn(list(ids), [0.0] * len(ids), bool(stopped)) for ids, stopped in reply["turns"]]
 
     def close(self) -> None:
@@ -148,7 +142,7 @@ def _serve(conn: Connection) -> None:
     llm = LLM(**spec["engine_args"], **structured, enable_sleep_mode=sleep_mode)
     if sleep_mode:
         llm.sleep(level=1)
-    conn.send({"ok": True, "sleep_mode": sleep_mode})
+    conn.send({"ok": True})
     while True:
         try:
             msg = conn.recv()

@@ -122,8 +122,8 @@ class Scorer:
 
     def close(self) -> None:
         self.pool.close()
-        if self.judge is not None and hasattr(self.judge, "close"):
-            self.judge.close()  # a judge model's vLLM child ends with the run
+        if self.judge is not None:
+            self.judge.close()
 
 
 class RewardModel:
