@@ -36,7 +36,10 @@ def pytest_collection_modifyitems(config, items):
 # warm start takes most of a minute on 2 cores). A session builds each once, on first use, and links it into the
 # output root of every test that may run it; a run finds its assets there as if it had built them.
 BUILDS = {"toy_assets": toy.prepare, "toy_tool_assets": toy.prepare_tool, "toy_vision_assets": vision_toy.prepare,
-          "toy_teacher_assets": toy.prepare_teacher, "toy_judge_assets": judge_toy.prepare}
+          "toy_teacher_assets": toy.prepare_teacher, "toy_judge_assets": judge_toy.prepare,
+          # the tool task with head size 32, which vLLM's CPU attention takes (the vLLM tool test, the acceptance
+          # run's tools check on CPU): one build for both of test.sh's passes
+          "toy_tool_assets_hd32": lambda path: toy.prepare_tool(path, heads=2, kv_heads=1)}
 
 
 @pytest.fixture(scope="session")

@@ -77,3 +77,33 @@ def child_env(**hooks: str) -> dict[str, str]:
     path = os.pathsep.join([os.path.join(ROOT, "tests", "child_hooks"), ROOT, os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1", **hooks}
+
+
+def launch_runs(plan: list[tuple[str, str, list[str]]], folder, timeout: int = 1800):
+    """The runs of ``plan`` ([(name, script, arguments)]) one after another in one torchrun launch of 2 gloo CPU
+    ranks (tests/runs_driver.py), the plan written into ``folder``; returns the finished process (stdout, stderr)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(str(folder), "plan.json")
+    with open(path, "w") as f:
+        json.dump([[name, script, list(args)] for name, script, args in plan], f)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           os.path.join(root, "tests", "runs_driver.py"), path]
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_outputs(stdout: str) -> dict[str, str]:
+    """A launch_runs launch's standard output, run by run (what each printed after its ``== run NAME`` line)."""
+    parts: dict[str, str] = {}
+    name = None
+    for line in stdout.splitlines(keepends=True):
+        if line.startswith("== run "):
+            name = line[len("== run "):].strip()
+            parts[name] = ""
+        elif name is not None:
+            parts[name] += line
+    return parts

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from bench.gpu_acceptance import CHECKS
+from tests.conftest import shared_assets
 from tests.test_e2e import ROOT
 
 SCRIPT = os.path.join(ROOT, "bench", "gpu_acceptance.py")
@@ -49,7 +50,7 @@ def _stage(folder, parts: int) -> None:
 
 
 @pytest.mark.slow
-def test_the_gpu_session_on_cpu(tmp_path):
+def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
     """bench/gpu_session.sh as the lease runs it, on CPU: part 0 starts the checks that need no vLLM and the
     gpu-marked tests in the background and returns; the finish waits for them (a state: their process ends),
     runs the vLLM checks (three lanes for those that judge neither time nor memory) and writes one report with
@@ -60,6 +61,10 @@ def test_the_gpu_session_on_cpu(tmp_path):
     replay off and on, and GRPO rewarded by a judge model alone; the update's packed/padded
     ratio; all measured and passing; the rows that need vLLM (or its GPU sleep mode) not run, with the reason."""
     _stage(tmp_path, parts=2)
+    # the session's builds of the tool and visual tasks (tests/conftest.py) where the checks build theirs
+    (tmp_path / "acc").mkdir()
+    for name, build in (("toy_tool_assets", "toy_tool_assets_hd32"), ("toy_vision_assets", "toy_vision_assets")):
+        os.symlink(shared_assets(shared_assets_dir, build), tmp_path / "acc" / name)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DEVICE": "cpu", "PY": sys.executable,
            "STAGE": str(tmp_path / "stage"), "SITE": str(tmp_path / "site"), "ACC": str(tmp_path / "acc"),
            "VSTAGE": str(tmp_path / "vstage"), "OUT": str(tmp_path / "out"), "WAIT_S": "3000"}

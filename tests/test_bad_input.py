@@ -3,8 +3,10 @@ traceback, no torchrun failure block, nothing written.
 
 ``bash launch.sh`` runs every input check in one process (``python -m lib.check SCRIPT WORLD_SIZE ...``) before
 torchrun starts a rank. Every case runs that check, in one process for all of them (``lib.check.main`` with the
-arguments launch.sh gives it, its output captured per case: each case's own process would spend its seconds on
-imports); the cases of THROUGH_LAUNCH also run through the real entry point, ``bash launch.sh`` with two ranks."""
+arguments launch.sh gives it, its output captured per case at the file descriptors, so what a library writes there
+itself, a logging handler or C code, is seen as launch.sh would show it: each case's own process would spend its
+seconds on imports); the cases of THROUGH_LAUNCH also run through the real entry point, ``bash launch.sh`` with two
+ranks."""
 
 import json
 import os
@@ -189,17 +191,24 @@ DATA_FILES = {"garbage-parquet", "garbage-jsonl", "empty-file", "zero-bytes-parq
               "cut-parquet", "parquet-as-jsonl", "empty-json", "no-prompt-parquet", "int-prompt-parquet",
               "glob-nothing", "empty-folder", "bad-image-bytes"}
 """The kinds of bad data file (issue 44: datasets' own errors were a traceback, printed twice)."""
-THROUGH_LAUNCH = {"unknown-flag", "group-n", "ppo-estimator", "changed-config"} | DATA_FILES
-"""A command-line error (tyro's), a config check, train_ppo.py's own, an existing run folder, and every bad data
-file."""
+THROUGH_LAUNCH = {"unknown-flag", "group-n", "ppo-estimator", "changed-config", "cut-parquet", "glob-nothing",
+                  "bad-image-bytes"}
+"""A command-line error (tyro's), a config check, train_ppo.py's own, an existing run folder, and a bad data file
+of each reader (a parquet file through datasets, a pattern, image rows). Every kind of bad data file (DATA_FILES)
+runs in the driver below, whose capture sees what launch.sh's output would (each of them through launch.sh too cost
+~12 s of a loaded 2-core machine a case, most of it imports)."""
 
 DRIVER = """
-import contextlib, io, json, sys, traceback
+import json, os, sys, tempfile, traceback
 from lib import check
+cases = json.load(sys.stdin)
+result = os.fdopen(os.dup(1), "w")  # the report's own channel: fd 1 and 2 are each case's capture below
 out = {}
-for name, argv in json.load(sys.stdin):
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+for name, argv in cases:
+    with tempfile.TemporaryFile("w+") as f:
+        saved = [os.dup(1), os.dup(2)]
+        for fd in (1, 2):
+            os.dup2(f.fileno(), fd)  # sys.stdout and sys.stderr write there too: they sit on these descriptors
         try:
             code = check.main(argv)
         except SystemExit as e:
@@ -207,8 +216,16 @@ for name, argv in json.load(sys.stdin):
         except BaseException:
             traceback.print_exc()
             code = 1
-    out[name] = [code, text.getvalue()]
-json.dump(out, sys.stdout)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd in (1, 2):
+                os.dup2(saved[fd - 1], fd)
+                os.close(saved[fd - 1])
+        f.seek(0)
+        out[name] = [code, f.read()]
+json.dump(out, result)
+result.close()
 """
 
 

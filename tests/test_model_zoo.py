@@ -6,13 +6,11 @@
   replica (shard_size 1) and with Ulysses sp_size 2 for the models whose features those modes touch (MODE_CASES);
   every step's rollout/logp_abs_diff < 1e-4, and the export's logits equal those of the trained weights (tied
   embeddings stay one matrix); persistent buffers come back as given. One torchrun launch per mode runs its models
-  (tests/zoo_driver.py), so the ranks start three times, not once per model and mode.
+  (tests/runs_driver.py), so the ranks start three times, not once per model and mode.
 """
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from lib.forward import response_log_probs
 from lib.models import padded_attention, persistent_buffers, stop_token_ids
 from lib.protocol import DataProto
 from tests import zoo
+from tests.helpers import launch_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = zoo.available()
@@ -114,11 +113,7 @@ def test_two_grpo_steps_train_the_model_that_samples(mode, zoo_root, tmp_path):
     cases = [c for c in CASES if MODE_CASES[mode] is None or c in MODE_CASES[mode]]
     for name in cases:
         zoo.build(name, zoo_root)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo CPU ranks
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           os.path.join(ROOT, "tests", "zoo_driver.py"), zoo_root, str(tmp_path), *cases, "--", *MODES[mode],
-           "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward"]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    out = launch_runs(zoo.plan(zoo_root, str(tmp_path), cases, *MODES[mode]), tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     ids = torch.randint(3, zoo.VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     for name in cases:

@@ -19,6 +19,7 @@ import torch
 
 from lib.testing import run_distributed
 from tests import zoo
+from tests.helpers import launch_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,11 +140,7 @@ def test_a_vision_language_checkpoint_trained_text_only_comes_back_whole(tmp_pat
     names = sorted(zoo.WHOLE)
     for name in names:
         zoo.build_whole(name, root)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           os.path.join(ROOT, "tests", "zoo_driver.py"), root, str(tmp_path), *names, "--",
-           "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward"]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = launch_runs(zoo.plan(root, str(tmp_path), names), tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     ids = torch.randint(3, zoo.VOCAB - 8, (2, 24), generator=torch.Generator().manual_seed(0))
     for name in names:

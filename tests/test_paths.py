@@ -1,12 +1,15 @@
 """Paths a real run takes beyond the GRPO toy default, end to end through torchrun on 2 gloo ranks: validation
-sets of every shape, PPO's options."""
+sets of every shape, PPO's options. The small runs of RUNS share one launch (tests/runs_driver.py: the ranks start
+once for all of them)."""
 
 import json
 import os
 
 import pytest
 
-from tests.test_e2e import ROOT, torchrun
+from tests.conftest import link_assets
+from tests.helpers import launch_runs, run_outputs
+from tests.test_e2e import ROOT
 
 ONE_STEP = ("--trainer.total_steps", "1", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "128",
             "--trainer.save_every", "0")
@@ -26,43 +29,66 @@ def metrics(tmp_path, name="run"):
     return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
 
 
+ONE_VAL_ROW = [toy_row("1234")]
+VAL_OF_TWO_SOURCES = [toy_row("1234"), toy_row("5678"), toy_row("4321", source="gsm8k")]
+RUNS = {  # name: train_grpo.py's arguments ({val1}, {val3}: the held-out files above, written by the fixture)
+    "no_val": [*ONE_STEP, "--data.val_files"],
+    "no_resume": [*ONE_STEP, "--trainer.val_every", "0", "--trainer.no-resume"],
+    "few_val": [*ONE_STEP, "--data.val_files", "{val1}"],
+    "per_source": [*ONE_STEP, "--data.val_files", "{val3}", "--trainer.total_steps", "2", "--trainer.save_every", "1"],
+    "warmup": ["--trainer.total_steps", "3", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "64",
+               "--trainer.val_every", "0", "--trainer.save_every", "0", "--actor.optim.lr", "1e-3",
+               "--actor.optim.warmup_steps", "4"],
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, shared_assets_dir):
+    """The runs of RUNS one after another in one launch of 2 ranks (tests/runs_driver.py), each in its own folder of
+    one output root: (the root, each run's printed output). A run that failed fails the launch: every test here
+    shows its output."""
+    root = tmp_path_factory.mktemp("paths")
+    link_assets(shared_assets_dir, ["toy_assets"], str(root))
+    files = {"val1": write_rows(root / "val1.jsonl", ONE_VAL_ROW), "val3": write_rows(root / "val3.jsonl",
+                                                                                       VAL_OF_TWO_SOURCES)}
+    plan = [(name, "train_grpo.py", [a.format(**files) for a in args] + ["--trainer.output_root", str(root),
+                                                                         "--trainer.run_name", name])
+            for name, args in RUNS.items()]
+    out = launch_runs(plan, root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return root, run_outputs(out.stdout)
+
+
 @pytest.mark.slow
-def test_no_validation_files_with_the_default_val_every(tmp_path):
+def test_no_validation_files_with_the_default_val_every(launched):
     """It crashed every rank (TypeError: object of type 'NoneType' has no len())."""
-    out = torchrun("train_grpo.py", tmp_path, *ONE_STEP, "--data.val_files")
-    assert "no validation: data.val_files is empty" in out
-    assert not any(k.startswith("val/") for r in metrics(tmp_path) for k in r)
+    root, said = launched
+    assert "no validation: data.val_files is empty" in said["no_val"]
+    assert not any(k.startswith("val/") for r in metrics(root, "no_val") for k in r)
 
 
 @pytest.mark.slow
-def test_no_resume_on_a_fresh_run_folder(tmp_path):
+def test_no_resume_on_a_fresh_run_folder(launched):
     """--trainer.no-resume on a new run: rank 1 used to check the run folder after rank 0 had started writing it, saw
     a run there and exited 2 (rank 0 then died in its next collective); 1 failure in 1 try here before the fix. Every
     rank now checks before rank 0 writes the folder (a collective in lib.startup.start orders it, not timing), so one
     launch checks it: three made the same check three times."""
-    torchrun("train_grpo.py", tmp_path, *ONE_STEP, "--trainer.val_every", "0", "--trainer.no-resume")
-    assert len(metrics(tmp_path)) == 1
+    assert len(metrics(launched[0], "no_resume")) == 1
 
 
 @pytest.mark.slow
-def test_fewer_validation_rows_than_ranks(tmp_path):
+def test_fewer_validation_rows_than_ranks(launched):
     """One held-out row on two ranks: the HF engine crashed on the empty rank's batch."""
-    val = write_rows(tmp_path / "val.jsonl", [toy_row("1234")])
-    torchrun("train_grpo.py", tmp_path, *ONE_STEP, "--data.val_files", val)
-    got = [r for r in metrics(tmp_path) if "val/mean@1" in r]
+    got = [r for r in metrics(launched[0], "few_val") if "val/mean@1" in r]
     assert [r["step"] for r in got] == [0, 1]
     assert all(r["val/toy/mean@1"] == r["val/mean@1"] for r in got), got
 
 
 @pytest.mark.slow
-def test_validation_is_reported_per_data_source(tmp_path):
+def test_validation_is_reported_per_data_source(launched):
     """Also the metrics verl users watch: validation and checkpoint time, prompt lengths, the shortest response,
     advantage and return statistics."""
-    rows = [toy_row("1234"), toy_row("5678"), toy_row("4321", source="gsm8k")]
-    val = write_rows(tmp_path / "val.jsonl", rows)
-    torchrun("train_grpo.py", tmp_path, *ONE_STEP, "--data.val_files", val, "--trainer.total_steps", "2",
-             "--trainer.save_every", "1")
-    got = metrics(tmp_path)
+    got = metrics(launched[0], "per_source")
     for r in (r for r in got if "val/mean@1" in r):
         toy, gsm = r["val/toy/mean@1"], r["val/gsm8k/mean@1"]
         assert abs(r["val/mean@1"] - (2 * toy + gsm) / 3) < 1e-9, r
@@ -78,13 +104,10 @@ def test_validation_is_reported_per_data_source(tmp_path):
 
 
 @pytest.mark.slow
-def test_warmup_counts_training_steps_and_logs_the_rate_used(tmp_path):
+def test_warmup_counts_training_steps_and_logs_the_rate_used(launched):
     """Two optimizer steps per update: warm-up counts updates (verl's unit), and actor/lr is the rate the update
     used (it was the next update's: 5e-4 and 7.5e-4 here)."""
-    torchrun("train_grpo.py", tmp_path, "--trainer.total_steps", "3", "--trainer.train_batch_size", "16",
-             "--actor.mini_batch_size", "64", "--trainer.val_every", "0", "--trainer.save_every", "0",
-             "--actor.optim.lr", "1e-3", "--actor.optim.warmup_steps", "4")
-    assert [r["actor/lr"] for r in metrics(tmp_path)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4], rel=1e-9)
+    assert [r["actor/lr"] for r in metrics(launched[0], "warmup")] == pytest.approx([2.5e-4, 5e-4, 7.5e-4], rel=1e-9)
 
 
 @pytest.mark.slow

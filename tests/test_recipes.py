@@ -2,7 +2,9 @@
 
 Recipes run on top of the tiny preset of their script; presets are shrunk to the toy model and data (sizes only:
 every option stays, the sp4 preset runs sp=2 with gradient checkpointing, dynamic sampling and the overlong
-penalty on 2 gloo ranks). Each runs 2 steps through torchrun; DAPO must need >= 2 generation rounds.
+penalty on 2 gloo ranks). Each runs 2 steps of its script's own main on 2 gloo ranks under torchrun, all of them
+one after another in the same ranks (tests/runs_driver.py: the ranks' start-up, ~13 s of a loaded core a launch, is
+paid once, not once a run); DAPO must need >= 2 generation rounds.
 Every flag written in README.md and every preset key is also checked against the command line.
 """
 
@@ -13,8 +15,10 @@ import shlex
 
 import pytest
 
-from lib import config
-from tests.test_e2e import ROOT, torchrun
+from lib import config, preflight
+from tests.conftest import link_assets
+from tests.helpers import launch_runs
+from tests.test_e2e import ROOT
 
 README = open(os.path.join(ROOT, "README.md")).read()
 RECIPES = [(name.strip(), script.strip(), shlex.split(flags)) for name, script, flags in
@@ -32,8 +36,17 @@ def shrink(flags):
     return out
 
 
-def rows(tmp_path):
-    return [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+def run_name(name: str) -> str:
+    return re.sub(r"\W+", "_", name).strip("_")
+
+
+def rows(launched, name: str) -> list[dict]:
+    """The run's metric rows, which must be its 2 steps (else the launch's output says why)."""
+    root, out = launched
+    path = root / run_name(name) / "metrics.jsonl"
+    got = [json.loads(line) for line in open(path)] if path.exists() else []
+    assert [r["step"] for r in got] == [1, 2], f"run {name}:\n" + out.stdout[-3000:] + out.stderr[-5000:]
+    return got
 
 
 def test_the_readme_lists_the_recipes():
@@ -71,17 +84,66 @@ def test_every_documented_flag_parses():
         config.apply_delta(config.Config(), config.load_preset(name))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,script,flags", RECIPES, ids=[n for n, _, _ in RECIPES])
-def test_recipe_runs_end_to_end(tmp_path, name, script, flags):
+# Recipes whose flags make the configuration of a preset that a learning test launches whole (the sizes and steps
+# aside): a 2-step launch here would only repeat it. test_recipes_run_whole_elsewhere holds each to its preset.
+RECIPES_RUN_WHOLE_ELSEWHERE = {"GRPO": "tiny_cpu_grpo", "on-policy distillation": "tiny_cpu_opd"}
+
+
+def _flat(d, prefix=""):
+    for k, v in d.items():
+        yield from _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+
+
+def test_recipes_run_whole_elsewhere():
+    """Each recipe left out of the launches below gives, on the tiny preset of its script, the configuration of the
+    preset named for it, a preset launched whole by its learning test (RUN_WHOLE_ELSEWHERE)."""
+    sizes = ("trainer.total_steps",)
+    for name, preset in RECIPES_RUN_WHOLE_ELSEWHERE.items():
+        (script, flags), = [(s, f) for n, s, f in RECIPES if n == name]
+        assert preset in RUN_WHOLE_ELSEWHERE and script == "train_grpo.py", name
+        got, want = (config.parse(argv, default_preset="tiny_cpu_grpo") for argv in (flags, ["--config", preset]))
+        for cfg in (got, want):
+            preflight.resolve(cfg)  # the values filled at start-up (the script's own estimator, ...)
+        got, want = (dict(_flat(config.to_dict(cfg))) for cfg in (got, want))
+        assert {k: (got[k], want[k]) for k in got if got[k] != want[k] and k not in sizes} == {}, name
+
+
+LAUNCHED = [r for r in RECIPES if r[0] not in RECIPES_RUN_WHOLE_ELSEWHERE]
+
+
+def _recipe_args(name, script, flags):
     extra = ["--trainer.train_batch_size", "16", "--actor.mini_batch_size", "64"]
     if script == "train_ppo.py":
         extra = ["--trainer.train_batch_size", "32", "--actor.mini_batch_size", "64", "--critic.mini_batch_size", "64"]
     if name == "DAPO":  # a low temperature makes most groups uniform: dynamic sampling needs more rounds
         extra += ["--rollout.temperature", "0.3"]
-    torchrun(script, tmp_path, *STEPS, *extra, *shrink(flags))
-    got = rows(tmp_path)
-    assert [r["step"] for r in got] == [1, 2]
+    return [*STEPS, *extra, *shrink(flags)]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, shared_assets_dir):
+    """Every launched recipe and preset of this module, run after run in one launch (tests/runs_driver.py), under
+    one output root holding the session's builds of the toy tasks: (the root, the launch's finished process)."""
+    root = tmp_path_factory.mktemp("recipes")
+    link_assets(shared_assets_dir, ["toy_assets", "toy_teacher_assets", "toy_vision_assets"], str(root))
+    where = ["--trainer.output_root", str(root), "--trainer.run_name"]
+    plan = [(name, script, [*_recipe_args(name, script, flags), *where, run_name(name)])
+            for name, script, flags in LAUNCHED]
+    plan += [(name, _preset_script(name), [*_preset_args(name), *where, run_name(name)]) for name in PRESETS]
+    assert len({run_name(name) for name, _, _ in plan}) == len(plan)  # a run folder each
+    return root, launch_runs(plan, root)
+
+
+@pytest.mark.slow
+def test_the_launch_of_every_recipe_and_preset_ends_cleanly(launched):
+    _, out = launched
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,script,flags", LAUNCHED, ids=[n for n, _, _ in LAUNCHED])
+def test_recipe_runs_end_to_end(launched, name, script, flags):
+    got = rows(launched, name)
     part = "critic" if script == "train_ppo.py" else "actor"  # the PPO preset warms the critic up first
     assert all(r[f"{part}/skipped_steps"] == 0 and r[f"{part}/grad_norm"] > 0 for r in got), got
     if name == "DAPO":
@@ -91,7 +153,7 @@ def test_recipe_runs_end_to_end(tmp_path, name, script, flags):
     if name.startswith("bypass"):  # the update's old log-probs are the engine's own
         assert all(r["rollout/logp_abs_diff"] == 0.0 for r in got), got
     if name == "GSPO":  # the loss's own clip range, resolved and saved
-        saved = open(tmp_path / "run" / "config.yaml").read()
+        saved = open(launched[0] / run_name(name) / "config.yaml").read()
         assert "clip_ratio_low: 0.0003" in saved and "clip_ratio_high: 0.0004" in saved, saved
 
 
@@ -150,13 +212,17 @@ def test_every_preset_runs_somewhere():
         assert f'default_preset="{preset}"' in open(os.path.join(ROOT, script)).read()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [p for p in config.presets() if p not in RUN_WHOLE_ELSEWHERE])
-def test_preset_runs_end_to_end(tmp_path, name):
-    script = "train_ppo.py" if config.load_preset(name).get("algorithm", {}).get("adv_estimator") == "gae" \
+PRESETS = [p for p in config.presets() if p not in RUN_WHOLE_ELSEWHERE]
+
+
+def _preset_script(name):
+    return "train_ppo.py" if config.load_preset(name).get("algorithm", {}).get("adv_estimator") == "gae" \
         else "train_grpo.py"
-    torchrun(script, tmp_path, *_preset_args(name))
-    got = rows(tmp_path)
-    assert [r["step"] for r in got] == [1, 2]
-    part = "critic" if script == "train_ppo.py" else "actor"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_runs_end_to_end(launched, name):
+    got = rows(launched, name)
+    part = "critic" if _preset_script(name) == "train_ppo.py" else "actor"
     assert all(r[f"{part}/skipped_steps"] == 0 for r in got), got

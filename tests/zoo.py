@@ -368,16 +368,23 @@ def write_data(root: str) -> tuple[str, str]:
     return train, val
 
 
-def grpo_args(model_path: str, out: str) -> list[str]:
+def grpo_args(model_path: str, out: str, run_name: str = "run", data: str = "") -> list[str]:
     """train_grpo.py's arguments for 2 GRPO steps of a zoo model on 2 ranks: the toy task's rows (written under
-    ``out``), the run folder ``out``/run, and this module's reward."""
-    train, val = write_data(out)
+    ``data``, default ``out``), the run folder ``out``/``run_name``, and this module's reward."""
+    train, val = write_data(data or out)
     return ["--actor.model.path", model_path, "--data.train_files", train, "--data.val_files", val,
-            "--trainer.output_root", out, "--trainer.run_name", "run", "--data.max_prompt_length", "128",
+            "--trainer.output_root", out, "--trainer.run_name", run_name, "--data.max_prompt_length", "128",
             "--rollout.max_response_length", "8", "--trainer.total_steps", "2", "--trainer.val_every", "0",
             "--trainer.train_batch_size", "4", "--rollout.n", "2", "--actor.mini_batch_size", "8",
             "--actor.batching.micro_batch_size_per_rank", "4",
             "--reward.custom_fn", os.path.abspath(__file__) + ":reward"]
+
+
+def plan(zoo_root: str, out: str, names: list[str], *flags: str) -> list[tuple[str, str, list[str]]]:
+    """tests.helpers.launch_runs's plan of 2 GRPO steps of each zoo model of ``names`` (built under ``zoo_root``),
+    the run folders ``out``/NAME, with ``flags``."""
+    return [(name, "train_grpo.py", [*grpo_args(os.path.join(zoo_root, name), out, name, zoo_root), *flags])
+            for name in names]
 
 
 def reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
