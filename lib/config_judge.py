@@ -23,6 +23,9 @@ class JudgeConfig:
     engine: Literal["hf", "vllm"] = "hf"
     """What decodes the judge model (path): hf, our HF engine in the rank's own process; vllm, vLLM in a child process
     of each rank, with its own sleep-mode allocator (one per process: it cannot live in the policy engine's)."""
+    tp_size: int = 1
+    """judge.engine vllm: the children of each tp_size consecutive ranks (of one node) hold the judge together (vLLM's
+    tensor parallelism, a judge larger than one device) and judge those ranks' samples together. 1: whole in each."""
     api_key_env: str = ""
     """The name of the environment variable that holds the key ("": none sent). The key never goes in a config."""
     template: str = ""

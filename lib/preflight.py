@@ -346,6 +346,12 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
     if cfg.judge.engine == "vllm" and not cfg.judge.path:
         problems.append("judge.engine=vllm decodes a judge model (judge.path); an endpoint (judge.url) decodes on its "
                         "server: leave judge.engine at hf")
+    tp = cfg.judge.tp_size
+    if tp < 1 or world_size % tp:
+        problems.append(f"judge.tp_size={tp} must divide the {world_size} ranks")
+    elif tp > 1 and cfg.judge.engine != "vllm":
+        problems.append(f"judge.tp_size={tp} splits the judge model over vLLM child processes: set judge.engine=vllm "
+                        f"(the HF engine holds the judge whole on each rank)")
     problems += _routing_problems(cfg, model_config)
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)

@@ -454,6 +454,38 @@ def test_a_vllm_judge_where_vllm_cannot_decode_it_is_refused_at_the_start(tmp_pa
                           default_preset="tiny_cpu_grpo")
     with pytest.raises(ValueError, match="judge.engine=vllm decodes a judge model .judge.path.; an endpoint"):
         preflight.validate(remote, 2)
+    for flags, expected in ((["--judge.tp_size", "3"], "judge.tp_size=3 must divide the 2 ranks"),
+                            (["--judge.tp_size", "2"], "judge.tp_size=2 splits the judge model over vLLM child "
+                                                       "processes: set judge.engine=vllm")):
+        split = config.parse(["--judge.path", "toy_judge", *flags], default_preset="tiny_cpu_grpo")
+        with pytest.raises(ValueError, match=expected):
+            preflight.validate(split, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # a rank of a node of 3 ranks: a group of 2 would cross nodes
+    cfg.judge.tp_size = 2
+    with pytest.raises(ValueError, match="judge.tp_size=2: a TP group's children share one node, and this node runs 3"):
+        check_inputs(cfg, 2, False, str(tmp_path / "run"))
+
+
+def test_the_childs_environment_is_the_ranks_device_alone_or_its_tp_groups_world(monkeypatch):
+    """A rank's vLLM child (lib.judges.vllm_child.child_env) drops torchrun's variables and sees the rank's GPU alone
+    (its physical index through the rank's CUDA_VISIBLE_DEVICES); a child of a judge TP group gets the group's own
+    world (its rank in the group, the group's port, the group's GPUs, its own by its rank); on CPU no GPU."""
+    import torch
+
+    from lib.judges.vllm_child import TPLayout, child_env
+
+    for k, v in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "node0", "MASTER_PORT": "29500",
+                 "TORCHELASTIC_RUN_ID": "x", "CUDA_VISIBLE_DEVICES": "4,5"}.items():
+        monkeypatch.setenv(k, v)
+    alone = child_env(torch.device("cuda", 1))
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(alone)
+    assert alone["CUDA_VISIBLE_DEVICES"] == "5" and alone["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    group = child_env(torch.device("cuda", 1), TPLayout(1, 2, 41000, ["4", "5"], "p"))
+    assert {k: group[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                  "CUDA_VISIBLE_DEVICES")} == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+                                                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "41000",
+                                                               "CUDA_VISIBLE_DEVICES": "4,5"}
+    assert child_env(torch.device("cpu"), TPLayout(0, 2, 41000, ["", ""], "p"))["CUDA_VISIBLE_DEVICES"] == ""
 
 
 class _BatchingGrader:
@@ -608,14 +640,17 @@ def test_the_judge_model_in_a_vllm_child_process_answers_as_the_hf_engine(tmp_pa
 @pytest.mark.slow
 def test_grpo_with_the_judge_model_in_vllm_child_processes_is_the_run_with_the_hf_judge(tmp_path):
     """train_grpo.py on 2 CPU ranks in the tiny_cpu_grpo_judge preset, 2 steps, the judge model decoding in vLLM in
-    a child process of each rank (started under torchrun: the rank's own device, none of its process group): the
-    same run as with the judge in the HF engine, step for step (the same verdicts: the same scores, cache hits,
-    rewards, losses); every sample judged, the canary at fp32 level; the children end with the run."""
+    a child process of each rank (started under torchrun, none of the rank's process group), the two children holding
+    it together (judge.tp_size 2: a world of their own, the ranks gathering their prompts, each keeping its rows):
+    the same run as with the judge in the HF engine, step for step (the same verdicts: the same scores, cache hits,
+    rewards, losses); every sample judged, the canary at fp32 level; the children end with the run. (A child of one
+    rank alone: test_the_judge_model_in_a_vllm_child_process_answers_as_the_hf_engine.)"""
     preset = "tiny_cpu_grpo_judge"
     before = _children()
     _, _, hf = _judged_run(tmp_path / "hf", preset, 2)
-    out, _, child = _judged_run(tmp_path / "vllm", preset, 2, "--judge.engine", "vllm")
-    assert "decoded by vLLM in a child process of each rank" in out
+    out, _, child = _judged_run(tmp_path / "vllm", preset, 2, "--judge.engine", "vllm", "--judge.tp_size", "2")
+    assert "decoded by vLLM in a child process of each rank" in out and "tensor parallel over the children of each " \
+        "2 ranks" in out
     same = ("judge/score_mean", "judge/cache_hits", "reward/mean", "critic/advantages/mean", "actor/pg_loss",
             "actor/grad_norm")
     for a, b in zip(hf, child):

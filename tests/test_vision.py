@@ -27,6 +27,8 @@ from lib.testing import run_distributed
 from lib.vision import BANNED_ATTR, attn_implementations, ban, concat_features, is_vision_param, placeholder_ids, rope
 from lib.vision.processor import VisionProcessor, with_image_parts
 from tests import zoo
+from tests.conftest import link_assets
+from tests.helpers import launch_runs
 from tests.test_e2e import torchrun, val_curve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -523,19 +525,51 @@ def _image_prompt(folder):
     return dict(input_ids=ids, mm_token_type_ids=(ids == image_id).int(), **features)
 
 
-def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(tmp_path):
+GEMMAS = [n for n in CASES if n.startswith("gemma")]
+STEPS_2 = ("--trainer.total_steps", "2", "--trainer.val_every", "0")
+
+
+@pytest.fixture(scope="module")
+def two_step_runs(tmp_path_factory, shared_assets_dir, vision_root):
+    """The 2-step runs of the tests below, one after another in one launch of 2 ranks (tests/runs_driver.py: the
+    ranks start once): the visual preset plain, with sequence parallelism and with LoRA, and each Gemma with its
+    images. Returns (the output root, with the visual task's build linked in; the launch's finished process)."""
+    root = tmp_path_factory.mktemp("vision_runs")
+    link_assets(shared_assets_dir, ["toy_assets", "toy_vision_assets"], str(root))
+    data = write_parquet(geo3k_rows(4), str(root / "geo3k.parquet"))
+    plan = [("preset", [*PRESET, *STEPS_2]), ("preset_sp", [*PRESET, *STEPS_2, "--trainer.sp_size", "2"]),
+            ("preset_lora", [*PRESET, *STEPS_2, "--actor.lora.rank", "8", "--actor.optim.lr", "0.05",
+                             "--trainer.save_every", "2"])]
+    plan += [(name, ["--actor.model.path", zoo.build_vision(name, vision_root), "--data.train_files", data,
+                     "--data.max_prompt_length", "400", "--rollout.n", "2", "--trainer.train_batch_size", "2",
+                     "--actor.mini_batch_size", "4", "--reward.custom_fn",
+                     os.path.join(ROOT, "tests", "zoo.py") + ":reward", *STEPS_2, "--trainer.device", "cpu"])
+             for name in GEMMAS]
+    out = launch_runs([(name, "train_grpo.py", [*args, "--trainer.output_root", str(root), "--trainer.run_name", name])
+                       for name, args in plan], root)
+    return root, out
+
+
+def two_step_rows(runs, name: str) -> list[dict]:
+    """A run of two_step_runs: its metric rows, which must be its 2 steps (else the launch's output says why)."""
+    root, out = runs
+    path = root / name / "metrics.jsonl"
+    rows = [json.loads(line) for line in open(path)] if path.exists() else []
+    assert [r["step"] for r in rows] == [1, 2], f"run {name}:\n" + out.stdout[-3000:] + out.stderr[-5000:]
+    return rows
+
+
+def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(two_step_runs):
     """Two steps of the preset on 2 ranks: every step's engine and trainer log-probs agree at the fp32 level, and
     the export (weights, tokenizer, image processor) reloads through transformers' classes to the trained logits on
     an image prompt."""
-    torchrun("train_grpo.py", tmp_path, *PRESET, "--trainer.total_steps", "2", "--trainer.val_every", "0")
-    run = tmp_path / "run"
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = two_step_rows(two_step_runs, "preset")
+    run = two_step_runs[0] / "preset"
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
     assert all(r["vision/images_per_sample"] == 1.0 and r["vision/image_tokens_mean"] == 4.0 for r in rows)
     # the tower's share of the update: measured (its forward and backward), a fraction; its share of the parameters
     assert all(0 < r["timing/vision_tower_share"] < 1 and 0 < r["vision/tower_param_share"] < 1 for r in rows), rows
-    model_path = str(tmp_path / "toy_vision_assets" / "model")
+    model_path = str(two_step_runs[0] / "toy_vision_assets" / "model")
     exported = AutoModelForImageTextToText.from_pretrained(run / "hf_final", dtype=torch.float32).eval()
     state = load_checkpoint(str(run / "checkpoints" / "step_2"), "actor", model_path)
     trained = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -548,23 +582,17 @@ def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(tmp_path
     assert diff < 1e-5 and moved > 1e-4, (diff, moved)
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("gemma")])
-def test_gemma_trains_with_its_images_end_to_end(name, vision_root, tmp_path):
+@pytest.mark.parametrize("name", GEMMAS)
+def test_gemma_trains_with_its_images_end_to_end(name, vision_root, two_step_runs):
     """Gemma-3 and Gemma-4 with images as users run them: 2 ranks, packed rows (their image blocks in the packed
     attention), two GRPO steps with the engine and the trainer agreeing at the fp32 level. Gemma-3's export reloads
     through AutoProcessor (its own expansion of the image placeholder) and the model class to the trained logits on
     an image prompt (Gemma-4's AutoProcessor asks for its video processor, which needs torchvision)."""
     from transformers import AutoProcessor
 
-    model = zoo.build_vision(name, vision_root)
-    data = write_parquet(geo3k_rows(4), str(tmp_path / "geo3k.parquet"))
-    torchrun("train_grpo.py", tmp_path, "--actor.model.path", model, "--data.train_files", data,
-             "--data.max_prompt_length", "400", "--rollout.n", "2", "--trainer.train_batch_size", "2",
-             "--actor.mini_batch_size", "4", "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward",
-             "--trainer.total_steps", "2", "--trainer.val_every", "0", "--trainer.device", "cpu")
-    run = tmp_path / "run"
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2]
+    model = zoo.build_vision(name, vision_root)  # (built by the launch's fixture: here its folder)
+    rows = two_step_rows(two_step_runs, name)
+    run = two_step_runs[0] / name
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-5, rows
     assert all(r["vision/image_tokens_mean"] > 10 * r["vision/images_per_sample"] > 0 for r in rows), rows
     if name != "gemma3_vl":
@@ -585,17 +613,14 @@ def test_gemma_trains_with_its_images_end_to_end(name, vision_root, tmp_path):
     assert diff < 1e-5 and moved > 1e-4, (diff, moved)
 
 
-def test_the_visual_preset_with_sequence_parallel(tmp_path):
+def test_the_visual_preset_with_sequence_parallel(two_step_runs):
     """The preset as users run it with --trainer.sp_size 2 (one data-parallel rank of two SP ranks): the engine
     and the trainer's sliced forward agree at the fp32 level at every step."""
-    torchrun("train_grpo.py", tmp_path, *PRESET, "--trainer.total_steps", "2", "--trainer.val_every", "0",
-             "--trainer.sp_size", "2")
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = two_step_rows(two_step_runs, "preset_sp")
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
 
 
-def test_lora_on_the_language_model_of_the_visual_preset(tmp_path):
+def test_lora_on_the_language_model_of_the_visual_preset(two_step_runs, tmp_path):
     """LoRA on image prompts: the adapter wraps the language model's linear layers, never the vision tower's; the
     engine serves the adapter over the base with the images and agrees with the trainer at the fp32 level; the
     exported adapter loads through PEFT onto the vision-language class with the trained logits on an image prompt,
@@ -603,15 +628,13 @@ def test_lora_on_the_language_model_of_the_visual_preset(tmp_path):
     from peft import PeftModel
     from safetensors import safe_open
 
-    torchrun("train_grpo.py", tmp_path, *PRESET, "--trainer.total_steps", "2", "--trainer.val_every", "0",
-             "--actor.lora.rank", "8", "--actor.optim.lr", "0.05", "--trainer.save_every", "2")
-    run = tmp_path / "run"
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2] and max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
+    rows = two_step_rows(two_step_runs, "preset_lora")
+    run = two_step_runs[0] / "preset_lora"
+    assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
     with safe_open(run / "adapter_final" / "adapter_model.safetensors", "pt") as f:
         names = list(f.keys())
     assert names and all(".language_model." in n for n in names), names[:4]
-    base_dir = tmp_path / "toy_vision_assets" / "model"
+    base_dir = two_step_runs[0] / "toy_vision_assets" / "model"
     kw = _image_prompt(base_dir)
     base = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32).eval()
     with torch.no_grad():

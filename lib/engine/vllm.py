@@ -534,14 +534,19 @@ def _unique_cpu_shm_names(topo: Topology) -> None:
     that a killed run left behind makes every later engine fail (``create shm in SHMManager failed. errno: 17``),
     and two runs on one machine collide. Here the segments are named after this launch (world rank 0's pid), and
     segments named after a launch whose process is gone are removed first."""
+    owner = [os.getpid()]
+    torch.distributed.broadcast_object_list(owner, src=0)  # world: one name for the launch on every rank
+    name_cpu_shm(f"{SHM_PREFIX}-{owner[0]}")
+
+
+def name_cpu_shm(prefix: str) -> None:
+    """vLLM's CPU TP segments named ``prefix``-<group>-[<ranks>]-cpushm from now on in this process (``prefix``:
+    SHM_PREFIX-<pid of a process of the launch>[-...], which remove_stale_shm reads); stale ones removed first."""
     try:
         from vllm.distributed.device_communicators import cpu_communicator
     except ImportError:
         return
-    owner = [os.getpid()]
-    torch.distributed.broadcast_object_list(owner, src=0)  # world: one name for the launch on every rank
     remove_stale_shm()
-    prefix = f"{SHM_PREFIX}-{owner[0]}"
 
     def group_name(communicator: Any) -> str:
         ranks = "-".join(str(r) for r in communicator.ranks)

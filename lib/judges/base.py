@@ -30,6 +30,12 @@ class Judge:
     def probe(self) -> None:
         """At start-up, before any model loads: what cannot work is one clear error now."""
 
+    @property
+    def collective(self) -> bool:
+        """Whether every rank must ask for answers at every scoring, with nothing to ask or not (a judge held by
+        several ranks' processes together)."""
+        return False
+
     def check_context(self, prompt_tokens: int, response_tokens: int) -> None:
         """At start-up: refuse a judge that cannot read the longest question and response (a remote endpoint's
         context is its server's: a request over it is refused there and counted in judge/errors)."""
@@ -63,7 +69,7 @@ class Judge:
                 todo[key] = text
             else:
                 counts["cache_hits"] += 1  # a duplicate of this step: one request for both
-        if todo:
+        if todo or self.collective:
             for key, answer in self._answers(todo, counts).items():
                 answers[key] = answer
                 if isinstance(answer, tuple):

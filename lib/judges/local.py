@@ -8,7 +8,9 @@ wake while another engine of the process is awake (lib.engine.awake), so the two
 
 With vLLM a second sleep-mode engine cannot live in the process (one CuMemAllocator per process): with judge.engine
 vllm the judge decodes in vLLM in a child process of each rank (lib/judges/vllm_child.py), which takes turns the same
-way; with hf (the default) in our HF engine here, whatever rollout.engine is.
+way; with hf (the default) in our HF engine here, whatever rollout.engine is. With judge.tp_size > 1 the children of
+each group of that many ranks hold the judge together (tensor parallel): the group's ranks gather their prompts, the
+children generate them all, each rank keeps its own answers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from lib.config_judge import JudgeConfig
@@ -27,7 +30,7 @@ from lib.engine.hf import HFEngine
 from lib.engine.vllm import cpu_prefill_kwargs
 from lib.judges.base import Answer, Judge
 from lib.judges.parse import ERROR, verdict_schema
-from lib.judges.vllm_child import ChildEngine
+from lib.judges.vllm_child import ChildEngine, tp_layout
 from lib.models import load_config, load_tokenizer, saved_dtype, stop_token_ids
 from lib.preflight import vllm_problems
 
@@ -81,10 +84,15 @@ class LocalJudge(Judge):
         self.engine: Any = None  # an HFEngine, or lib.judges.vllm_child.ChildEngine with judge.engine vllm
         self.need = 0  # the longest judge sequence, once check_context has measured it
         self.calls = 0
+        self.group: Any = None  # judge.tp_size > 1: the ranks whose children hold the judge together
 
     def probe(self) -> None:
         """judge.engine vllm: what keeps vLLM from decoding this judge here (the package, its release, the model's
         class and head size) is one error now, before any model loads."""
+        tp, local = self.endpoint.tp_size, os.environ.get("LOCAL_WORLD_SIZE")  # (set in a rank, not before torchrun)
+        if tp > 1 and local is not None and int(local) % tp:
+            raise ValueError(f"judge.tp_size={tp}: a TP group's children share one node, and this node runs {local} "
+                             f"ranks; use a judge.tp_size that divides the ranks per node")
         if self.endpoint.engine == "vllm" and (problems := vllm_problems(self.config, "judge.engine")):
             raise ValueError(f"judge.path={self.endpoint.path!r}: " + "; ".join(problems))
 
@@ -93,6 +101,8 @@ class LocalJudge(Judge):
         where = "offloaded to CPU between uses"
         if self.endpoint.engine == "vllm":
             where = "decoded by vLLM in a child process of each rank, asleep between uses"
+            if self.endpoint.tp_size > 1:
+                where += f", tensor parallel over the children of each {self.endpoint.tp_size} ranks"
         return (f"judge model: {self.endpoint.path} on every rank, taking turns with the policy's engine ({where}), "
                 f"{how}, verdicts of at most {self.endpoint.max_tokens} tokens")
 
@@ -120,7 +130,10 @@ class LocalJudge(Judge):
         vllm: start the rank's vLLM child, which loads the folder itself and sleeps)."""
         cfg = self.endpoint
         if cfg.engine == "vllm":
-            self.engine = ChildEngine(NAME, device, self.child_spec(device, seed), seed)
+            tp = None
+            if cfg.tp_size > 1:
+                self.group, tp = tp_layout(cfg.tp_size, device)
+            self.engine = ChildEngine(NAME, device, self.child_spec(device, seed), seed, tp)
             return
         sampling = SamplingConfig(temperature=cfg.temperature, n=1, max_new_tokens=cfg.max_tokens, seed=seed)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
@@ -140,7 +153,7 @@ class LocalJudge(Judge):
         text = getattr(self.config, "text_config", None) or self.config
         args = {"model": cfg.path, "dtype": str(dtype).removeprefix("torch."), "seed": seed, "max_model_len": length,
                 "max_num_seqs": MAX_SEQS, "kv_cache_memory_bytes": kv_cache_bytes(
-                    text, MAX_SEQS, length, torch.empty((), dtype=dtype).element_size()),
+                    text, MAX_SEQS, length, torch.empty((), dtype=dtype).element_size(), cfg.tp_size),
                 "gpu_memory_utilization": 0.1,  # vLLM's start-up check only: the KV cache is sized in bytes
                 "enable_prefix_caching": True, "skip_tokenizer_init": cfg.parse != "json",
                 **cpu_prefill_kwargs(device, length)}
@@ -168,6 +181,10 @@ class LocalJudge(Judge):
         finally:
             self.engine.sleep(1)
 
+    @property
+    def collective(self) -> bool:
+        return self.group is not None
+
     def _answers(self, todo: dict[str, str], counts: dict[str, int]) -> dict[str, Answer]:
         return dict(zip(todo, self.complete(list(todo.values()), counts)))
 
@@ -183,10 +200,17 @@ class LocalJudge(Judge):
         fits = [context is None or len(p) + self.endpoint.max_tokens <= context for p in prompts]
         answers: list[Answer] = [ERROR] * len(texts)  # counted in judge/errors
         asked = [i for i, ok in enumerate(fits) if ok]
-        if asked:
+        mine = [prompts[i] for i in asked]
+        together, offset = [mine], 0
+        if self.group is not None:  # the TP group's prompts, every child generating them all, in rank order
+            together = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(together, mine, group=self.group)
+            offset = sum(len(part) for part in together[:dist.get_rank(self.group)])
+        together = [p for part in together for p in part]
+        if together:
             with self.turn():
-                turns = self.engine.generate_ids([prompts[i] for i in asked], [self.endpoint.max_tokens] * len(asked),
-                                                 validate=True, key=self.calls)
+                turns = self.engine.generate_ids(together, [self.endpoint.max_tokens] * len(together), validate=True,
+                                                 key=self.calls)[offset:offset + len(mine)]
                 if torch.cuda.is_available():  # the device's whole use: a vLLM child's memory is not this process's
                     free, total = torch.cuda.mem_get_info(self.engine.device)
                     counts["device_bytes"] = max(counts.get("device_bytes", 0), total - free)

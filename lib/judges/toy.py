@@ -89,14 +89,18 @@ def responses(answer: str, rng: random.Random) -> str:
     return "".join(c if c == "," or rng.random() < right else rng.choice(ALPHABET[:-1]) for c in answer)
 
 
-def example(tokenizer, question: str, answer: str, response: str) -> tuple[list[int], list[int]]:
-    """(ids, labels): the judge's chat prompt, then its thinking, verdict and end of turn (the loss on those)."""
-    text = TEMPLATE.format(question=question, reference=answer, response=response)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=False)
-    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    v = tokenizer(reasoning(response, answer)[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return p + v, [-100] * len(p) + v
+def examples(tokenizer, graded: list[tuple[str, str, str]]) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) of each (question, answer, response): the judge's chat prompt, then its thinking, verdict and end
+    of turn (the loss on those). The chat template is rendered once around a mark (it leaves the message as it is)
+    and the texts tokenized together: a build makes 23k of them."""
+    mark = "\x00"
+    before, after = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
+                                                  tokenize=False).split(mark)
+    prompts = [before + TEMPLATE.format(question=q, reference=a, response=r) + after for q, a, r in graded]
+    verdicts = [reasoning(r, a)[0] for _, a, r in graded]
+    ps = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    vs = tokenizer(verdicts, add_special_tokens=False)["input_ids"]
+    return [(p + v + [tokenizer.eos_token_id], [-100] * len(p) + v + [tokenizer.eos_token_id]) for p, v in zip(ps, vs)]
 
 
 def build(tokenizer, pairs, seed: int = 0, steps: int = STEPS, batch: int = BATCH):
@@ -106,10 +110,11 @@ def build(tokenizer, pairs, seed: int = 0, steps: int = STEPS, batch: int = BATC
     from transformers import AutoModelForCausalLM, GPT2Config
 
     rng = random.Random(seed)
-    data = []
+    graded = []
     for _ in range(steps * batch):
         question, answer = toy.example(pairs[rng.randrange(len(pairs))])
-        data.append(example(tokenizer, question, answer, responses(answer, rng)))
+        graded.append((question, answer, responses(answer, rng)))
+    data = examples(tokenizer, graded)
     torch.manual_seed(seed)
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<eos>")]
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128,

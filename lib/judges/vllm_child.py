@@ -14,6 +14,11 @@ device, and answers over a socket pair:
 An error in the child comes back as ``{"error": text}`` and is raised in the rank; a child that dies is an error
 naming its exit code. The child ends when the rank closes it, and when the rank's end of the socket closes (the rank
 died). Without sleep mode (vLLM's CPU build) sleep and wake only change what the rank's event log says.
+
+With judge.tp_size > 1 the children of each tp_size consecutive ranks form a world of their own (``TPLayout``: vLLM's
+external launcher, their own rendezvous port, their group's GPUs visible) and hold the judge together; their ranks
+gather the group's prompts, every child generates them all (the same requests, so the same tokens), and each rank
+keeps its own rows (lib/judges/local.py), as the policy's engine does with rollout.tp_size.
 """
 
 from __future__ import annotations
@@ -23,10 +28,14 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch.distributed as dist
+
 from lib.engine import Turn, awake, call_seed, request_seeds
+from lib.engine.vllm import SHM_PREFIX, name_cpu_shm
 
 # what torchrun gives a rank: the child is a process of its own, one device, no process group
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
@@ -35,17 +44,58 @@ RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"
 START_TIMEOUT_S = 1800.0
 
 
-def child_env(device: Any) -> dict[str, str]:
+@dataclass
+class TPLayout:
+    """The world the children of one judge TP group form: this child's rank in it, its size, the rendezvous port
+    (the group's first rank picked it), the group's GPUs (physical indices, in rank order; none on CPU) and the name
+    of vLLM's CPU shared-memory segments for it (lib.engine.vllm.name_cpu_shm)."""
+
+    rank: int
+    size: int
+    port: int
+    devices: list[str]
+    shm_prefix: str
+
+
+def tp_layout(size: int, device: Any) -> tuple[Any, TPLayout]:
+    """World collective: the judge TP groups of ``size`` consecutive ranks (each a gloo group of the ranks, for the
+    prompts they gather) and this rank's child's layout in its group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(start, start + size)), backend="gloo") for start in range(0, world, size)]
+    lead = rank - rank % size
+    port = 0
+    if rank == lead:
+        with socket.socket() as s:  # a free port for the group's rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    known: list[Any] = [None] * world
+    dist.all_gather_object(known, (port, physical_device(device), os.getpid()))
+    members = known[lead:lead + size]
+    return groups[rank // size], TPLayout(rank % size, size, members[0][0], [m[1] for m in members],
+                                          f"{SHM_PREFIX}-{members[0][2]}-judge")
+
+
+def physical_device(device: Any) -> str:
+    """The physical index of the rank's GPU (read through the rank's CUDA_VISIBLE_DEVICES); "" on CPU."""
+    if device.type != "cuda":
+        return ""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    index = device.index or 0
+    return visible.split(",")[index] if visible else str(index)
+
+
+def child_env(device: Any, tp: TPLayout | None = None) -> dict[str, str]:
     """The rank's environment for its judge's child: the torchrun variables removed, the rank's own GPU the only one
-    visible (its physical index, read through the rank's CUDA_VISIBLE_DEVICES), vLLM's engine in the child's process
-    (the sleep-mode allocator is then the child's)."""
+    visible, vLLM's engine in the child's process (the sleep-mode allocator is then the child's). ``tp``: the world
+    of the group's children instead (their ranks and rendezvous, the group's GPUs visible, this child's by its
+    rank)."""
     env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
-    if device.type == "cuda":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        index = device.index or 0
-        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env["CUDA_VISIBLE_DEVICES"] = physical_device(device)
+    if tp is not None:
+        env.update({"RANK": str(tp.rank), "LOCAL_RANK": str(tp.rank), "WORLD_SIZE": str(tp.size),
+                    "LOCAL_WORLD_SIZE": str(tp.size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(tp.port)})
+        if device.type == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(tp.devices)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the rank's output stays its own; the child's errors are raised
     return env
@@ -55,15 +105,20 @@ class ChildEngine:
     """The judge's engine in a child process: ``wake_up``, ``sleep`` and ``generate_ids`` as an engine of this process
     has them (lib/judges/local.py takes turns with it exactly as with the HF engine)."""
 
-    def __init__(self, name: str, device: Any, spec: dict, seed: int = 0):
+    def __init__(self, name: str, device: Any, spec: dict, seed: int = 0, tp: TPLayout | None = None):
         """Start the child on ``device`` (its output goes to the rank's) and build the engine of ``spec`` there
         (``engine_args``: vLLM's arguments; ``eos``: the stop ids; ``temperature``; ``schema``: a JSON schema every
-        verdict is decoded into, or None); returns once its weights are loaded and it sleeps."""
+        verdict is decoded into, or None); returns once its weights are loaded and it sleeps. ``tp``: the child is
+        one of its TP group's (every rank of the group starts its own at the same time)."""
         self.name, self.device, self.seed, self.level = name, device, seed, 1
+        if tp is not None:
+            spec = {**spec, "shm_prefix": tp.shm_prefix,
+                    "engine_args": {**spec["engine_args"], "tensor_parallel_size": tp.size,
+                                    "distributed_executor_backend": "external_launcher"}}
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "lib.judges.vllm_child", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], env=child_env(device),
+                                         pass_fds=[theirs.fileno()], env=child_env(device, tp),
                                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
         finally:
             theirs.close()
@@ -132,6 +187,8 @@ def _serve(conn: Connection) -> None:
     from vllm.platforms import current_platform
 
     spec = conn.recv()
+    if spec.get("shm_prefix"):  # a TP group on CPU: its segments named after the launch, apart from the policy's
+        name_cpu_shm(spec["shm_prefix"])
     sleep_mode = current_platform.is_sleep_mode_available()
     guided, structured = {}, {}
     if spec.get("schema") is not None:  # JSON verdicts, written without the runs of whitespace a grammar allows
