@@ -22,6 +22,7 @@ import queue
 import sys
 import time
 import traceback
+from multiprocessing import forkserver
 from typing import Any, Callable
 
 from lib.dist import _free_port
@@ -33,10 +34,23 @@ _CONTEXT: Any = None
 
 
 def _context() -> Any:
+    """The forkserver context, its server started now: with PYTORCH_NVML_BASED_CUDA_CHECK=1 in its environment, so
+    that a CUDA query made while importing (torch.cuda.is_available() starts the driver otherwise) leaves the
+    ranks forked from it free to start CUDA themselves; they run under the caller's environment (_worker)."""
     global _CONTEXT
     if _CONTEXT is None:
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(PRELOAD)
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+            else:
+                os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
+        _CONTEXT = context
     return _CONTEXT
 
 

@@ -113,3 +113,33 @@ def _fails_on_rank_one():
 def test_helper_reports_the_failing_rank():
     with pytest.raises(AssertionError, match="(?s)rank 1 of 2 failed.*boom on purpose"):
         run_distributed(_fails_on_rank_one, timeout=60)
+
+
+def _what_the_rank_sees():
+    import os
+    import sys
+
+    import lib.dist
+
+    return (os.environ.get("SPMD_TEST_MARK"), os.getcwd(), sys.path[0], lib.dist.check_sizes.__name__,
+            int(os.environ["RANK"]), torch.get_num_threads(), "PYTORCH_NVML_BASED_CUDA_CHECK" in os.environ)
+
+
+def test_ranks_forked_from_the_server_see_the_callers_environment_and_a_fresh_library(tmp_path, monkeypatch):
+    """lib.testing forks its ranks from a server that imported the trainer once: each rank still sees the caller's
+    environment, working folder and import path as they are at the call (the server started before them), its rank
+    and one thread; and the library as imported fresh (a patch in the caller's process, which a spawned rank would
+    not see either, is not there). The server is reused by the next call."""
+    import lib.dist
+    from lib import testing
+
+    monkeypatch.setenv("SPMD_TEST_MARK", "here")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(lib.dist.check_sizes, "__name__", "patched")
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)  # the server's start-up setting, not the caller's
+    first = run_distributed(_what_the_rank_sees)
+    assert first == [("here", str(tmp_path), str(tmp_path), "check_sizes", r, 1, False) for r in (0, 1)], first
+    assert testing._context().get_start_method() == "forkserver"
+    monkeypatch.setenv("SPMD_TEST_MARK", "again")
+    assert [r[0] for r in run_distributed(_what_the_rank_sees)] == ["again", "again"]
