@@ -191,12 +191,11 @@ DATA_FILES = {"garbage-parquet", "garbage-jsonl", "empty-file", "zero-bytes-parq
               "cut-parquet", "parquet-as-jsonl", "empty-json", "no-prompt-parquet", "int-prompt-parquet",
               "glob-nothing", "empty-folder", "bad-image-bytes"}
 """The kinds of bad data file (issue 44: datasets' own errors were a traceback, printed twice)."""
-THROUGH_LAUNCH = {"unknown-flag", "group-n", "ppo-estimator", "changed-config", "cut-parquet", "glob-nothing",
-                  "bad-image-bytes"}
-"""A command-line error (tyro's), a config check, train_ppo.py's own, an existing run folder, and a bad data file
-of each reader (a parquet file through datasets, a pattern, image rows). Every kind of bad data file (DATA_FILES)
-runs in the driver below, whose capture sees what launch.sh's output would (each of them through launch.sh too cost
-~12 s of a loaded 2-core machine a case, most of it imports)."""
+THROUGH_LAUNCH = {"unknown-flag", "changed-config", "cut-parquet", "glob-nothing", "bad-image-bytes"}
+"""A command-line error (tyro's), an existing run folder, and a bad data file of each reader (a parquet file through
+datasets, a pattern, image rows). Every case (the config checks, every kind of bad data file) runs in the driver
+below, whose capture sees what launch.sh's output would (each through launch.sh too cost ~12 s of a loaded 2-core
+machine a case, most of it imports)."""
 
 DRIVER = """
 import json, os, sys, tempfile, traceback
