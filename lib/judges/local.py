@@ -88,7 +88,8 @@ class LocalJudge(Judge):
 
     def probe(self) -> None:
         """judge.engine vllm: what keeps vLLM from decoding this judge here (the package, its release, the model's
-        class and head size) is one error now, before any model loads."""
+        class and head size), and a judge.tp_size group that would cross nodes, is one error now, before any model
+        loads."""
         tp, local = self.endpoint.tp_size, os.environ.get("LOCAL_WORLD_SIZE")  # (set in a rank, not before torchrun)
         if tp > 1 and local is not None and int(local) % tp:
             raise ValueError(f"judge.tp_size={tp}: a TP group's children share one node, and this node runs {local} "
