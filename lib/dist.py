@@ -51,7 +51,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -143,7 +143,7 @@ def init_topology(sp_size: int = 1, fsdp_shard_size: int = 0, rollout_tp_size: i
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if os.environ["WORLD_SIZE"] == "1":
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
     check_sizes(world_size, sp_size, fsdp_shard_size, rollout_tp_size)  # before any collective can hang
 

@@ -45,7 +45,7 @@ def default_run_name(config: dict, script: str) -> str:
     """The run folder's name when trainer.run_name is not given: the script and a hash of the config, run-control
     settings aside. The same command and config always name the same folder, so a re-submitted or requeued job
     resumes its run; any change to what the run computes starts a new one."""
-    kept = {k: v for k, v in _flat(config).items()
+    kept = {k: v for k, v in flat_config(config).items()
             if k not in RUN_CONTROL and k not in ("trainer.run_name", "trainer.output_root")}
     digest = hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"{os.path.splitext(os.path.basename(script))[0]}-{digest}"
@@ -66,8 +66,8 @@ def check_run_folder(run_path: str, config: dict, resume: bool) -> int | None:
     if step is None or not os.path.isfile(saved_path):
         return step
     with open(saved_path) as f:
-        saved = _flat(yaml.safe_load(f) or {})
-    now = _flat(config)
+        saved = flat_config(yaml.safe_load(f) or {})
+    now = flat_config(config)
     # settings the saved config lacks (added to the code since) keep their defaults
     diff = [f"{k}: {saved[k]!r} -> {now.get(k, '(absent)')!r}" for k in sorted(saved)
             if k not in RUN_CONTROL and saved[k] != now.get(k)]
@@ -78,11 +78,12 @@ def check_run_folder(run_path: str, config: dict, resume: bool) -> int | None:
     return step
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
+def flat_config(tree: dict, prefix: str = "") -> dict:
+    """A config's nested sections as one mapping of dotted names (``actor.optim.lr``), tuples as lists."""
     out = {}
     for k, v in tree.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_config(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
     return out

@@ -25,11 +25,11 @@ import traceback
 from multiprocessing import forkserver
 from typing import Any, Callable
 
-from lib.dist import _free_port
+from lib.dist import free_port
 
-PRELOAD = ["torch", "torch.distributed", "transformers", "lib.dist", "lib.fsdp", "lib.forward", "lib.models",
-           "lib.update", "lib.engine.hf", "lib.protocol", "lib.startup", "lib.testing"]
-"""What the server the ranks are forked from imports once (lib.startup pulls in the rest of the trainer)."""
+PRELOAD = ["lib.startup", "lib.testing"]
+"""What the server the ranks are forked from imports once: lib.startup brings torch, transformers and the rest of
+the trainer."""
 _CONTEXT: Any = None
 
 
@@ -120,7 +120,7 @@ def _run_once(fn: Callable, args: tuple, world_size: int, timeout: float, backen
     target = (os.path.abspath(sys.modules[fn.__module__].__file__), fn.__module__, fn.__qualname__)
     ctx = _context()
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     caller = (dict(os.environ), os.getcwd(), list(sys.path))
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, args, results, backend, caller),
                          daemon=True) for r in range(world_size)]

@@ -96,6 +96,20 @@ def launch_runs(plan: list[tuple[str, str, list[str]]], folder, timeout: int = 1
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_rows(launched, name: str, steps: int = 0) -> list[dict]:
+    """The metric rows of the run ``name`` of a launch_runs launch (``launched``: (its output root, its finished
+    process)); with ``steps``, they must be that run's steps 1..steps, else the launch's output says why."""
+    import json
+
+    root, out = launched
+    path = os.path.join(str(root), name, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    if steps:
+        assert [r["step"] for r in rows] == list(range(1, steps + 1)), \
+            f"run {name}:\n" + out.stdout[-3000:] + out.stderr[-5000:]
+    return rows
+
+
 def run_outputs(stdout: str) -> dict[str, str]:
     """A launch_runs launch's standard output, run by run (what each printed after its ``== run NAME`` line)."""
     parts: dict[str, str] = {}

@@ -18,7 +18,7 @@ from lib.multi_turn.loop import MultiTurn
 from lib.multi_turn.parsers import parse_hermes, parse_llama3_json
 from lib.multi_turn.render import ObservationRenderer, tool_message
 from tests.conftest import shared_assets
-from tests.helpers import launch_runs
+from tests.helpers import launch_runs, run_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(HERE, "data", "mt_tools.py") + ":TOOLS"
@@ -431,9 +431,8 @@ def test_tool_preset_end_to_end(tool_runs, name):
     """The tool preset through torchrun on 2 ranks: episodes call the tool and answer in a later turn, and the
     trainer's log-probs over those rows match the engine's (the canary), also with dynamic sampling and rollout
     correction, and with PPO (its critic's GAE across the observations)."""
-    root, out = tool_runs
-    path = root / name / "metrics.jsonl"
-    rows = [json.loads(line) for line in open(path)] if path.exists() else []
+    out = tool_runs[1]
+    rows = run_rows(tool_runs, name)
     train = [r for r in rows if "multi_turn/turns_mean" in r and "actor/pg_loss" in r]
     assert len(train) == 3, out.stdout[-3000:] + out.stderr[-5000:]
     for r in train:

@@ -16,8 +16,9 @@ import shlex
 import pytest
 
 from lib import config, preflight
+from lib.runfolder import flat_config
 from tests.conftest import link_assets
-from tests.helpers import launch_runs
+from tests.helpers import launch_runs, run_rows
 from tests.test_e2e import ROOT
 
 README = open(os.path.join(ROOT, "README.md")).read()
@@ -42,11 +43,7 @@ def run_name(name: str) -> str:
 
 def rows(launched, name: str) -> list[dict]:
     """The run's metric rows, which must be its 2 steps (else the launch's output says why)."""
-    root, out = launched
-    path = root / run_name(name) / "metrics.jsonl"
-    got = [json.loads(line) for line in open(path)] if path.exists() else []
-    assert [r["step"] for r in got] == [1, 2], f"run {name}:\n" + out.stdout[-3000:] + out.stderr[-5000:]
-    return got
+    return run_rows(launched, run_name(name), steps=2)
 
 
 def test_the_readme_lists_the_recipes():
@@ -89,11 +86,6 @@ def test_every_documented_flag_parses():
 RECIPES_RUN_WHOLE_ELSEWHERE = {"GRPO": "tiny_cpu_grpo", "on-policy distillation": "tiny_cpu_opd"}
 
 
-def _flat(d, prefix=""):
-    for k, v in d.items():
-        yield from _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
-
-
 def test_recipes_run_whole_elsewhere():
     """Each recipe left out of the launches below gives, on the tiny preset of its script, the configuration of the
     preset named for it, a preset launched whole by its learning test (RUN_WHOLE_ELSEWHERE)."""
@@ -104,7 +96,7 @@ def test_recipes_run_whole_elsewhere():
         got, want = (config.parse(argv, default_preset="tiny_cpu_grpo") for argv in (flags, ["--config", preset]))
         for cfg in (got, want):
             preflight.resolve(cfg)  # the values filled at start-up (the script's own estimator, ...)
-        got, want = (dict(_flat(config.to_dict(cfg))) for cfg in (got, want))
+        got, want = (flat_config(config.to_dict(cfg)) for cfg in (got, want))
         assert {k: (got[k], want[k]) for k in got if got[k] != want[k] and k not in sizes} == {}, name
 
 

@@ -28,7 +28,7 @@ from lib.vision import BANNED_ATTR, attn_implementations, ban, concat_features, 
 from lib.vision.processor import VisionProcessor, with_image_parts
 from tests import zoo
 from tests.conftest import link_assets
-from tests.helpers import launch_runs
+from tests.helpers import launch_runs, run_rows
 from tests.test_e2e import torchrun, val_curve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -550,20 +550,11 @@ def two_step_runs(tmp_path_factory, shared_assets_dir, vision_root):
     return root, out
 
 
-def two_step_rows(runs, name: str) -> list[dict]:
-    """A run of two_step_runs: its metric rows, which must be its 2 steps (else the launch's output says why)."""
-    root, out = runs
-    path = root / name / "metrics.jsonl"
-    rows = [json.loads(line) for line in open(path)] if path.exists() else []
-    assert [r["step"] for r in rows] == [1, 2], f"run {name}:\n" + out.stdout[-3000:] + out.stderr[-5000:]
-    return rows
-
-
 def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(two_step_runs):
     """Two steps of the preset on 2 ranks: every step's engine and trainer log-probs agree at the fp32 level, and
     the export (weights, tokenizer, image processor) reloads through transformers' classes to the trained logits on
     an image prompt."""
-    rows = two_step_rows(two_step_runs, "preset")
+    rows = run_rows(two_step_runs, "preset", steps=2)
     run = two_step_runs[0] / "preset"
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
     assert all(r["vision/images_per_sample"] == 1.0 and r["vision/image_tokens_mean"] == 4.0 for r in rows)
@@ -591,7 +582,7 @@ def test_gemma_trains_with_its_images_end_to_end(name, vision_root, two_step_run
     from transformers import AutoProcessor
 
     model = zoo.build_vision(name, vision_root)  # (built by the launch's fixture: here its folder)
-    rows = two_step_rows(two_step_runs, name)
+    rows = run_rows(two_step_runs, name, steps=2)
     run = two_step_runs[0] / name
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-5, rows
     assert all(r["vision/image_tokens_mean"] > 10 * r["vision/images_per_sample"] > 0 for r in rows), rows
@@ -616,7 +607,7 @@ def test_gemma_trains_with_its_images_end_to_end(name, vision_root, two_step_run
 def test_the_visual_preset_with_sequence_parallel(two_step_runs):
     """The preset as users run it with --trainer.sp_size 2 (one data-parallel rank of two SP ranks): the engine
     and the trainer's sliced forward agree at the fp32 level at every step."""
-    rows = two_step_rows(two_step_runs, "preset_sp")
+    rows = run_rows(two_step_runs, "preset_sp", steps=2)
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
 
 
@@ -628,7 +619,7 @@ def test_lora_on_the_language_model_of_the_visual_preset(two_step_runs, tmp_path
     from peft import PeftModel
     from safetensors import safe_open
 
-    rows = two_step_rows(two_step_runs, "preset_lora")
+    rows = run_rows(two_step_runs, "preset_lora", steps=2)
     run = two_step_runs[0] / "preset_lora"
     assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-4, rows
     with safe_open(run / "adapter_final" / "adapter_model.safetensors", "pt") as f:

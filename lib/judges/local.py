@@ -30,7 +30,7 @@ from lib.engine.hf import HFEngine
 from lib.engine.vllm import cpu_prefill_kwargs
 from lib.judges.base import Answer, Judge
 from lib.judges.parse import ERROR, verdict_schema
-from lib.judges.vllm_child import ChildEngine, tp_layout
+from lib.judges.vllm_child import ChildEngine, TPLayout, tp_layout
 from lib.models import load_config, load_tokenizer, saved_dtype, stop_token_ids
 from lib.preflight import vllm_problems
 
@@ -134,7 +134,7 @@ class LocalJudge(Judge):
             tp = None
             if cfg.tp_size > 1:
                 self.group, tp = tp_layout(cfg.tp_size, device)
-            self.engine = ChildEngine(NAME, device, self.child_spec(device, seed), seed, tp)
+            self.engine = ChildEngine(NAME, device, self.child_spec(device, seed, tp), seed, tp)
             return
         sampling = SamplingConfig(temperature=cfg.temperature, n=1, max_new_tokens=cfg.max_tokens, seed=seed)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
@@ -144,10 +144,11 @@ class LocalJudge(Judge):
             self.engine.load_weights((n, t) for n, t in checkpoint_tensors(cfg.path) if n not in self.engine.aliases)
             self.engine.finish_sync()
 
-    def child_spec(self, device: torch.device, seed: int) -> dict:
+    def child_spec(self, device: torch.device, seed: int, tp: TPLayout | None = None) -> dict:
         """The vLLM engine of judge.engine vllm: the folder's own weights and dtype, one sequence as long as
         check_context measured (else the model's context), its KV cache in bytes for MAX_SEQS of them; guided JSON
-        verdicts with judge.parse json."""
+        verdicts with judge.parse json. ``tp``: the child is one of its TP group's (vLLM's tensor parallelism across
+        the group's processes; its KV cache holds its share of the heads)."""
         cfg = self.endpoint
         length = self.need or context_of(self.config) or 4096
         dtype = saved_dtype(self.config)
@@ -160,9 +161,13 @@ class LocalJudge(Judge):
                 **cpu_prefill_kwargs(device, length)}
         if device.type == "cpu":  # no compiled graphs (minutes of start-up on CPU for a few seconds of judging)
             args["enforce_eager"] = True
-        schema = verdict_schema(cfg.field, cfg.scale_min, cfg.scale_max)["json_schema"]["schema"] \
-            if cfg.parse == "json" else None
-        return {"engine_args": args, "eos": self.eos, "temperature": cfg.temperature, "schema": schema}
+        spec = {"engine_args": args, "eos": self.eos, "temperature": cfg.temperature, "schema": None}
+        if cfg.parse == "json":
+            spec["schema"] = verdict_schema(cfg.field, cfg.scale_min, cfg.scale_max)["json_schema"]["schema"]
+        if tp is not None:  # one of the group's children: vLLM's TP across the group's processes
+            args.update(tensor_parallel_size=tp.size, distributed_executor_backend="external_launcher")
+            spec["shm_prefix"] = tp.shm_prefix
+        return spec
 
     def close(self) -> None:
         """The engine's end with the run (the vLLM child exits; the HF replica frees its memory)."""

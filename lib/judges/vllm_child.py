@@ -34,6 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lib.dist import free_port
 from lib.engine import Turn, awake, call_seed, request_seeds
 from lib.engine.vllm import SHM_PREFIX, name_cpu_shm
 
@@ -63,13 +64,8 @@ def tp_layout(size: int, device: Any) -> tuple[Any, TPLayout]:
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = [dist.new_group(list(range(start, start + size)), backend="gloo") for start in range(0, world, size)]
     lead = rank - rank % size
-    port = 0
-    if rank == lead:
-        with socket.socket() as s:  # a free port for the group's rendezvous
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    known: list[Any] = [None] * world
-    dist.all_gather_object(known, (port, physical_device(device), os.getpid()))
+    known: list[Any] = [None] * world  # the group's rendezvous port is its first rank's pick
+    dist.all_gather_object(known, (free_port() if rank == lead else 0, physical_device(device), os.getpid()))
     members = known[lead:lead + size]
     return groups[rank // size], TPLayout(rank % size, size, members[0][0], [m[1] for m in members],
                                           f"{SHM_PREFIX}-{members[0][2]}-judge")
@@ -108,13 +104,10 @@ class ChildEngine:
     def __init__(self, name: str, device: Any, spec: dict, seed: int = 0, tp: TPLayout | None = None):
         """Start the child on ``device`` (its output goes to the rank's) and build the engine of ``spec`` there
         (``engine_args``: vLLM's arguments; ``eos``: the stop ids; ``temperature``; ``schema``: a JSON schema every
-        verdict is decoded into, or None); returns once its weights are loaded and it sleeps. ``tp``: the child is
-        one of its TP group's (every rank of the group starts its own at the same time)."""
+        verdict is decoded into, or None; ``shm_prefix``: a TP group's name for its CPU segments); returns once its
+        weights are loaded and it sleeps. ``tp``: the child is one of its TP group's world (every rank of the group
+        starts its own at the same time)."""
         self.name, self.device, self.seed, self.level = name, device, seed, 1
-        if tp is not None:
-            spec = {**spec, "shm_prefix": tp.shm_prefix,
-                    "engine_args": {**spec["engine_args"], "tensor_parallel_size": tp.size,
-                                    "distributed_executor_backend": "external_launcher"}}
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "lib.judges.vllm_child", str(theirs.fileno())],
