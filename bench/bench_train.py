@@ -8,7 +8,11 @@ of at most --max-tokens tokens, packed into one row (no pad compute). Prints val
 the ratio; on GPU also the model FLOPs utilisation (6 * matmul params * tokens + attention, over the bf16 peak; the
 input embedding's lookup is no matmul). --heads/--kv-heads/--intermediate/--tied give a real model's shape.
 --compare-head adds the packed side with model.fused_head off (the whole logits tensor made and kept for backward):
-its tokens/s, and on GPU each side's peak memory.
+its tokens/s, and on GPU each side's peak memory. --compare-defer adds the packed side with fsdp.defer_grad_reduce
+(one parameter gather and one gradient reduction per optimizer step, not per micro-batch); it acts on FSDP units: on
+one GPU (bf16, the root unit), or on CPU under torchrun (each rank its own rows, the model sharded over the ranks):
+
+    torchrun --nproc-per-node 2 bench/bench_train.py --compare-defer
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from lib.actor import Trainee, update_policy  # noqa: E402
-from lib.config import ActorConfig, BatchingConfig, ModelConfig, OptimConfig  # noqa: E402
-from lib.dist import init_topology  # noqa: E402
+from lib.config import ActorConfig, BatchingConfig, FSDPConfig, ModelConfig, OptimConfig  # noqa: E402
+from lib.dist import init_topology, reduce_metrics  # noqa: E402
 from lib.fsdp import build_sharded_model  # noqa: E402
 from lib.optim import build_optimizer  # noqa: E402
 from lib.protocol import DataProto  # noqa: E402
@@ -69,6 +74,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--compare-head", action="store_true", help="also the packed side without the fused LM head")
+    ap.add_argument("--compare-defer", action="store_true", help="also the packed side with fsdp.defer_grad_reduce")
     return ap
 
 
@@ -77,7 +83,10 @@ def measure(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     topo = init_topology(device=args.device)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as own:
+        tmp = [own]
+        dist.broadcast_object_list(tmp)  # rank 0's folder: every rank of a torchrun launch reads the one model
+        tmp = tmp[0]
         if topo.is_main:
             cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden,
                               intermediate_size=args.intermediate or 4 * args.hidden, num_hidden_layers=args.layers,
@@ -85,20 +94,25 @@ def measure(args: argparse.Namespace) -> dict:
                               num_key_value_heads=args.kv_heads or max(1, args.hidden // 128),
                               max_position_embeddings=args.max_len, tie_word_embeddings=args.tied)
             AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
-        data = long_tailed_batch(args.rows, args.max_len, args.vocab)
+        dist.barrier()
+        data = long_tailed_batch(args.rows, args.max_len, args.vocab, seed=topo.rank)
         valid_tokens = int(data.batch["attention_mask"].sum())
         mean_len = valid_tokens / args.rows
+        all_tokens = int(reduce_metrics({"n": valid_tokens}, None, "sum")["n"])  # every rank's, for tokens/s
         budget = args.max_tokens or int(args.micro * mean_len)
         budget = max(budget, int(data.batch["attention_mask"].sum(-1).max()))
         results, peaks = {}, {}
         packed = BatchingConfig(use_dynamic_batching=True, max_tokens_per_rank=budget, use_remove_padding=True)
-        sides = {"padded": (BatchingConfig(micro_batch_size_per_rank=args.micro, use_remove_padding=False), True),
-                 "packed": (packed, True)}
+        sides = {"padded": (BatchingConfig(micro_batch_size_per_rank=args.micro, use_remove_padding=False), True,
+                            False),
+                 "packed": (packed, True, False)}
         if args.compare_head:
-            sides["whole"] = (packed, False)  # packed, dynamic, fused_head off
-        for name, (batching, fused) in sides.items():
+            sides["whole"] = (packed, False, False)  # packed, dynamic, fused_head off
+        if args.compare_defer:
+            sides["defer"] = (packed, True, True)  # packed, dynamic, fsdp.defer_grad_reduce
+        for name, (batching, fused, defer) in sides.items():
             acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head=fused), optim=OptimConfig(lr=1e-6),
-                               batching=batching)
+                               batching=batching, fsdp=FSDPConfig(defer_grad_reduce=defer))
             model = build_sharded_model(acfg.model, acfg.fsdp, topo, packed=batching.use_remove_padding)
             optimizer, scheduler = build_optimizer(model, acfg.optim)
             trainee = Trainee(model, optimizer, scheduler, topo)
@@ -114,7 +128,7 @@ def measure(args: argparse.Namespace) -> dict:
                 if topo.device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            results[name] = min(times)
+            results[name] = max(reduce_metrics({"t": min(times)}, None, {"t": "max"})["t"], 1e-9)  # the slowest rank
             peaks[name] = torch.cuda.max_memory_allocated() if topo.device.type == "cuda" else None
             n_params = sum(p.numel() for p in model.parameters())
             # the input embedding is a lookup, no matmul: out of the FLOPs (a tied one is the LM head's matmul too)
@@ -126,20 +140,25 @@ def measure(args: argparse.Namespace) -> dict:
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
     lengths = data.batch["attention_mask"].sum(-1).double()
     flops = 6 * n_matmul * valid_tokens + 12 * args.layers * args.hidden * float((lengths ** 2).sum()) / 2
-    base, ours, whole = results["padded"], results["packed"], results.get("whole")
-    return {"whole_tokens_per_s": valid_tokens / whole if whole else None, "peak_bytes": peaks,
+    base, ours, whole, defer = results["padded"], results["packed"], results.get("whole"), results.get("defer")
+    return {"whole_tokens_per_s": all_tokens / whole if whole else None, "peak_bytes": peaks,
+            "defer_tokens_per_s": all_tokens / defer if defer else None, "ranks": topo.world_size,
+            "main": topo.is_main,
             "rows": args.rows, "valid_tokens": valid_tokens, "mean_len": mean_len, "max_len": int(lengths.max()),
             "width": data.batch["input_ids"].shape[1], "params_m": n_params / 1e6, "device": str(topo.device),
-            "budget": budget, "padded_tokens_per_s": valid_tokens / base, "packed_tokens_per_s": valid_tokens / ours,
+            "budget": budget, "padded_tokens_per_s": all_tokens / base, "packed_tokens_per_s": all_tokens / ours,
             "ratio": base / ours, "mfu_padded": flops / base / (peak * 1e12) if peak else None,
-            "mfu_packed": flops / ours / (peak * 1e12) if peak else None}
+            "mfu_packed": flops / ours / (peak * 1e12) if peak else None,
+            "mfu_defer": flops / defer / (peak * 1e12) if peak and defer else None}
 
 
 def main() -> None:
     r = measure(parser().parse_args())
+    if not r["main"]:
+        return
     print(f"update_policy fwd+bwd+step, {r['rows']} rows, {r['valid_tokens']} valid tokens (mean {r['mean_len']:.0f}, "
-          f"max {r['max_len']}), padded width {r['width']}, model {r['params_m']:.1f}M params, {r['device']}, "
-          f"dynamic budget {r['budget']} tokens")
+          f"max {r['max_len']}), padded width {r['width']}, model {r['params_m']:.1f}M params, {r['device']} x "
+          f"{r['ranks']} (rows and tokens: rank 0's; tokens/s: all ranks'), dynamic budget {r['budget']} tokens")
     for name, side in (("padded, fixed micro-batches", "padded"), ("packed, dynamic micro-batches", "packed")):
         line = f"  {name:<32}{r[side + '_tokens_per_s']:>10.0f} tokens/s"
         if r["mfu_" + side] is not None:
@@ -149,6 +168,9 @@ def main() -> None:
     if r["whole_tokens_per_s"]:
         print(f"  packed, whole logits (fused_head off) {r['whole_tokens_per_s']:>10.0f} tokens/s; fused / whole "
               f"{r['packed_tokens_per_s'] / r['whole_tokens_per_s']:.2f}x")
+    if r["defer_tokens_per_s"]:
+        print(f"  packed, fsdp.defer_grad_reduce      {r['defer_tokens_per_s']:>10.0f} tokens/s; deferred / per "
+              f"micro-batch {r['defer_tokens_per_s'] / r['packed_tokens_per_s']:.2f}x")
     if r["peak_bytes"].get("packed") is not None:
         print("  peak GPU memory: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in r["peak_bytes"].items()))
 

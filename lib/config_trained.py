@@ -67,6 +67,12 @@ class FSDPConfig:
     """Move the optimizer state to CPU outside the update."""
     reshard_after_forward: bool = True
     """Free each layer's gathered parameters after its forward (ZeRO-3). False keeps them (ZeRO-2, faster)."""
+    defer_grad_reduce: bool = False
+    """One gather of the parameters and one gradient reduction per optimizer step, not per micro-batch: every rank
+    keeps the gathered parameters (bf16 on GPU, cast once) and its unsharded gradients (fp32) from one micro-batch
+    to the next, and the last micro-batch's backward reduces and reshards. Costs the whole model's gathered
+    parameters and gradients on every rank (6 bytes a parameter in bf16, 8 in fp32) on top of the shards: for a
+    model that fits one device whole. The same update up to the order of the gradient sum (fp32 rounding)."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from lib import algos, attention, lora, routing
 from lib.config import Config
@@ -301,6 +302,9 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
             problems.append(f"{name}.batching.micro_batch_size_per_rank must be >= 1")
         if section.ppo_epochs < 1:
             problems.append(f"{name}.ppo_epochs must be >= 1")
+        if section.fsdp.defer_grad_reduce and not hasattr(FSDPModule, "set_reshard_after_forward"):
+            problems.append(f"{name}.fsdp.defer_grad_reduce needs FSDPModule.set_reshard_after_forward (torch >= 2.7; "
+                            f"this is {torch.__version__}): upgrade torch, or leave the setting off")
         if section.loss_agg_mode not in algos.LOSS_AGG_MODES:
             problems.append(f"{name}.loss_agg_mode={section.loss_agg_mode!r}; use one of {algos.LOSS_AGG_MODES}")
         if section.batching.use_dynamic_batching and \

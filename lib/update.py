@@ -25,6 +25,7 @@ from torch import nn
 from lib.balance import micro_batches
 from lib.config import BatchingConfig
 from lib.dist import Topology, all_gather, reduce_metrics
+from lib.fsdp import accumulating
 from lib.optim import clipped_step
 from lib.protocol import DataProto
 
@@ -82,8 +83,8 @@ def loss_scale(topo: Topology) -> float:
 def accumulation_steps(trainee: Trainee, data: DataProto, epochs: int, mini_batch_size_per_rank: int | None,
                        shuffle: bool, seed: int, batching: BatchingConfig,
                        before_epoch: Callable[[list[DataProto]], None] | None = None):
-    """The update's loop over ``epochs`` x mini-batches: yields (epoch, micro-batches on the device, global token
-    count, global sequence count) for each optimizer step. The SP group's rows are gathered first (DESIGN step 7).
+    """The update's loop over ``epochs`` x mini-batches: yields (epoch, micro-batches on the device (an iterator:
+    lib.fsdp.accumulating), global token count, global sequence count) for each optimizer step. The SP group's rows are gathered first (DESIGN step 7).
     ``before_epoch(mini_batches)`` runs before each epoch's first optimizer step."""
     topo = trainee.topo
     mb_size = (mini_batch_size_per_rank or len(data)) * topo.sp_size
@@ -96,7 +97,7 @@ def accumulation_steps(trainee: Trainee, data: DataProto, epochs: int, mini_batc
         for mini in minis:
             num_tokens, num_seqs = global_counts(mini.batch["response_mask"], topo)
             pieces, _ = split_micro(mini, batching, topo)
-            yield epoch, [p.to(topo.device) for p in pieces], num_tokens, num_seqs
+            yield epoch, accumulating(trainee.model, [p.to(topo.device) for p in pieces]), num_tokens, num_seqs
 
 
 def step_and_record(trainee: Trainee, max_grad_norm: float, step_metrics: dict, sums: dict, prefix: str) -> None:
