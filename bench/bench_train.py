@@ -8,11 +8,12 @@ of at most --max-tokens tokens, packed into one row (no pad compute). Prints val
 the ratio; on GPU also the model FLOPs utilisation (6 * matmul params * tokens + attention, over the bf16 peak; the
 input embedding's lookup is no matmul). --heads/--kv-heads/--intermediate/--tied give a real model's shape.
 --compare-head adds the packed side with model.fused_head off (the whole logits tensor made and kept for backward):
-its tokens/s, and on GPU each side's peak memory. --compare-defer adds the packed side with fsdp.defer_grad_reduce
-(one parameter gather and one gradient reduction per optimizer step, not per micro-batch); it acts on FSDP units: on
-one GPU (bf16, the root unit), or on CPU under torchrun (each rank its own rows, the model sharded over the ranks):
+its tokens/s, and on GPU each side's peak memory. --compare-reduce adds the packed side with the other
+fsdp.grad_reduce than the one auto chose (step: one parameter gather and one gradient reduction per optimizer step;
+micro_batch: per micro-batch). It acts on FSDP units: on one GPU (bf16, the root unit: auto is step), or on CPU under
+torchrun (each rank its own rows, the model sharded over the ranks: auto is micro_batch):
 
-    torchrun --nproc-per-node 2 bench/bench_train.py --compare-defer
+    torchrun --nproc-per-node 2 bench/bench_train.py --compare-reduce
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -33,7 +35,7 @@ sys.path.insert(0, ROOT)
 from lib.actor import Trainee, update_policy  # noqa: E402
 from lib.config import ActorConfig, BatchingConfig, FSDPConfig, ModelConfig, OptimConfig  # noqa: E402
 from lib.dist import init_topology, reduce_metrics  # noqa: E402
-from lib.fsdp import build_sharded_model  # noqa: E402
+from lib.fsdp import DEFER_FLAG, build_sharded_model  # noqa: E402
 from lib.optim import build_optimizer  # noqa: E402
 from lib.protocol import DataProto  # noqa: E402
 
@@ -74,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--compare-head", action="store_true", help="also the packed side without the fused LM head")
-    ap.add_argument("--compare-defer", action="store_true", help="also the packed side with fsdp.defer_grad_reduce")
+    ap.add_argument("--compare-reduce", action="store_true", help="also the packed side with the other fsdp.grad_reduce")
     return ap
 
 
@@ -103,17 +105,21 @@ def measure(args: argparse.Namespace) -> dict:
         budget = max(budget, int(data.batch["attention_mask"].sum(-1).max()))
         results, peaks = {}, {}
         packed = BatchingConfig(use_dynamic_batching=True, max_tokens_per_rank=budget, use_remove_padding=True)
-        sides = {"padded": (BatchingConfig(micro_batch_size_per_rank=args.micro, use_remove_padding=False), True,
-                            False),
-                 "packed": (packed, True, False)}
+        sides = {"padded": (BatchingConfig(micro_batch_size_per_rank=args.micro, use_remove_padding=False), True),
+                 "packed": (packed, True)}
         if args.compare_head:
-            sides["whole"] = (packed, False, False)  # packed, dynamic, fused_head off
-        if args.compare_defer:
-            sides["defer"] = (packed, True, True)  # packed, dynamic, fsdp.defer_grad_reduce
-        for name, (batching, fused, defer) in sides.items():
+            sides["whole"] = (packed, False)  # packed, dynamic, fused_head off
+        if args.compare_reduce:
+            sides["other_reduce"] = (packed, True)  # packed, dynamic, the grad_reduce that auto did not pick
+        reduce = {}
+        for name, (batching, fused) in sides.items():
+            grad_reduce = "auto" if name != "other_reduce" else {"step": "micro_batch"}.get(reduce["packed"], "step")
             acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head=fused), optim=OptimConfig(lr=1e-6),
-                               batching=batching, fsdp=FSDPConfig(defer_grad_reduce=defer))
+                               batching=batching, fsdp=FSDPConfig(grad_reduce=grad_reduce))
             model = build_sharded_model(acfg.model, acfg.fsdp, topo, packed=batching.use_remove_padding)
+            # a plain replica (one CPU rank) has no FSDP unit: it averages its gradients once a step either way
+            reduce[name] = ("step" if hasattr(model, DEFER_FLAG) else "micro_batch" if isinstance(model, FSDPModule)
+                            else "replica")
             optimizer, scheduler = build_optimizer(model, acfg.optim)
             trainee = Trainee(model, optimizer, scheduler, topo)
             update_policy(trainee, data, acfg)  # warm-up
@@ -140,16 +146,19 @@ def measure(args: argparse.Namespace) -> dict:
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
     lengths = data.batch["attention_mask"].sum(-1).double()
     flops = 6 * n_matmul * valid_tokens + 12 * args.layers * args.hidden * float((lengths ** 2).sum()) / 2
-    base, ours, whole, defer = results["padded"], results["packed"], results.get("whole"), results.get("defer")
+    base, ours, whole = results["padded"], results["packed"], results.get("whole")
+    by_reduce = {reduce[k]: results[k] for k in ("packed", "other_reduce") if k in results}
+    step, micro = by_reduce.get("step"), by_reduce.get("micro_batch")
     return {"whole_tokens_per_s": all_tokens / whole if whole else None, "peak_bytes": peaks,
-            "defer_tokens_per_s": all_tokens / defer if defer else None, "ranks": topo.world_size,
+            "reduce": reduce, "step_tokens_per_s": all_tokens / step if step else None,
+            "micro_tokens_per_s": all_tokens / micro if micro else None, "ranks": topo.world_size,
             "main": topo.is_main,
             "rows": args.rows, "valid_tokens": valid_tokens, "mean_len": mean_len, "max_len": int(lengths.max()),
             "width": data.batch["input_ids"].shape[1], "params_m": n_params / 1e6, "device": str(topo.device),
             "budget": budget, "padded_tokens_per_s": all_tokens / base, "packed_tokens_per_s": all_tokens / ours,
             "ratio": base / ours, "mfu_padded": flops / base / (peak * 1e12) if peak else None,
             "mfu_packed": flops / ours / (peak * 1e12) if peak else None,
-            "mfu_defer": flops / defer / (peak * 1e12) if peak and defer else None}
+            "mfu_step": flops / step / (peak * 1e12) if peak and step else None}
 
 
 def main() -> None:
@@ -168,9 +177,12 @@ def main() -> None:
     if r["whole_tokens_per_s"]:
         print(f"  packed, whole logits (fused_head off) {r['whole_tokens_per_s']:>10.0f} tokens/s; fused / whole "
               f"{r['packed_tokens_per_s'] / r['whole_tokens_per_s']:.2f}x")
-    if r["defer_tokens_per_s"]:
-        print(f"  packed, fsdp.defer_grad_reduce      {r['defer_tokens_per_s']:>10.0f} tokens/s; deferred / per "
-              f"micro-batch {r['defer_tokens_per_s'] / r['packed_tokens_per_s']:.2f}x")
+    if r["step_tokens_per_s"] and r["micro_tokens_per_s"]:
+        print(f"  (packed with fsdp.grad_reduce auto: {r['reduce']['packed']})")
+        for name in ("micro", "step"):
+            print(f"  packed, grad_reduce {name:<18}{r[name + '_tokens_per_s']:>10.0f} tokens/s")
+        print(f"  ratio one reduction a step / one a micro-batch: "
+              f"{r['step_tokens_per_s'] / r['micro_tokens_per_s']:.2f}x tokens/s")
     if r["peak_bytes"].get("packed") is not None:
         print("  peak GPU memory: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in r["peak_bytes"].items()))
 

@@ -128,7 +128,7 @@ def check_update(args) -> list[Row]:
     flags = ["--rows", "64" if args.device == "cuda" else "8", "--max-len", "2048" if args.device == "cuda" else "256",
              "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab), "--heads", str(heads),
              "--kv-heads", str(kv), "--intermediate", str(inter), "--tied", "--device", args.device,
-             "--repeats", "2" if args.device == "cuda" else "1", "--compare-head", "--compare-defer"]
+             "--repeats", "2" if args.device == "cuda" else "1", "--compare-head", "--compare-reduce"]
     r = bench_train.measure(bench_train.parser().parse_args(flags))
     rows = [Row("update: packed / padded tokens/s", f"{r['ratio']:.2f}x ({r['packed_tokens_per_s']:.0f} vs "
                 f"{r['padded_tokens_per_s']:.0f})", ">= 1x", r["ratio"] >= 1.0 if args.device == "cuda" else None,
@@ -147,13 +147,17 @@ def check_update(args) -> list[Row]:
                     f"{r['packed_tokens_per_s'] / r['whole_tokens_per_s']:.2f}x", "", None,
                     f"packed, the same micro-batches (issue 41's lever){memory}"
                     + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU)))
-    memory = f"; peak memory {peak['defer'] / 2**30:.1f} GiB" if peak["defer"] is not None else ""
-    mfu = f"; MFU {r['mfu_defer'] * 100:.1f}%" if r["mfu_defer"] is not None else ""
-    rows.append(Row("update: fsdp.defer_grad_reduce / per micro-batch tokens/s",
-                    f"{r['defer_tokens_per_s'] / r['packed_tokens_per_s']:.2f}x", "", None,
-                    f"packed, the same micro-batches: one cast and one reduction a step (issue 41's lever){mfu}{memory}"
-                    + ("" if args.device == "cuda" else "; a plain replica on one CPU rank: no FSDP unit to defer; "
-                       + TIMING_ON_CPU)))
+    if r["step_tokens_per_s"] is None:  # one CPU rank: a plain replica
+        rows.append(Row("update: fsdp.grad_reduce step / micro_batch tokens/s", "not run", "", None,
+                        "a plain replica (one CPU rank) has no FSDP unit: one gradient reduction a step either way"))
+        return rows
+    memory = (f"; peak memory {peak['packed'] / 2**30:.1f} vs {peak['other_reduce'] / 2**30:.1f} GiB"
+              if peak["packed"] is not None else "")
+    mfu = f"; MFU with step {r['mfu_step'] * 100:.1f}%" if r["mfu_step"] is not None else ""
+    rows.append(Row("update: fsdp.grad_reduce step / micro_batch tokens/s",
+                    f"{r['step_tokens_per_s'] / r['micro_tokens_per_s']:.2f}x", "", None,
+                    f"packed, the same micro-batches; auto chose {r['reduce']['packed']} (issue 41's lever){mfu}{memory}"
+                    + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU)))
     return rows
 
 

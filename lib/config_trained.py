@@ -67,12 +67,15 @@ class FSDPConfig:
     """Move the optimizer state to CPU outside the update."""
     reshard_after_forward: bool = True
     """Free each layer's gathered parameters after its forward (ZeRO-3). False keeps them (ZeRO-2, faster)."""
-    defer_grad_reduce: bool = False
-    """One gather of the parameters and one gradient reduction per optimizer step, not per micro-batch: every rank
-    keeps the gathered parameters (bf16 on GPU, cast once) and its unsharded gradients (fp32) from one micro-batch
-    to the next, and the last micro-batch's backward reduces and reshards. Costs the whole model's gathered
-    parameters and gradients on every rank (6 bytes a parameter in bf16, 8 in fp32) on top of the shards: for a
-    model that fits one device whole. The same update up to the order of the gradient sum (fp32 rounding)."""
+    grad_reduce: Literal["auto", "micro_batch", "step"] = "auto"
+    """When gradients are reduced over the ranks. micro_batch: each micro-batch gathers every FSDP unit's parameters
+    (forward, and again in backward; on GPU each gather casts the fp32 shards to bf16) and reduce-scatters its
+    gradients. step: one gather and one reduction per optimizer step; every rank keeps the gathered parameters and
+    its unsharded gradients (fp32) from one micro-batch to the next, and the last micro-batch's backward reduces and
+    reshards. That costs the whole model's gathered parameters and gradients on every rank (6 bytes a parameter with
+    bf16, 8 in fp32) on top of the shards: for a model that fits one device whole. auto: step where each rank holds
+    the whole model already (shard_size 1 or one rank: FSDP's one root unit, which gathers the whole model anyway),
+    micro_batch otherwise. The same update either way, up to the order of the gradient sum (fp32 rounding)."""
 
 
 @dataclass

@@ -41,7 +41,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(model: nn.Module, topo: Topology, mixed_precision: bool = True, reshard_after_forward: bool = True,
-               gradient_checkpointing: bool = False, defer_grad_reduce: bool = False) -> nn.Module:
+               gradient_checkpointing: bool = False, grad_reduce: str = "micro_batch") -> nn.Module:
     """fully_shard every decoder layer, then the root (embeddings, final norm, head) on the fsdp mesh.
 
     When each rank holds the whole model (a shard group of one rank: fsdp.shard_size 1, or one rank), per-layer
@@ -59,18 +59,20 @@ def apply_fsdp(model: nn.Module, topo: Topology, mixed_precision: bool = True, r
     for layer in [] if replicated else decoder_layers(model):
         fully_shard(layer, mesh=topo.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=topo.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    if defer_grad_reduce:
+    # fsdp.grad_reduce: "auto" defers where the one unit is the whole model (no memory beyond what it gathers anyway)
+    if grad_reduce == "step" or (grad_reduce == "auto" and replicated and hasattr(model, "set_reshard_after_forward")):
         setattr(model, DEFER_FLAG, reshard_after_forward)
     return model
 
 
 REPLICA_FLAG = "_rl_plain_replica"
 DEFER_FLAG = "_rl_defer_grad_reduce"
-"""Set on an FSDP model built with fsdp.defer_grad_reduce; its value is the model's own reshard_after_forward."""
+"""Set on an FSDP model whose gradients are reduced once per optimizer step (fsdp.grad_reduce); its value is the
+model's own reshard_after_forward."""
 
 
 def accumulating(model: nn.Module, micro_batches: list) -> Iterator:
-    """The micro-batches of one optimizer step, one at a time. For a model built with fsdp.defer_grad_reduce and
+    """The micro-batches of one optimizer step, one at a time. For a model built to reduce once a step and
     more than one micro-batch, FSDP is told before each forward: keep the parameters gathered after forward and
     backward, and keep the gradients unsharded (accumulated in the reduce dtype, fp32), except in the last
     micro-batch's backward, which reduces every gradient and reshards. So the step gathers (and casts) the
@@ -298,7 +300,7 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
         if frozen_dtype is not None:
             lora.cast_frozen(model, frozen_dtype)
     apply_fsdp(model, topo, fsdp_cfg.mixed_precision, fsdp_cfg.reshard_after_forward,
-               model_cfg.gradient_checkpointing and trainable, fsdp_cfg.defer_grad_reduce and trainable)
+               model_cfg.gradient_checkpointing and trainable, fsdp_cfg.grad_reduce if trainable else "micro_batch")
     full = models.load_full(model_cfg.path, kind, attn, model_cfg.trust_remote_code, config) if topo.is_main else None
     digest = [None]
     if pc is not None and topo.is_main:

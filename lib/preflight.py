@@ -302,9 +302,9 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
             problems.append(f"{name}.batching.micro_batch_size_per_rank must be >= 1")
         if section.ppo_epochs < 1:
             problems.append(f"{name}.ppo_epochs must be >= 1")
-        if section.fsdp.defer_grad_reduce and not hasattr(FSDPModule, "set_reshard_after_forward"):
-            problems.append(f"{name}.fsdp.defer_grad_reduce needs FSDPModule.set_reshard_after_forward (torch >= 2.7; "
-                            f"this is {torch.__version__}): upgrade torch, or leave the setting off")
+        if section.fsdp.grad_reduce == "step" and not hasattr(FSDPModule, "set_reshard_after_forward"):
+            problems.append(f"{name}.fsdp.grad_reduce step needs FSDPModule.set_reshard_after_forward (torch >= 2.7; "
+                            f"this is {torch.__version__}): upgrade torch, or use auto or micro_batch")
         if section.loss_agg_mode not in algos.LOSS_AGG_MODES:
             problems.append(f"{name}.loss_agg_mode={section.loss_agg_mode!r}; use one of {algos.LOSS_AGG_MODES}")
         if section.batching.use_dynamic_batching and \

@@ -104,7 +104,7 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
     trl = rows["trl 1.16.0 colocate (CPU: transformers' generate): ours (grpo hf engine) / TRL tokens/s"]["value"]
     assert float(trl.split("x")[0]) > 0, trl  # both measured in this run (a figure on CPU)
     assert "nothing to run" in said[3] and (tmp_path / "out" / "logs" / "grpo_hf.log").exists()
-    assert "update: packed / padded tokens/s" in rows and "update: fsdp.defer_grad_reduce / per micro-batch tokens/s" in rows
+    assert "update: packed / padded tokens/s" in rows and "update: fsdp.grad_reduce step / micro_batch tokens/s" in rows
     assert rows["sleep/wake"]["value"] == "not run" and "GPU" in rows["sleep/wake"]["note"]
     assert rows["grpo vllm engine"]["value"] == "not run" and "not installed" in rows["grpo vllm engine"]["note"]
     gpu_tests = (tmp_path / "out" / "pytest_gpu.txt").read_text()

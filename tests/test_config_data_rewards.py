@@ -177,17 +177,18 @@ def test_packing_on_a_gpu_without_a_varlen_kernel_is_refused(monkeypatch):
     preflight.validate(config.Config(), 2, tiny_config("qwen2", max_position_embeddings=4096))
 
 
-def test_deferred_gradient_reduction_on_a_torch_without_its_api_is_refused(monkeypatch):
-    """fsdp.defer_grad_reduce sets FSDP's reshard-after-forward at run time (torch >= 2.7); the project claims
-    torch >= 2.6, whose FSDP2 lacks it: refused before any model loads, naming the fix."""
+def test_one_gradient_reduction_a_step_on_a_torch_without_its_api_is_refused(monkeypatch):
+    """fsdp.grad_reduce step sets FSDP's reshard-after-forward at run time (torch >= 2.7); the project claims
+    torch >= 2.6, whose FSDP2 lacks it: refused before any model loads, naming the fix (auto then reduces every
+    micro-batch)."""
     from torch.distributed.fsdp import FSDPModule
 
     cfg = config.Config()
     cfg.data.max_prompt_length, cfg.rollout.max_response_length = 64, 64
-    cfg.actor.fsdp.defer_grad_reduce = True
+    cfg.actor.fsdp.grad_reduce = "step"
     preflight.validate(cfg, 2, tiny_config("qwen2"))
     monkeypatch.delattr(FSDPModule, "set_reshard_after_forward")
-    with pytest.raises(ValueError, match=r"actor.fsdp.defer_grad_reduce needs .* upgrade torch, or leave the "):
+    with pytest.raises(ValueError, match=r"actor.fsdp.grad_reduce step needs .* upgrade torch, or use auto or micro_batch"):
         preflight.validate(cfg, 2, tiny_config("qwen2"))
 
 

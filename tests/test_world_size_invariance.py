@@ -144,9 +144,10 @@ def test_every_aggregation_is_independent_of_ranks_and_micro_batches(tmp_path):
             torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=2e-6, msg=f"{mode}: {name}")
 
 
-def _defer_body(path, bf16):
-    """Two updates of 4 micro-batches a rank, FSDP over 2 ranks, with fsdp.defer_grad_reduce off and on; the
-    collectives FSDP issues counted. ``bf16``: the GPU's mixed precision (bf16 compute, fp32 reduction) on CPU."""
+def _reduce_body(path, bf16, shard_size):
+    """Two updates of 4 micro-batches a rank on 2 ranks, with fsdp.grad_reduce micro_batch and then auto or step;
+    the collectives FSDP issues counted. ``bf16``: the GPU's mixed precision (bf16 compute, fp32 reduction) on CPU.
+    ``shard_size`` 1: every rank holds the whole model (with bf16, FSDP's one root unit; auto is step there)."""
     from collections import Counter
 
     import torch.distributed as dist
@@ -164,20 +165,21 @@ def _defer_body(path, bf16):
     counts = Counter()
     # the collectives FSDP2 calls (torch 2.13: *_single; earlier: all_gather_into_tensor, reduce_scatter_tensor)
     for kind, names in (("gather", ("all_gather_single", "all_gather_into_tensor")),
-                        ("reduce", ("reduce_scatter_single", "reduce_scatter_tensor"))):
+                        ("reduce", ("reduce_scatter_single", "reduce_scatter_tensor")), ("all_reduce", ("all_reduce",))):
         name = next(n for n in names if hasattr(dist, n))
 
         def counted(*args, _kind=kind, _call=getattr(dist, name), **kwargs):
             counts[_kind] += 1
             return _call(*args, **kwargs)
         setattr(dist, name, counted)
-    topo = init_topology(device="cpu")
+    topo = init_topology(device="cpu", fsdp_shard_size=shard_size)
     per_rank = ROWS // topo.world_size
     local = _data()[topo.rank * per_rank:(topo.rank + 1) * per_rank]
     out = {}
-    for defer in (False, True):
+    for mode in ("micro_batch", "auto" if shard_size == 1 else "step"):
         cfg = ActorConfig(model=ModelConfig(path=path), optim=OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0),
-                          batching=BatchingConfig(micro_batch_size_per_rank=1), fsdp=FSDPConfig(defer_grad_reduce=defer))
+                          batching=BatchingConfig(micro_batch_size_per_rank=1),
+                          fsdp=FSDPConfig(shard_size=shard_size, grad_reduce=mode))
         model = fsdp.build_sharded_model(cfg.model, cfg.fsdp, topo)
         optimizer, scheduler = build_optimizer(model, cfg.optim)
         counts.clear()
@@ -186,32 +188,45 @@ def _defer_body(path, bf16):
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         states = [(g.reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info is not None)
                   for m in units for g in m._get_fsdp_state()._fsdp_param_groups]
-        out[defer] = {"metrics": metrics, "calls": calls, "units": len(units), "states": states,
-                      "sharded": all(type(p).__name__ == "DTensor" and p.grad is None for p in model.parameters()),
-                      "logp": compute_log_probs(model, local, cfg.batching, topo),
-                      "weights": {n: t.clone() for n, t in fsdp.iter_full_params(model)}}
+        out[mode] = {"metrics": metrics, "calls": calls, "units": len(units), "states": states,
+                     "deferred": hasattr(model, fsdp.DEFER_FLAG),
+                     "sharded": all(type(p).__name__ == "DTensor" and p.grad is None for p in model.parameters()),
+                     "logp": compute_log_probs(model, local, cfg.batching, topo)[0],
+                     "weights": {n: t.clone() for n, t in fsdp.iter_full_params(model)}}
     return out
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-compute"])
-def test_deferred_gradient_reduction_is_the_same_update_with_one_reduction_a_step(tmp_path, bf16):
-    """fsdp.defer_grad_reduce (issue 41): FSDP over 2 ranks, 4 micro-batches a rank, two updates. The same loss,
-    gradient norm, weights and log-probs after as reducing every micro-batch; one reduce-scatter and one gather a unit
-    per optimizer step instead of one and two per micro-batch; FSDP's own settings back after the step. With bf16
-    compute (the GPU's policy) the unsharded gradients accumulate in fp32: the two agree far below bf16's precision."""
+@pytest.mark.parametrize("bf16,shard_size", [(False, 0), (True, 0), (True, 1)],
+                         ids=["fp32-sharded", "bf16-sharded", "bf16-root-unit"])
+def test_one_gradient_reduction_a_step_is_the_same_update(tmp_path, bf16, shard_size):
+    """fsdp.grad_reduce (issue 41), 2 ranks, 4 micro-batches a rank, two updates: step (one gather and one reduction
+    per optimizer step) gives the same loss, gradient norm, weights and log-probs after as micro_batch (one reduction
+    per micro-batch); with the model sharded over the ranks, one reduce-scatter and one gather a unit a step against
+    4 and 8; FSDP's own settings back after each step. bf16 compute (the GPU's policy, run on CPU): the unsharded
+    gradients accumulate in fp32, so the two agree far below bf16's precision (accumulating in bf16 moves the
+    log-probs by ~5e-4). Every rank holding the whole model with a compute cast (FSDP's one root unit, as on one
+    GPU): auto picks step."""
     path = save_tiny_model(str(tmp_path / "m"), "qwen2")
-    r0, r1 = run_distributed(_defer_body, path, bf16, world_size=2)
-    base, defer = r0[False], r0[True]
+    r0, r1 = run_distributed(_reduce_body, path, bf16, shard_size, world_size=2)
+    base, step = r0.values()
+    assert not base["deferred"] and step["deferred"]
     units, steps, micro = base["units"], 2, 4
-    assert base["calls"] == {"gather": 2 * units * micro * steps, "reduce": units * micro * steps}
-    assert defer["calls"] == {"gather": units * steps, "reduce": units * steps}
-    assert defer["states"] == base["states"] == [(True, True, True)] * units
-    assert defer["sharded"] and base["sharded"]
+    calls = base["calls"].pop("all_reduce") - step["calls"].pop("all_reduce")  # FSDP's and the update's own
+    if shard_size == 0:
+        assert base["calls"] == {"gather": 2 * units * micro * steps, "reduce": units * micro * steps}
+        assert step["calls"] == {"gather": units * steps, "reduce": units * steps}
+        assert calls == 0
+    else:  # the root unit: no shards to gather or scatter; one all-reduce over the replicas per reduction
+        assert units == 1 and base["calls"] == step["calls"] == {}
+        assert calls == (micro - 1) * steps
+    assert step["states"] == base["states"] == [(True, True, True)] * units
+    assert step["sharded"] and base["sharded"]
     tol = dict(rtol=1e-5, atol=1e-6)
-    for a, b in zip(base["metrics"], defer["metrics"]):
+    for a, b in zip(base["metrics"], step["metrics"]):
         for key in ("actor/pg_loss", "actor/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), key
     for name, w in base["weights"].items():
-        torch.testing.assert_close(defer["weights"][name], w, **tol, msg=name)
+        torch.testing.assert_close(step["weights"][name], w, **tol, msg=name)
     for r in (r0, r1):
-        torch.testing.assert_close(r[True]["logp"], r[False]["logp"], **tol)
+        base, step = r.values()
+        torch.testing.assert_close(step["logp"], base["logp"], **tol)
