@@ -144,10 +144,11 @@ def test_every_aggregation_is_independent_of_ranks_and_micro_batches(tmp_path):
             torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=2e-6, msg=f"{mode}: {name}")
 
 
-def _reduce_body(path, bf16, shard_size):
+def _reduce_body(path, bf16, shard_size, device="cpu"):
     """Two updates of 4 micro-batches a rank on 2 ranks, with fsdp.grad_reduce micro_batch and then auto or step;
     the collectives FSDP issues counted. ``bf16``: the GPU's mixed precision (bf16 compute, fp32 reduction) on CPU.
-    ``shard_size`` 1: every rank holds the whole model (with bf16, FSDP's one root unit; auto is step there)."""
+    ``shard_size`` 1: every rank holds the whole model (with bf16, FSDP's one root unit; auto is step there).
+    ``device`` cuda: the GPU's own policy (bf16 compute) and NCCL."""
     from collections import Counter
 
     import torch.distributed as dist
@@ -172,7 +173,7 @@ def _reduce_body(path, bf16, shard_size):
             counts[_kind] += 1
             return _call(*args, **kwargs)
         setattr(dist, name, counted)
-    topo = init_topology(device="cpu", fsdp_shard_size=shard_size)
+    topo = init_topology(device=device, fsdp_shard_size=shard_size)
     per_rank = ROWS // topo.world_size
     local = _data()[topo.rank * per_rank:(topo.rank + 1) * per_rank]
     out = {}
@@ -191,8 +192,8 @@ def _reduce_body(path, bf16, shard_size):
         out[mode] = {"metrics": metrics, "calls": calls, "units": len(units), "states": states,
                      "deferred": hasattr(model, fsdp.DEFER_FLAG),
                      "sharded": all(type(p).__name__ == "DTensor" and p.grad is None for p in model.parameters()),
-                     "logp": compute_log_probs(model, local, cfg.batching, topo)[0],
-                     "weights": {n: t.clone() for n, t in fsdp.iter_full_params(model)}}
+                     "logp": compute_log_probs(model, local, cfg.batching, topo)[0].cpu(),
+                     "weights": {n: t.cpu() for n, t in fsdp.iter_full_params(model)}}
     return out
 
 
@@ -230,3 +231,19 @@ def test_one_gradient_reduction_a_step_is_the_same_update(tmp_path, bf16, shard_
     for r in (r0, r1):
         base, step = r.values()
         torch.testing.assert_close(step["logp"], base["logp"], **tol)
+
+
+@pytest.mark.gpu
+def test_one_gradient_reduction_a_step_on_a_gpu_is_the_same_update(tmp_path):
+    """On one GPU (bf16 compute, NCCL) the model is FSDP's one root unit and fsdp.grad_reduce auto reduces once a
+    step: two updates of 8 micro-batches equal to reducing every micro-batch (loss, gradient norm, weights)."""
+    path = save_tiny_model(str(tmp_path / "m"), "qwen2")
+    (r,) = run_distributed(_reduce_body, path, False, 1, "cuda", world_size=1, backend="nccl")
+    base, step = r.values()
+    assert not base["deferred"] and step["deferred"] and base["units"] == 1
+    for a, b in zip(base["metrics"], step["metrics"]):
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key
+    for name, w in base["weights"].items():
+        torch.testing.assert_close(step["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(step["logp"], base["logp"], rtol=0, atol=1e-2)  # bf16 forwards of equal weights
