@@ -84,8 +84,8 @@ def accumulation_steps(trainee: Trainee, data: DataProto, epochs: int, mini_batc
                        shuffle: bool, seed: int, batching: BatchingConfig,
                        before_epoch: Callable[[list[DataProto]], None] | None = None):
     """The update's loop over ``epochs`` x mini-batches: yields (epoch, micro-batches on the device (an iterator:
-    lib.fsdp.accumulating), global token count, global sequence count) for each optimizer step. The SP group's rows are gathered first (DESIGN step 7).
-    ``before_epoch(mini_batches)`` runs before each epoch's first optimizer step."""
+    lib.fsdp.accumulating), global token count, global sequence count) for each optimizer step. The SP group's rows
+    are gathered first (DESIGN step 7). ``before_epoch(mini_batches)`` runs before each epoch's first optimizer step."""
     topo = trainee.topo
     mb_size = (mini_batch_size_per_rank or len(data)) * topo.sp_size
     data, _ = gather_sp(data, topo)
