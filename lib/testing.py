@@ -159,6 +159,9 @@ def _run_once(fn: Callable, args: tuple, world_size: int, timeout: float, backen
     missing = [r for r in range(world_size) if r not in outputs]
     if missing:
         codes = {r: procs[r].exitcode for r in missing}
+        if time.monotonic() < deadline:  # every rank gone before the deadline: none hung, some died unreported
+            raise AssertionError(f"ranks {missing} of {world_size} exited without a result (exit codes {codes}): "
+                                 f"killed, or os._exit before returning")
         raise AssertionError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
                              f"(exit codes {codes}); a collective is probably mismatched")
     return [outputs[r] for r in range(world_size)]

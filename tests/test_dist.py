@@ -115,6 +115,19 @@ def test_helper_reports_the_failing_rank():
         run_distributed(_fails_on_rank_one, timeout=60)
 
 
+def _dies_unreported():
+    import os
+
+    os._exit(3)
+
+
+def test_helper_says_when_ranks_died_without_a_result():
+    """Ranks that exit without reporting (killed, os._exit) end the wait at once, and the error says so: it said
+    they 'did not finish within 60s' and blamed a mismatched collective."""
+    with pytest.raises(AssertionError, match=r"ranks \[0, 1\] of 2 exited without a result \(exit codes \{0: 3, 1: 3\}\)"):
+        run_distributed(_dies_unreported, timeout=60)
+
+
 def _what_the_rank_sees():
     import os
     import sys
