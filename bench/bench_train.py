@@ -113,7 +113,7 @@ def measure(args: argparse.Namespace) -> dict:
             sides["other_reduce"] = (packed, True)  # packed, dynamic, the grad_reduce that auto did not pick
         reduce = {}
         for name, (batching, fused) in sides.items():
-            grad_reduce = "auto" if name != "other_reduce" else {"step": "micro_batch"}.get(reduce["packed"], "step")
+            grad_reduce = "auto" if name != "other_reduce" else "micro_batch" if reduce["packed"] == "step" else "step"
             acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head=fused), optim=OptimConfig(lr=1e-6),
                                batching=batching, fsdp=FSDPConfig(grad_reduce=grad_reduce))
             model = build_sharded_model(acfg.model, acfg.fsdp, topo, packed=batching.use_remove_padding)
@@ -134,7 +134,7 @@ def measure(args: argparse.Namespace) -> dict:
                 if topo.device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            results[name] = max(reduce_metrics({"t": min(times)}, None, {"t": "max"})["t"], 1e-9)  # the slowest rank
+            results[name] = reduce_metrics({"t": min(times)}, None, "max")["t"]  # the slowest rank's
             peaks[name] = torch.cuda.max_memory_allocated() if topo.device.type == "cuda" else None
             n_params = sum(p.numel() for p in model.parameters())
             # the input embedding is a lookup, no matmul: out of the FLOPs (a tied one is the LM head's matmul too)

@@ -60,12 +60,15 @@ def apply_fsdp(model: nn.Module, topo: Topology, mixed_precision: bool = True, r
         fully_shard(layer, mesh=topo.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=topo.fsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # fsdp.grad_reduce: "auto" defers where the one unit is the whole model (no memory beyond what it gathers anyway)
-    if grad_reduce == "step" or (grad_reduce == "auto" and replicated and hasattr(model, "set_reshard_after_forward")):
+    if grad_reduce == "step" or (grad_reduce == "auto" and replicated and RESHARD_SETTER):
         setattr(model, DEFER_FLAG, reshard_after_forward)
     return model
 
 
 REPLICA_FLAG = "_rl_plain_replica"
+RESHARD_SETTER = hasattr(FSDPModule, "set_reshard_after_forward")
+"""Whether this torch's FSDP can change reshard_after_forward at run time (torch >= 2.7), which a reduction once a
+step needs (lib.preflight refuses fsdp.grad_reduce step without it; auto then reduces every micro-batch)."""
 DEFER_FLAG = "_rl_defer_grad_reduce"
 """Set on an FSDP model whose gradients are reduced once per optimizer step (fsdp.grad_reduce); its value is the
 model's own reshard_after_forward."""

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
-from lib import algos, attention, lora, routing
+from lib import algos, attention, fsdp, lora, routing
 from lib.config import Config
 from lib.dist import divisors
 from lib.multi_turn import config_problems
@@ -302,7 +301,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
             problems.append(f"{name}.batching.micro_batch_size_per_rank must be >= 1")
         if section.ppo_epochs < 1:
             problems.append(f"{name}.ppo_epochs must be >= 1")
-        if section.fsdp.grad_reduce == "step" and not hasattr(FSDPModule, "set_reshard_after_forward"):
+        if section.fsdp.grad_reduce == "step" and not fsdp.RESHARD_SETTER:
             problems.append(f"{name}.fsdp.grad_reduce step needs FSDPModule.set_reshard_after_forward (torch >= 2.7; "
                             f"this is {torch.__version__}): upgrade torch, or use auto or micro_batch")
         if section.loss_agg_mode not in algos.LOSS_AGG_MODES:

@@ -181,13 +181,13 @@ def test_one_gradient_reduction_a_step_on_a_torch_without_its_api_is_refused(mon
     """fsdp.grad_reduce step sets FSDP's reshard-after-forward at run time (torch >= 2.7); the project claims
     torch >= 2.6, whose FSDP2 lacks it: refused before any model loads, naming the fix (auto then reduces every
     micro-batch)."""
-    from torch.distributed.fsdp import FSDPModule
+    import lib.fsdp
 
     cfg = config.Config()
     cfg.data.max_prompt_length, cfg.rollout.max_response_length = 64, 64
     cfg.actor.fsdp.grad_reduce = "step"
     preflight.validate(cfg, 2, tiny_config("qwen2"))
-    monkeypatch.delattr(FSDPModule, "set_reshard_after_forward")
+    monkeypatch.setattr(lib.fsdp, "RESHARD_SETTER", False)  # what torch < 2.7 gives
     with pytest.raises(ValueError, match=r"actor.fsdp.grad_reduce step needs .* upgrade torch, or use auto or micro_batch"):
         preflight.validate(cfg, 2, tiny_config("qwen2"))
 
