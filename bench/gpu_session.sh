@@ -15,15 +15,17 @@
 #                                        background's rows, is written into $OUT after every check.
 #   bash bench/gpu_session.sh more S     the fifth call: every check of the two lists above without a complete
 #                                        result (not reached, or stopped by a budget), in S seconds.
+#   bash bench/gpu_session.sh stop       stop the background (SIGTERM to its session: its checks write what they
+#                                        measured; SIGKILL after STOP_GRACE_S), as the finish does after WAIT_S.
 #
 # A part that fails its checksum, or an install that fails, costs the vLLM rows only: they then say "not run".
 # Settings (defaults for the device machine): STAGE=/tmp/stage SITE=/tmp/site ACC=/tmp/acc VSTAGE=.vstage
 # DEVICE=cuda PY=python3 BG_BUDGET_S=300 WAIT_S=120 CHECK_BUDGET_S=240 (one vLLM check) LANES=3 (checks that judge
-# neither time nor memory, run at once on the GPU).
+# neither time nor memory, run at once on the GPU) STOP_GRACE_S=50 (the background's SIGTERM to SIGKILL).
 set -uo pipefail
 STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} ACC=${ACC:-/tmp/acc} VSTAGE=${VSTAGE:-.vstage}
 DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} WAIT_S=${WAIT_S:-120}
-CHECK_BUDGET_S=${CHECK_BUDGET_S:-240} LANES=${LANES:-3}
+CHECK_BUDGET_S=${CHECK_BUDGET_S:-240} LANES=${LANES:-3} STOP_GRACE_S=${STOP_GRACE_S:-50}
 OUT=${OUT:-$ACC/out}
 # the last two calls' checks, most telling first: those that judge time or memory run alone (correctness .. trl,
 # TRL right after our own GRPO run), then the others LANES at a time
@@ -55,15 +57,30 @@ print(" ".join(f"{n}={v}" for n, v in found.items()))
 EOF
 }
 
-bring_back() {  # what the call returns beside the report: the logs, each check's own log included
-  for f in versions.txt background.log pytest_gpu.txt install.log; do
+bring_back() {  # what the call returns: 6 files of the 8 a call brings back, none in a folder
+  # the report and evidence.tar.gz made again, so that the archive holds the logs as they are now (every check's
+  # log, every run's log and metrics.jsonl, the update's profile, the session's logs)
+  "$PY" bench/gpu_acceptance.py --out "$ACC" --mirror "$OUT" --device "$DEVICE" --report-only
+  for f in versions.txt pytest_gpu.txt install.log; do  # small, read first: also beside the archive
     [ -f "$ACC/$f" ] && tail -c 200000 "$ACC/$f" > "$OUT/$f"
   done
-  mkdir -p "$OUT/logs"
-  for f in "$ACC"/checks/*.log; do
-    [ -f "$f" ] && tail -c 100000 "$f" > "$OUT/logs/$(basename "$f")"
-  done
   cat "$ACC/acceptance.md"
+}
+
+stop_background() {  # SIGTERM to the background's session (its checks write what they measured), SIGKILL after
+  local pid
+  pid=$(cat "$ACC/background.pid" 2>/dev/null || echo 0)
+  [ "$pid" != 0 ] && kill -0 "$pid" 2>/dev/null || return 0
+  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
+  for _ in $(seq 1 "$((STOP_GRACE_S * 2))"); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  pkill -KILL -s "$pid" 2>/dev/null
+  kill -KILL -- "-$pid" 2>/dev/null
+  # torchrun's workers run in sessions of their own: whatever still holds the GPU under the acceptance folder
+  pkill -KILL -f "$ACC/" 2>/dev/null
+  return 0
 }
 
 case "${1:-}" in
@@ -80,19 +97,27 @@ part)
     # the background runs from its own copy: the next calls send the working tree again
     rm -rf "$ACC/repo" && mkdir -p "$ACC/repo"
     tar --exclude=./.git --exclude='./.venv*' --exclude="./$VSTAGE" --exclude=./runs -cf - . | tar -xf - -C "$ACC/repo"
-    (cd "$ACC/repo" && setsid nohup bash bench/gpu_session.sh background > "$ACC/background.log" 2>&1 < /dev/null &
-     echo $! > "$ACC/background.pid")
-    echo "background started (pid $(cat "$ACC/background.pid")): update, the gpu-marked tests, grpo_hf"
+    # the background writes its own pid: under setsid it leads its session and process group, so `kill -- -PID`
+    # reaches all of it ($! here is setsid's, which forks where the caller's job control made it a group leader:
+    # the H100 run of 2026-11-27 "stopped" a pid that no longer existed, and the background ran on)
+    rm -f "$ACC/background.pid"
+    (cd "$ACC/repo" && setsid nohup bash bench/gpu_session.sh background > "$ACC/background.log" 2>&1 < /dev/null &)
+    for _ in $(seq 1 100); do [ -s "$ACC/background.pid" ] && break; sleep 0.1; done
+    echo "background started (pid $(cat "$ACC/background.pid" 2>/dev/null || echo '?')): update, the gpu-marked tests, grpo_hf"
   fi
   ;;
 background)
   # most telling first: the update's figures, the gpu-marked tests' verdicts, then the HF engine's 20 steps (the
   # last call stops what is still running when its vLLM checks are due)
+  echo $$ > "$ACC/background.pid"  # this shell leads its session: its pid is the group's
   start=$SECONDS
   "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${BG_CHECKS[0]}" --budget-s "$BG_BUDGET_S"
+  t0=$(date +%s.%N)
   "$PY" -m pytest -q -p no:cacheprovider --basetemp "$ACC/pytest-tmp" -m gpu "${GPU_TESTS[@]}" \
     > "$ACC/pytest_gpu.txt" 2>&1
   echo "pytest -m gpu: exit $?" >> "$ACC/pytest_gpu.txt"
+  # its interval, for the report: a timed check that ran beside it is void
+  echo "{\"name\": \"pytest -m gpu\", \"interval\": [$t0, $(date +%s.%N)]}" >> "$ACC/activities.jsonl"
   "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${BG_CHECKS[1]}" \
     --budget-s $((BG_BUDGET_S - (SECONDS - start)))
   touch "$ACC/background.done"
@@ -114,12 +139,15 @@ finish)
   pid=$(cat "$ACC/background.pid" 2>/dev/null || echo 0)
   while [ "$pid" != 0 ] && kill -0 "$pid" 2>/dev/null; do
     if [ $((SECONDS - start)) -ge "$WAIT_S" ]; then
-      echo "background still running after ${WAIT_S} s: stopped (its finished checks stay in the report)"
-      kill -- "-$pid" 2>/dev/null
+      echo "background still running after ${WAIT_S} s: stopped (its checks keep what they measured)"
+      stop_background
       break
     fi
     sleep 2
   done
+  if [ "$pid" != 0 ] && kill -0 "$pid" 2>/dev/null; then
+    echo "BACKGROUND NOT STOPPED (pid $pid): the timed rows that run beside it will be void"
+  fi
   left=$((limit - (SECONDS - start) - 15))  # 15 s for the copies below
   echo "vLLM checks: ${left} s"
   "$PY" bench/gpu_acceptance.py --out "$ACC" --mirror "$OUT" --device "$DEVICE" --only "${VLLM_CHECKS[@]}" \
@@ -133,8 +161,11 @@ more)
     --lanes "$LANES"
   bring_back
   ;;
+stop)
+  stop_background
+  ;;
 *)
-  echo "usage: bash bench/gpu_session.sh part K | finish SECONDS | more SECONDS (see the header)" >&2
+  echo "usage: bash bench/gpu_session.sh part K | finish SECONDS | more SECONDS | stop (see the header)" >&2
   exit 2
   ;;
 esac

@@ -173,23 +173,29 @@ def colocate(model_path: str, train: str, out: str, steps: int, prompts: int, n:
 
     Timed = timed(GRPOTrainer, log)
 
+    def save() -> None:  # after every step: a run stopped by the acceptance run's budget keeps its steps
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(os.path.join(out, "timings.json.part"), "w") as f:
+                json.dump(log, f)
+            os.replace(os.path.join(out, "timings.json.part"), os.path.join(out, "timings.json"))
+
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             log.append({"step": state.global_step, "step_s": time.perf_counter() - self.t0})
+            save()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "num_tokens" in logs:
                 log.append({"step": state.global_step, "num_tokens": logs["num_tokens"]})
+                save()
 
     trainer = Timed(model=model_path, args=config, processing_class=tokenizer, reward_funcs=toy_reward,
                     train_dataset=load_dataset("json", data_files=train, split="train"), callbacks=[StepClock()])
     trainer.train()
-    if trainer.accelerator.is_main_process:
-        with open(os.path.join(out, "timings.json"), "w") as f:
-            json.dump(log, f)
+    save()
 
 
 if __name__ == "__main__" and sys.argv[1] == "colocate":

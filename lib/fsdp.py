@@ -155,10 +155,22 @@ FP32_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=None
                                     cast_forward_inputs=True)
 
 
+def param_groups(unit: nn.Module) -> list[Any]:
+    """The parameter groups of one fully_shard unit: FSDP's private state, read in one place for the torch releases
+    we claim. torch 2.13 keeps a list (``_fsdp_param_groups``, with the singular as a property); torch 2.11 (the GPU
+    machine's) has only the singular ``_fsdp_param_group``, None for a unit without parameters of its own."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
 def _fsdp_groups(model: nn.Module) -> list[tuple[Any, Any]]:
     """(FSDP state, its parameter group or None) of every fully_shard unit of ``model``."""
-    states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
-    return [(s, s._fsdp_param_group) for s in states]
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return [(m._get_fsdp_state(), group) for m in units for group in (param_groups(m) or [None])]
 
 
 def _drop_unsharded(model: nn.Module, groups: list[tuple[Any, Any]]) -> None:

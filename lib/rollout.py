@@ -16,6 +16,7 @@ from lib.dist import sum_over_ranks
 from lib.fsdp import move_optimizer
 from lib.lora import adapters_off
 from lib.protocol import DataProto
+from lib.runlog import stage
 from lib.startup import Run, engine_dtype
 from lib.sync import enter_rollout, exit_rollout
 from lib.vision import batch_metrics
@@ -43,14 +44,20 @@ def generate(run: Run, prompts: DataProto, validate: bool = False, other: tuple[
     park = cfg.actor.fsdp.param_offload and other is None
     if cfg.actor.fsdp.optimizer_offload:
         move_optimizer(run.actor.optimizer, "cpu")
-    metrics = enter_rollout(model, engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20, park, adapter)
-    if run.multi_turn is not None:
-        out = run.multi_turn.rollout(engine, prompts, validate)
-        metrics.update(out.meta_info.pop("multi_turn"))
-    else:
-        out = engine.generate(prompts, validate=validate)
+    # the switch into rollout (wakes, sync, adapter, prefix-cache reset) and back (sleep) timed apart from generation
+    timing: dict[str, float] = {}
+    with stage("to_rollout", timing):
+        metrics = enter_rollout(model, engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20, park, adapter)
+    with stage("generate", timing):
+        if run.multi_turn is not None:
+            out = run.multi_turn.rollout(engine, prompts, validate)
+            metrics.update(out.meta_info.pop("multi_turn"))
+        else:
+            out = engine.generate(prompts, validate=validate)
     level = adapter.sleep_level if adapter is not None else 2
-    exit_rollout(model, engine, run.topo.device, level, park)
+    with stage("to_training", timing):
+        exit_rollout(model, engine, run.topo.device, level, park)
+    metrics.update(timing)
     if cfg.actor.fsdp.optimizer_offload:
         move_optimizer(run.actor.optimizer, run.topo.device)
     metrics["perf/rollout_tokens_per_s"] = out.meta_info.get("tokens_per_s", 0.0)
@@ -68,12 +75,14 @@ def policy_log_probs(run: Run, batch: DataProto) -> None:
         batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
     elif not run.sizes.old_in_update:
         routing.take_flips(run.actor.model)
-        batch.batch["old_log_probs"], _ = compute_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
+        with stage("old_log_probs", run.carried_metrics):
+            batch.batch["old_log_probs"], _ = compute_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
         if cfg.rollout.routing_replay:
             run.carried_metrics["routing/flip_rate"] = flip_rate(run)
     if run.ref is not None:
         # a LoRA policy's base reference is the policy's own model with its adapter switched off
-        with adapters_off(run.ref) if run.ref is run.actor.model else contextlib.nullcontext():
+        with stage("ref_log_probs", run.carried_metrics), \
+                adapters_off(run.ref) if run.ref is run.actor.model else contextlib.nullcontext():
             batch.batch["ref_log_prob"], _ = compute_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
 
 

@@ -188,7 +188,7 @@ def _reduce_body(path, bf16, shard_size, device="cpu"):
         calls = dict(counts)
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         states = [(g.reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info is not None)
-                  for m in units for g in m._get_fsdp_state()._fsdp_param_groups]
+                  for m in units for g in fsdp.param_groups(m)]
         out[mode] = {"metrics": metrics, "calls": calls, "units": len(units), "states": states,
                      "deferred": hasattr(model, fsdp.DEFER_FLAG),
                      "sharded": all(type(p).__name__ == "DTensor" and p.grad is None for p in model.parameters()),

@@ -205,7 +205,7 @@ class VLLMEngine:
             if loaded is None or self._written is None:
                 self._written = None  # a model whose loader does not say: nothing to verify against
             else:
-                self._written |= set(loaded)
+                self._written |= written_parameters(loaded, self.param_names)
 
         run_on_model(self.llm, load)
 
@@ -588,6 +588,27 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
+
+
+def written_parameters(reported: Iterable[str], params: frozenset[str]) -> set[str]:
+    """The engine's parameter names that a loader's reported names stand for. vLLM 0.32 reports each parameter by its
+    own name. vLLM 0.25's fused-MoE layer is a ``MoERunner`` whose child ``routed_experts`` holds the experts'
+    weights; ``RoutedExperts.load_weights`` yields names relative to itself and the runner passes them up unchanged,
+    so the loader reports ``...mlp.experts.w13_weight`` for ``...mlp.experts.routed_experts.w13_weight`` (the
+    bytes are written; the H100 run of 2026-11-27 failed its MoE sync on the name). A reported name that is no
+    parameter stands for the one parameter that is it with a single module inserted before its last part (none, or
+    several: left as reported, and finish_sync names what was not written)."""
+    inner: dict[str, list[str]] = {}
+    for name in params:
+        parts = name.split(".")
+        if len(parts) >= 3:
+            inner.setdefault(".".join(parts[:-2] + parts[-1:]), []).append(name)
+    written = set()
+    for name in reported:
+        if name not in params and len(inner.get(name, ())) == 1:
+            name = inner[name][0]
+        written.add(name)
+    return written
 
 
 def _shutdown(llm: Any) -> None:
