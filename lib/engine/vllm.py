@@ -637,10 +637,33 @@ def _reload(llm: Any, begin: bool, unwrapped: list[tuple[Any, str, Any]]) -> Non
         model_config = llm.llm_engine.vllm_config.model_config
         try:
             run_on_model(llm, lambda model: finalize_layerwise_reload(model, model_config))
+            run_on_model(llm, _repack_cpu_experts)
         finally:
             for parent, name, layer in reversed(unwrapped):
                 setattr(parent, name, layer)
             unwrapped.clear()
+
+
+def _repack_cpu_experts(model: Any) -> int:
+    """vLLM's CPU build keeps a fused-MoE layer's expert weights prepacked in its grouped-GEMM layout (and padded):
+    ``CPUUnquantizedExperts.process_weights_after_loading`` does it at start-up. On a weight update the unquantized
+    MoE method (0.32: ``UnquantizedFusedMoEMethod._setup_kernel``) copies the reloaded weights into that storage and
+    skips the prepack, so the kernels read plain weights as packed ones: a silently wrong model (the canary at 1.2e-2
+    on a tiny Qwen3-MoE, against 6e-8 for the same weights loaded from disk). After each reload the prepack runs
+    again on each such layer, as at start-up. GPU backends do their layout work in the method itself (no experts
+    class of this kind): nothing to do there. Returns the layers repacked."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a release without the CPU experts class (0.25's GPU wheels)
+        return 0
+    done = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            done += 1
+    return done
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
