@@ -6,7 +6,7 @@
 #   bash bench/gpu_session.sh part K     call K+1: the staged part .vstage/p0K (vLLM's wheels, shared/tools/
 #                                        stage_vllm.sh) copied to $STAGE and checked. Part 0 also installs our own
 #                                        dependencies (.vstage/deps) into $SITE, prints the machine's versions, and
-#                                        starts the checks that need no vLLM (update, the gpu-marked tests,
+#                                        starts the checks that need no vLLM (the gpu-marked tests, update,
 #                                        grpo_hf) in the background, in a session of their own, so that they use the
 #                                        GPU while the other parts travel.
 #   bash bench/gpu_session.sh finish S   the call after the last part: vLLM installed into $SITE, the
@@ -20,12 +20,12 @@
 #
 # A part that fails its checksum, or an install that fails, costs the vLLM rows only: they then say "not run".
 # Settings (defaults for the device machine): STAGE=/tmp/stage SITE=/tmp/site ACC=/tmp/acc VSTAGE=.vstage
-# DEVICE=cuda PY=python3 BG_BUDGET_S=300 WAIT_S=120 CHECK_BUDGET_S=240 (one vLLM check) LANES=3 (checks that judge
+# DEVICE=cuda PY=python3 BG_BUDGET_S=300 WAIT_S=150 CHECK_BUDGET_S=240 (one vLLM check) LANES=4 (checks that judge
 # neither time nor memory, run at once on the GPU) STOP_GRACE_S=50 (the background's SIGTERM to SIGKILL).
 set -uo pipefail
 STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} ACC=${ACC:-/tmp/acc} VSTAGE=${VSTAGE:-.vstage}
-DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} WAIT_S=${WAIT_S:-120}
-CHECK_BUDGET_S=${CHECK_BUDGET_S:-240} LANES=${LANES:-3} STOP_GRACE_S=${STOP_GRACE_S:-50}
+DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} WAIT_S=${WAIT_S:-150}
+CHECK_BUDGET_S=${CHECK_BUDGET_S:-240} LANES=${LANES:-4} STOP_GRACE_S=${STOP_GRACE_S:-50}
 OUT=${OUT:-$ACC/out}
 # the last two calls' checks, most telling first: those that judge time or memory run alone (correctness .. trl,
 # TRL right after our own GRPO run), then the others LANES at a time
@@ -101,24 +101,26 @@ part)
     # reaches all of it ($! here is setsid's, which forks where the caller's job control made it a group leader:
     # the H100 run of 2026-11-27 "stopped" a pid that no longer existed, and the background ran on)
     rm -f "$ACC/background.pid"
-    (cd "$ACC/repo" && setsid nohup bash bench/gpu_session.sh background > "$ACC/background.log" 2>&1 < /dev/null &)
+    # exec: no shell is left waiting on it with this call's output open (the caller would wait for the background)
+    (cd "$ACC/repo" && exec setsid nohup bash bench/gpu_session.sh background > "$ACC/background.log" 2>&1 \
+       < /dev/null &)
     for _ in $(seq 1 100); do [ -s "$ACC/background.pid" ] && break; sleep 0.1; done
-    echo "background started (pid $(cat "$ACC/background.pid" 2>/dev/null || echo '?')): update, the gpu-marked tests, grpo_hf"
+    echo "background started (pid $(cat "$ACC/background.pid" 2>/dev/null || echo '?')): the gpu-marked tests, update, grpo_hf"
   fi
   ;;
 background)
-  # most telling first: the update's figures, the gpu-marked tests' verdicts, then the HF engine's 20 steps (the
-  # last call stops what is still running when its vLLM checks are due)
+  # the finish stops what is still running when its vLLM checks are due (WAIT_S after the install); a stopped check
+  # keeps what it measured and runs again in the fifth call
   echo $$ > "$ACC/background.pid"  # this shell leads its session: its pid is the group's
   start=$SECONDS
-  "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${BG_CHECKS[0]}" --budget-s "$BG_BUDGET_S"
+  # the gpu-marked tests first (their verdicts are whole or lost), then the update's figures, then the HF engine's run
   t0=$(date +%s.%N)
   "$PY" -m pytest -q -p no:cacheprovider --basetemp "$ACC/pytest-tmp" -m gpu "${GPU_TESTS[@]}" \
     > "$ACC/pytest_gpu.txt" 2>&1
   echo "pytest -m gpu: exit $?" >> "$ACC/pytest_gpu.txt"
   # its interval, for the report: a timed check that ran beside it is void
   echo "{\"name\": \"pytest -m gpu\", \"interval\": [$t0, $(date +%s.%N)]}" >> "$ACC/activities.jsonl"
-  "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${BG_CHECKS[1]}" \
+  "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${BG_CHECKS[@]}" \
     --budget-s $((BG_BUDGET_S - (SECONDS - start)))
   touch "$ACC/background.done"
   ;;

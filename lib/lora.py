@@ -63,13 +63,27 @@ def enabled(cfg: Any) -> bool:
 # ---- the PEFT config
 
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
 def read_adapter_config(path: str) -> dict:
+    """The adapter folder's adapter_config.json; ValueError naming the file and the fix where it is missing, is not
+    JSON, or is no LoRA config (no rank ``r``)."""
     file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(file):
         raise ValueError(f"actor.lora.adapter_path={path!r} holds no adapter_config.json; point it at a PEFT adapter "
-                         f"folder (adapter_config.json + adapter_model.safetensors)")
-    with open(file) as f:
-        return json.load(f)
+                         f"folder (adapter_config.json + {ADAPTER_WEIGHTS})")
+    try:
+        with open(file) as f:
+            saved = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"actor.lora.adapter_path: {file} is not valid JSON ({e}); the file is cut short or "
+                         f"damaged: save the adapter again (PeftModel.save_pretrained)") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("r"), int) or saved["r"] < 1:
+        raise ValueError(f"actor.lora.adapter_path: {file} has no LoRA rank (\"r\": a positive integer; found "
+                         f"{saved.get('r') if isinstance(saved, dict) else type(saved).__name__!r}): not a PEFT LoRA "
+                         f"adapter config; point actor.lora.adapter_path at a LoRA adapter saved by PEFT")
+    return saved
 
 
 def peft_config(cfg: Any) -> Any:
@@ -105,13 +119,26 @@ def problems(cfg: Any, model_config: Any, engine: str) -> list[str]:
     if cfg.sleep_level not in (1, 2):
         out.append(f"actor.lora.sleep_level={cfg.sleep_level}; use 1 (the engine keeps the base) or 2 (the base is "
                    f"sent again every step)")
-    if not enabled(cfg) or out:
+    if not enabled(cfg):
+        return out + _set_while_off(cfg)
+    if out:
         return out
+    if not cfg.adapter_path and cfg.alpha <= 0:
+        out.append(f"actor.lora.alpha={cfg.alpha:g} scales the adapter's output by {cfg.alpha:g} / rank: nothing "
+                   f"could be learned; use alpha > 0 (e.g. 2 x rank)")
     if cfg.adapter_path:
         try:
             saved = read_adapter_config(cfg.adapter_path)
         except ValueError as e:
             return out + [str(e)]
+        if not os.path.isfile(os.path.join(cfg.adapter_path, ADAPTER_WEIGHTS)):
+            out.append(f"actor.lora.adapter_path={cfg.adapter_path!r} holds no {ADAPTER_WEIGHTS}: the adapter's "
+                       f"weights are missing; save the adapter again (PeftModel.save_pretrained), or leave "
+                       f"adapter_path empty for a fresh adapter")
+        if saved.get("lora_alpha", saved["r"]) <= 0:
+            out.append(f"the adapter at {cfg.adapter_path} has lora_alpha {saved.get('lora_alpha')}: its output is "
+                       f"scaled by 0 or less, so nothing could be learned; set lora_alpha > 0 in its "
+                       f"adapter_config.json")
         if cfg.rank and cfg.rank != saved.get("r"):
             out.append(f"actor.lora.rank={cfg.rank} but the adapter at {cfg.adapter_path} has rank {saved.get('r')}; "
                        f"leave actor.lora.rank 0 (the adapter's own) or start a fresh adapter")
@@ -143,6 +170,19 @@ def problems(cfg: Any, model_config: Any, engine: str) -> list[str]:
                 out.append(f"LoRA on {bad[:3]}: embedding and lm_head adapters are not served by vLLM and break tied "
                            f"embeddings; target the decoder's linear layers only (actor.lora.target_modules)")
     return out
+
+
+def _set_while_off(cfg: Any) -> list[str]:
+    """LoRA settings given while LoRA is off (rank 0, no adapter_path): the full model would train where the user
+    asked for an adapter, with nothing said (issue 59). One message naming them."""
+    default = type(cfg)()
+    given = [f"{name}={getattr(cfg, name)!r}" for name in ("target_modules", "alpha", "use_rslora", "merge",
+                                                          "sleep_level") if getattr(cfg, name) != getattr(default, name)]
+    if not given:
+        return []
+    return [f"actor.lora.{', actor.lora.'.join(given)} set, but LoRA is off (actor.lora.rank 0 and no "
+            f"actor.lora.adapter_path): the full model would train; set actor.lora.rank (e.g. 8) for an adapter, or "
+            f"leave those settings out"]
 
 
 def _is_decoder_linear(name: str) -> bool:
@@ -225,9 +265,9 @@ def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
 
 def load_adapter_weights(model: nn.Module, path: str) -> None:
     """Fill a full (unsharded) model's adapter from a PEFT folder; every adapter tensor must be there."""
-    file = os.path.join(path, "adapter_model.safetensors")
+    file = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(file):
-        raise ValueError(f"actor.lora.adapter_path={path!r} holds no adapter_model.safetensors")
+        raise ValueError(f"actor.lora.adapter_path={path!r} holds no {ADAPTER_WEIGHTS}")
     set_adapter(model, load_file(file), f"the adapter at {path}")
 
 
@@ -363,4 +403,4 @@ def save_adapter(out_dir: str, tensors: dict[str, torch.Tensor], pc: Any, base_m
     os.makedirs(out_dir, exist_ok=True)
     pc.save_pretrained(out_dir)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-              os.path.join(out_dir, "adapter_model.safetensors"))
+              os.path.join(out_dir, ADAPTER_WEIGHTS))

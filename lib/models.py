@@ -61,11 +61,15 @@ def padded_attention(config: Any = None, requested: str = "auto") -> str:
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
-def check_model_path(path: str) -> None:
-    """Fail early (before any weights load) with a message that names the fix."""
+def check_model_path(path: str, setting: str = "actor.model.path") -> None:
+    """Fail early (before any weights load) with a message that names the fix; ``setting``: the config key that
+    named the path."""
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
-            raise ValueError(f"model path {path!r} has no config.json; point --model.path at a Hugging Face "
+            if os.path.exists(os.path.join(path, "adapter_config.json")):
+                raise ValueError(f"{setting}={path!r} is a LoRA adapter folder (adapter_config.json), not a model: "
+                                 f"point --{setting} at its base model and --actor.lora.adapter_path at the adapter")
+            raise ValueError(f"model path {path!r} has no config.json; point --{setting} at a Hugging Face "
                              f"model folder (config.json + *.safetensors)")
         return
     if os.path.exists(path):
@@ -81,8 +85,8 @@ def saved_dtype(config: Any) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def load_config(path: str, trust_remote_code: bool = False) -> Any:
-    check_model_path(path)
+def load_config(path: str, trust_remote_code: bool = False, setting: str = "actor.model.path") -> Any:
+    check_model_path(path, setting)
     return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 

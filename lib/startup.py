@@ -193,9 +193,9 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     model_config = load_config(cfg.actor.model.path, cfg.actor.model.trust_remote_code)
     sizes = validate(cfg, world_size, model_config, need_critic)
     if need_critic and cfg.critic.model.path:
-        load_config(cfg.critic.model.path, cfg.critic.model.trust_remote_code)
+        load_config(cfg.critic.model.path, cfg.critic.model.trust_remote_code, "critic.model.path")
     if cfg.reward.reward_model:
-        load_config(cfg.reward.reward_model)
+        load_config(cfg.reward.reward_model, setting="reward.reward_model")
         load_tokenizer(cfg.reward.reward_model)
     train_files = expand_files(cfg.data.train_files, "train")
     val_files = expand_files(cfg.data.val_files, "val")

@@ -20,8 +20,8 @@ SCRIPT = os.path.join(ROOT, "bench", "gpu_acceptance.py")
 SESSION = os.path.join(ROOT, "bench", "gpu_session.sh")
 
 
-def _run(out, *flags):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+def _run(out, *flags, **env_extra):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **env_extra}
     done = subprocess.run([sys.executable, SCRIPT, "--out", str(out), "--device", "cpu", *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -170,15 +170,28 @@ def test_the_vllm_rows_on_cpu(tmp_path):
                  "correctness (vllm engine): logp_abs_diff on sampled tokens",
                  "correctness (vllm engine): same seed twice, same tokens",
                  "correctness (vllm engine): two steps' samples differ",
-                 "LoRA after a level-1 sleep and a bare wake: same seed, same tokens (vllm#53888)",
-                 "LoRA after a level-1 sleep: logp_abs_diff, adapter on (off)",
-                 "LoRA after a level-1 sleep and the adapter sent again: same tokens",
+                 "LoRA after a level-1 sleep and a bare wake: logp_abs_diff, adapter on (off); before the sleep",
+                 "LoRA after a level-1 sleep and the adapter sent again: logp_abs_diff",
                  "grpo vllm engine: 2 steps", "grpo vllm engine: rollout/logp_abs_diff (max)",
                  "grpo lora vllm engine: 2 steps", "grpo lora vllm engine: rollout/logp_abs_diff (max)",
                  "grpo lora vllm engine: after step 1 only the adapter is sent"):
         assert rows[name]["passed"] is True, rows.get(name)
     ratio = rows["rollout: engine / bare LLM.generate tokens/s"]["value"]
     assert ratio.endswith(")") and float(ratio.split("x")[0]) > 0, ratio
+
+
+@pytest.mark.vllm
+def test_the_lora_sleep_row_fails_an_engine_that_dropped_its_adapter(tmp_path):
+    """lora_sleep judges by log-probs (vLLM's LoRA kernels are not bitwise reproducible on a GPU, so same-seed tokens
+    cannot be its verdict): an engine that generates without its adapter after the wake (vllm#53888's failure,
+    made here by the check's test hook) fails the row; the run's own cycle, which sends the adapter again, passes."""
+    from bench.acceptance.engine_checks import DROP_ADAPTER_ENV
+
+    report, _ = _run(tmp_path, "--only", "lora_sleep", **{DROP_ADAPTER_ENV: "1"})
+    rows = {r["figure"]: r for r in report["checks"]["lora_sleep"]["rows"]}
+    dropped = rows["LoRA after a level-1 sleep and a bare wake: logp_abs_diff, adapter on (off); before the sleep"]
+    assert dropped["passed"] is False, dropped
+    assert rows["LoRA after a level-1 sleep and the adapter sent again: logp_abs_diff"]["passed"] is True
 
 
 def test_a_check_past_its_budget_costs_its_row_only_and_runs_again_with_missing(tmp_path):

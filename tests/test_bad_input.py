@@ -80,6 +80,22 @@ def files(tmp_path_factory, shared_assets_dir):
     bad_images = vision_toy.rows(2, seed=0)
     bad_images[1]["images"][0]["bytes"] = b"not an image"  # image bytes that do not decode
     out["bad_images"] = parquet("bad_images.parquet", bad_images)
+    cut_images = vision_toy.rows(2, seed=0)
+    png = cut_images[1]["images"][0]["bytes"]
+    cut_images[1]["images"][0]["bytes"] = png[: len(png) // 2]  # a PNG cut short: its header (and size) intact
+    out["cut_images"] = parquet("cut_images.parquet", cut_images)
+    # LoRA adapter folders (issue 59): without a rank, cut short, without weights, and a whole one (as a model path)
+    adapter = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA",
+               "lora_dropout": 0.0, "bias": "none"}
+    for name, text in (("adapter_no_r", json.dumps({k: v for k, v in adapter.items() if k != "r"})),
+                       ("adapter_cut", json.dumps(adapter, indent=2)[:60]), ("adapter_no_weights", json.dumps(adapter)),
+                       ("adapter_ok", json.dumps(adapter))):
+        (d / name).mkdir()
+        (d / name / "adapter_config.json").write_text(text)
+        out[name] = str(d / name)
+    (d / "adapter_ok" / "adapter_model.safetensors").write_bytes(b"")
+    (d / "jinja_template.txt").write_text("Question: {question}\nAnswer: {{response}}\nScore 0-10:")
+    out["jinja_template"] = str(d / "jinja_template.txt")
     out["vision_preset"] = os.path.join(ROOT, "configs", "tiny_cpu_grpo_vision.yaml")
     (d / "list.yaml").write_text("- actor\n- rollout\n")
     out["list_yaml"] = str(d / "list.yaml")
@@ -166,7 +182,23 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      ".parquet/.jsonl/.json file"),
     ("empty-folder", "train_grpo.py", "--data.train_files {empty_folder}", "holds no .parquet/.jsonl/.json file"),
     ("bad-image-bytes", "train_grpo.py", "--config {vision_preset} --data.train_files {bad_images}",
-     "bad_images.parquet row 1:"),
+     "bad_images.parquet row 1: image 0: image (12 bytes) is in no format PIL reads"),
+    ("cut-image", "train_grpo.py", "--config {vision_preset} --data.train_files {cut_images}",
+     "cut_images.parquet row 1: image 0: image ("),
+    ("lora-adapter-no-r", "train_grpo.py", "--actor.lora.adapter_path {adapter_no_r}", "has no LoRA rank"),
+    ("lora-adapter-cut", "train_grpo.py", "--actor.lora.adapter_path {adapter_cut}",
+     "adapter_cut/adapter_config.json is not valid JSON"),
+    ("lora-adapter-no-weights", "train_grpo.py", "--actor.lora.adapter_path {adapter_no_weights}",
+     "holds no adapter_model.safetensors"),
+    ("adapter-as-model", "train_grpo.py", "--actor.model.path {adapter_ok}", "is a LoRA adapter folder"),
+    ("lora-alpha-zero", "train_grpo.py", "--actor.lora.rank 8 --actor.lora.alpha 0", "actor.lora.alpha=0 scales"),
+    ("lora-flags-without-rank", "train_grpo.py", "--actor.lora.target_modules q_proj v_proj",
+     "set, but LoRA is off"),
+    ("lora-merge-without-rank", "train_grpo.py", "--actor.lora.merge", "actor.lora.merge=True set, but LoRA is off"),
+    ("judge-jinja-braces", "train_grpo.py", "--judge.url http://127.0.0.1:9/v1 --judge.model m --judge.template {jinja_template}",
+     "it has {{response}}, which str.format renders"),
+    ("judge-negative-weight", "train_grpo.py", "--judge.url http://127.0.0.1:9/v1 --judge.model m --judge.weight -1",
+     "a negative weight trains the policy against that score"),
     ("no-prompt", "train_grpo.py", "--data.train_files {no_prompt}", "row 1: no 'prompt'"),
     ("empty-messages", "train_grpo.py", "--data.train_files {empty_messages}", "row 1: an empty message list"),
     ("no-content", "train_grpo.py", "--data.train_files {no_content}", "row 1: prompt message 0 has no string"),
@@ -189,11 +221,12 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
 
 DATA_FILES = {"garbage-parquet", "garbage-jsonl", "empty-file", "zero-bytes-parquet", "no-rows-parquet",
               "cut-parquet", "parquet-as-jsonl", "empty-json", "no-prompt-parquet", "int-prompt-parquet",
-              "glob-nothing", "empty-folder", "bad-image-bytes"}
+              "glob-nothing", "empty-folder", "bad-image-bytes", "cut-image"}
 """The kinds of bad data file (issue 44: datasets' own errors were a traceback, printed twice)."""
-THROUGH_LAUNCH = {"unknown-flag", "changed-config", "cut-parquet", "glob-nothing", "bad-image-bytes"}
-"""A command-line error (tyro's), an existing run folder, and a bad data file of each reader (a parquet file through
-datasets, a pattern, image rows). Every case (the config checks, every kind of bad data file) runs in the driver
+THROUGH_LAUNCH = {"unknown-flag", "changed-config", "cut-parquet", "glob-nothing", "cut-image",
+                  "lora-adapter-no-weights", "judge-jinja-braces"}
+"""A command-line error (tyro's), an existing run folder, a bad data file of each reader (a parquet file through
+datasets, a pattern, image rows: a PNG cut short after its header), an adapter folder and a judge template. Every case (the config checks, every kind of bad data file) runs in the driver
 below, whose capture sees what launch.sh's output would (each through launch.sh too cost ~12 s of a loaded 2-core
 machine a case, most of it imports)."""
 

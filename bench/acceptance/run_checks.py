@@ -58,11 +58,13 @@ def child_env(device: str) -> dict:
 
 
 def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *extra: str,
-           model: dict | None = None, response_len: int = 0, timed: bool = False) -> tuple[list[Row], list[dict] | None]:
+           model: dict | None = None, response_len: int = 0, timed: bool = False, compiled: bool = False
+           ) -> tuple[list[Row], list[dict] | None]:
     """``steps`` steps of ``script`` on one rank in ``preset``'s configuration on the 0.5B shape (tiny on CPU), with
     ``engine`` and ``extra`` flags; ``model``: another model folder and its data ({"model", "train", "val"}, e.g. a
     toy task's), ``response_len``: another response budget; ``timed``: a row that measures speed (the GRPO sizes,
-    compiled engines) rather than a feature (FEATURE_SIZES, eager engines). Returns the rows every run has
+    compiled engines) rather than a feature (FEATURE_SIZES, eager engines); ``compiled``: a feature row whose vLLM
+    engine is compiled on a GPU all the same (one of each engine kind). Returns the rows every run has
     (completion, the canary, the step's split, tokens/s, the sync's share of a step, memory per stage), and its
     training rows (None: it failed, or logged no step before a stop)."""
     if model is None:
@@ -89,7 +91,7 @@ def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *
            "--trainer.total_steps", str(steps), "--trainer.logger", "console", "jsonl",
            "--trainer.output_root", run_root, "--trainer.run_name", run_name, "--rollout.engine", engine,
            "--trainer.device", args.device, "--trainer.save_every", "0", "--trainer.no-resume", *extra]
-    if engine == "vllm" and eager(args.device, timed):
+    if engine == "vllm" and eager(args.device, timed or compiled):
         cmd.append("--rollout.enforce_eager")
     code, wall = run_child(cmd, log_path, child_env(args.device), GRACE_S[args.device])
     metrics_file = os.path.join(run_dir, "metrics.jsonl")
@@ -101,7 +103,7 @@ def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *
         return [Row(f"{name}: {steps} steps", "failed" + (" (OOM)" if oom else ""), "all steps, no OOM", False,
                     failure_note(said))], None
     sizes = (f"{prompts} prompts x {n} a step, responses up to {response_len} tokens, {os.path.basename(preset)}"
-             + ("" if timed or engine != "vllm" or args.device != "cuda" else ", eager engine"))
+             + ("" if timed or compiled or engine != "vllm" or args.device != "cuda" else ", eager engine"))
     if code is None:
         done = Row(f"{name}: {steps} steps", f"stopped by the budget after {len(train)} steps in {wall:.0f} s",
                    f"{steps}, no OOM", False, f"{sizes}; the log's last lines: {log_tail(log_path)}")
@@ -169,9 +171,12 @@ def tokens_per_s(train: list[dict]) -> float:
 
 
 def _grpo(args, engine: str) -> list[Row]:
-    """GRPO_STEPS steps of train_grpo.py on one rank with ``engine`` in the 0.5B preset's configuration."""
-    rows, _ = _train(args, f"grpo {engine} engine", "train_grpo.py", PRESETS["grpo"],
-                     args.grpo_steps or GRPO_STEPS[args.device], engine, timed=True)
+    """train_grpo.py on one rank with ``engine`` in the 0.5B preset's configuration: vLLM at the GRPO sizes for
+    GRPO_STEPS steps (TRL's anchor); the HF engine, the fallback whose speed is no goal, small and short (its
+    transformers generate of 320 rows x 256 tokens would take most of a window)."""
+    vllm = engine == "vllm"
+    steps = args.grpo_steps or (GRPO_STEPS if vllm else SHORT_STEPS)[args.device]
+    rows, _ = _train(args, f"grpo {engine} engine", "train_grpo.py", PRESETS["grpo"], steps, engine, timed=vllm)
     return rows
 
 
@@ -187,7 +192,7 @@ def check_grpo_lora_vllm(args) -> list[Row]:
     """GRPO with a LoRA policy served to vLLM as an adapter (the LoRA preset's rank 16, level-1 sleeps): the base goes
     once, then the adapter alone every step."""
     rows, train = _train(args, "grpo lora vllm engine", "train_grpo.py", PRESETS["lora"],
-                         args.grpo_steps or SHORT_STEPS[args.device], "vllm")
+                         args.grpo_steps or SHORT_STEPS[args.device], "vllm", compiled=True)
     if train:
         later = train[1:]
         adapter_only = bool(later) and all(r.get("sync/gb", 1.0) == 0 and r.get("sync/adapter_tensors", 0) > 0
@@ -364,7 +369,7 @@ def check_vision(args) -> list[Row]:
     engine = "vllm" if has_vllm() and not vllm_problem() else "hf"
     name = f"vision {engine} engine"
     rows, train = _train(args, name, "train_grpo.py", PRESETS["vision"], args.grpo_steps or SHORT_STEPS[args.device],
-                         engine, model={**assets, "model": policy}, response_len=6)
+                         engine, model={**assets, "model": policy}, response_len=6, compiled=True)
     if train:
         images = [r.get("vision/images_per_sample", 0.0) for r in train]
         ok = all(i == 1 for i in images) and all(r.get("sync/gb", 0.0) > 0 for r in train)
@@ -417,7 +422,7 @@ def check_moe(args) -> list[Row]:
     for replay in (False, True):
         name = f"moe {engine} engine, replay {'on' if replay else 'off'}"
         got, train = _train(args, name, "train_grpo.py", PRESETS["grpo"], steps, engine, "--rollout.logp_diff_limit",
-                            "-1", *(["--rollout.routing_replay"] if replay else []), model=model)
+                            "-1", *(["--rollout.routing_replay"] if replay else []), model=model, compiled=replay)
         rows += got[:2]  # completion and the canary (the timing rows belong to the GRPO checks)
         runs[replay] = train
     if runs[False] and runs[True]:

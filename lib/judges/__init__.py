@@ -16,6 +16,7 @@ A sample the judge could not score is masked from the update and counted, never 
 from __future__ import annotations
 
 import os
+import string
 from typing import Any
 
 from lib.judges.base import Judge
@@ -66,8 +67,20 @@ def build(cfg: Any, trust_remote_code: bool = False) -> Judge | None:
     except (KeyError, IndexError, ValueError) as e:
         problems.append(f"judge.template: fields are {{question}}, {{response}} and {{reference}} (double other braces "
                         f"as {{{{ and }}}}); it has {type(e).__name__}: {e}")
-    if "{response}" not in template:
-        problems.append("judge.template has no {response}: the judge would never see what it grades")
+    else:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        if "response" not in fields:
+            escaped = "{{response}}" in template
+            problems.append("judge.template has no {response} field: the judge would never see what it grades"
+                            + ("; it has {{response}}, which str.format renders as the text '{response}' (Jinja's "
+                               "braces): write single braces, {response}" if escaped else ""))
+    if cfg.weight < 0 or cfg.rule_weight < 0:
+        problems.append(f"judge.weight={cfg.weight:g}, judge.rule_weight={cfg.rule_weight:g}: a negative weight "
+                        f"trains the policy against that score; weights are >= 0 (for a judge that scores faults, ask "
+                        f"it for a quality score in the template instead)")
+    if cfg.weight == 0 and cfg.rule_weight == 0:
+        problems.append("judge.weight and judge.rule_weight are both 0: every reward would be 0; give the judge a "
+                        "weight")
     if not cfg.scale_min < cfg.scale_max:
         problems.append(f"judge.scale_min={cfg.scale_min} must be below judge.scale_max={cfg.scale_max}")
     for name in ("max_in_flight", "max_tokens"):

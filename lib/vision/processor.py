@@ -24,7 +24,7 @@ import os
 from typing import Any
 
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from transformers import AutoImageProcessor
 
 from lib.vision import family, merge_size
@@ -71,30 +71,40 @@ def _open(entry: Any, base_dir: str) -> Image.Image:
         raise ValueError(f"an image must be a {{'bytes', 'path'}} struct, a path or bytes, not {type(entry).__name__}")
     if not data and not path:
         raise ValueError("an image entry with neither bytes nor a path")
+    what = f"{len(data)} bytes" if data else f"path {path!r}"
     try:
         if data:
             return Image.open(io.BytesIO(data))
         return Image.open(path if os.path.isabs(path) or not base_dir else os.path.join(base_dir, path))
+    except UnidentifiedImageError:  # PIL's message names its BytesIO object, not the image
+        raise ValueError(f"image ({what}) is in no format PIL reads (PNG, JPEG, WebP, GIF, ...)") from None
     except (OSError, Image.DecompressionBombError) as e:
-        what = f"{len(data)} bytes" if data else f"path {path!r}"
         raise ValueError(f"image ({what}) cannot be read: {e}") from None
+
+
+def _decoded(image: Image.Image, entry: Any) -> Image.Image:
+    try:
+        image.load()
+    except (OSError, Image.DecompressionBombError) as e:
+        data = entry.get("bytes") if isinstance(entry, dict) else entry if isinstance(entry, (bytes, bytearray)) else None
+        path = entry.get("path") if isinstance(entry, dict) else entry if isinstance(entry, str) else None
+        what = f"{len(data)} bytes" if data else f"path {path!r}" if path else "a PIL image"
+        raise ValueError(f"image ({what}) cannot be decoded: {e}") from None
+    return image
 
 
 def load_image(entry: Any, base_dir: str = "") -> Image.Image:
     """An image of a data row, as RGB: a ``{"bytes", "path"}`` struct (verl's and ``datasets``' Image layout: PNG or
     JPEG bytes, else a path relative to the data file), a path, raw bytes, or a PIL image. An unreadable one is a
     ValueError saying what it was."""
-    image = _open(entry, base_dir)
-    try:
-        image.load()
-    except (OSError, Image.DecompressionBombError) as e:
-        raise ValueError(f"image cannot be decoded: {e}") from None
-    return image.convert("RGB")
+    return _decoded(_open(entry, base_dir), entry).convert("RGB")
 
 
 def image_size(entry: Any, base_dir: str = "") -> tuple[int, int]:
-    """(width, height) from the image's header alone."""
-    return _open(entry, base_dir).size
+    """(width, height) of an image decoded whole: the start-up check of the data reads every image this way, so a
+    file cut short after its header (a truncated PNG or JPEG) is a bad row named there, not a rank's crash at the
+    step that draws it (issue 59)."""
+    return _decoded(_open(entry, base_dir), entry).size
 
 
 class VisionProcessor:
