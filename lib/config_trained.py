@@ -19,10 +19,13 @@ class ModelConfig:
     """auto: flash_attention_2 on GPU when installed, else sdpa. Or any transformers attention name."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
-    fused_head: bool = True
-    """Make the response log-probs (and entropy) inside the LM head, a chunk of tokens at a time, its matmul redone
-    per chunk in backward: no (tokens x vocabulary) logits tensor in forward or backward. Never for a model that
-    changes its logits after the head (Gemma's softcap, Cohere's and Granite's scales). Off: the whole logits."""
+    fused_head: str = "auto"
+    """on: make the response log-probs (and entropy) inside the LM head, a chunk of tokens at a time, its matmul
+    redone per chunk in backward: no (tokens x vocabulary) logits tensor. off: the whole logits. auto: on on CPU,
+    off on a GPU (the H100 measured the fused head at 0.97x the whole logits' tokens/s with a higher peak; bench/).
+    Where it is on, the start-up self-check compares it with the whole logits on the model itself: a model that
+    changes its logits after its head (Falcon-H1's muP multiplier) then runs the whole logits, said in one line
+    (with on, the run is refused instead). Never for Gemma's softcap or Cohere's and Granite's scales (known)."""
     min_pixels: int = 0
     """Vision-language models: the fewest pixels an image is resized to (0: the model's image processor's own). The
     same for rollout and training."""

@@ -231,7 +231,8 @@ def fuses_head(model: nn.Module) -> bool:
 def _not_fused(model: nn.Module) -> str:
     return (f"{type(model).__name__} does not use its LM head as a plain last layer (it changes the logits after it, "
             f"or gives it other positions); the fused head cannot compute its log-probs. Train with "
-            f"--actor.model.no-fused-head, and report the architecture (lib.forward.fuses_head should know it).")
+            f"--actor.model.fused_head off (or auto: the start-up self-check then picks the whole logits), and "
+            f"report the architecture (lib.forward.fuses_head should know it).")
 
 
 @contextlib.contextmanager

@@ -292,6 +292,14 @@ def full_state_dict_on_rank0(model: nn.Module, topo: Topology) -> dict[str, torc
     return out
 
 
+FUSED_HEAD = ("auto", "on", "off")
+
+
+def fused_head_wanted(setting: str, device: torch.device) -> bool:
+    """model.fused_head: on, off, or auto (on on CPU, off on a GPU until a GPU window measures a gain there)."""
+    return setting == "on" or (setting == "auto" and device.type != "cuda")
+
+
 def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str = "causal_lm",
                         trainable: bool = True, packed: bool = True, lora_cfg: Any = None,
                         seed: int = 0) -> nn.Module:
@@ -332,7 +340,7 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     del full
     models.check_not_meta(model)
     model.dropout_off = dropout_off  # the settings turned off, for the start-up log
-    if not model_cfg.fused_head:
+    if not fused_head_wanted(model_cfg.fused_head, topo.device):
         setattr(model, models.UNFUSED_HEAD_ATTR, True)
     if kind == "vision_lm":
         setattr(model, BANNED_ATTR, placeholder_ids(config))

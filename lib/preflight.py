@@ -301,6 +301,8 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
             problems.append(f"{name}.batching.micro_batch_size_per_rank must be >= 1")
         if section.ppo_epochs < 1:
             problems.append(f"{name}.ppo_epochs must be >= 1")
+        if section.model.fused_head not in fsdp.FUSED_HEAD:
+            problems.append(f"{name}.model.fused_head={section.model.fused_head!r}; use one of {fsdp.FUSED_HEAD}")
         if section.fsdp.grad_reduce == "step" and not fsdp.RESHARD_SETTER:
             problems.append(f"{name}.fsdp.grad_reduce step needs FSDPModule.set_reshard_after_forward (torch >= 2.7; "
                             f"this is {torch.__version__}): upgrade torch, or use auto or micro_batch")

@@ -10,6 +10,10 @@ on every device (lib/startup.py runs it under lib.fsdp.fp32_compute), so its tol
 the packed attention then takes its plain path (the varlen kernels take half precision only), and the kernels are
 checked against that path by tests/test_attention.py's gpu-marked tests. Cost: two forwards of about 40 tokens
 (the log line gives the seconds).
+
+The fused LM head (model.fused_head) is checked the same way: its log-probs and entropy against the whole logits' on
+the same rows. A model that changes its logits after a plain head (Falcon-H1 multiplies them by its muP factor)
+cannot take it; lib.forward.fuses_head's list of known attributes is the fast path, this comparison the safety.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lib.dist import Topology
-from lib.forward import response_log_probs
-from lib.models import padded_attention
+from lib.forward import fuses_head, response_log_probs
+from lib.models import UNFUSED_HEAD_ATTR, padded_attention
 from lib.protocol import DataProto
 
 # max |log p| difference allowed between the packed and the padded forward of the probe. fp32: the zoo's 21
@@ -100,6 +104,49 @@ def check_modes(model: nn.Module, topo: Topology, packed: bool, dtype: torch.dty
     finally:
         model.train(was_training)
     return results
+
+
+@torch.no_grad()
+def check_fused_head(model: nn.Module, topo: Topology) -> dict[str, Any] | None:
+    """The fused head's log-probs and entropy against the whole logits' on ``probe_rows`` (padded forwards, the
+    model's compute dtype: run it under lib.fsdp.fp32_compute). None where the model does not take the fused path
+    (turned off, or a known post-processing attribute); else {class, max_diff, tolerance, fused, reason, seconds},
+    ``fused`` False where they differ (or the fused forward found the head's output changed). Every rank of the
+    world calls it (FSDP's collectives; the verdict is the world's)."""
+    if getattr(model, UNFUSED_HEAD_ATTR, False) or not fuses_head(model):
+        return None
+    rows = probe_rows(model.config.get_text_config().vocab_size).to(topo.device)
+    mask = rows.batch["response_mask"].bool()
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    reason = ""
+    impl = model.config.get_text_config()._attn_implementation
+    swapped = _swap_attention(model, impl, padded_attention(model.config))  # a packed model's padded forward
+    try:
+        setattr(model, UNFUSED_HEAD_ATTR, True)
+        whole = response_log_probs(model, rows, packed=False, with_entropy=True)
+        setattr(model, UNFUSED_HEAD_ATTR, False)
+        try:
+            fused = response_log_probs(model, rows, packed=False, with_entropy=True)
+            diff = max((a - b)[mask].abs().max().item() for a, b in zip(fused, whole))
+        except RuntimeError as e:  # lib.forward: the forward changed the head's output, or gave it other positions
+            if "plain last layer" not in str(e):
+                raise
+            diff, reason = float("inf"), "its forward changes the LM head's output after the head"
+    finally:
+        if hasattr(model, UNFUSED_HEAD_ATTR):
+            delattr(model, UNFUSED_HEAD_ATTR)
+        for c in swapped:
+            c._attn_implementation_internal = impl
+        model.train(was_training)
+    worst = torch.tensor([diff], dtype=torch.float64, device=topo.device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # world: every rank takes the same path
+    tolerance = TOLERANCE[torch.float32]
+    diff = float(worst)
+    return {"class": type(model).__name__, "max_diff": diff, "tolerance": tolerance, "fused": diff <= tolerance,
+            "reason": reason or ("" if diff <= tolerance else "its log-probs differ from the whole logits' (it "
+                                 "changes its logits after the head)"), "seconds": time.perf_counter() - t0}
 
 
 def refusal(model: nn.Module, rows: DataProto, mode: str, sp: Any, diff: float, tolerance: float,

@@ -36,7 +36,7 @@ from lib.engine.vllm import VLLMEngine, strip_expandable_segments
 from lib.fsdp import build_sharded_model, fp32_compute, offload_model
 from lib.runfolder import check_run_folder, run_dir
 from lib.runlog import RunLogger, excepthook_rank
-from lib.models import load_config, load_tokenizer, stop_token_ids
+from lib.models import UNFUSED_HEAD_ATTR, load_config, load_tokenizer, stop_token_ids
 from lib.multi_turn.loop import MultiTurn
 from lib.multi_turn.render import ObservationRenderer
 from lib.multi_turn.tools import is_environment, load_tools, schemas
@@ -351,6 +351,8 @@ def build_models(run: Run, with_ref: bool) -> None:
     elif with_ref:  # the frozen start policy; never a second rollout engine
         run.ref = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, kind=run.kind, trainable=False,
                                       packed=packed, lora_cfg=lora_cfg)
+        if getattr(model, UNFUSED_HEAD_ATTR, False):  # the policy's class: the self-check's verdict holds for it
+            setattr(run.ref, UNFUSED_HEAD_ATTR, True)
     if cfg.rollout.routing_replay:
         state = routing.install(model)
         if run.ref is not None and cfg.rollout.routing_replay_reference:
@@ -362,6 +364,11 @@ def build_models(run: Run, with_ref: bool) -> None:
         teacher = dataclasses.replace(cfg.actor.model, path=cfg.distill.teacher, gradient_checkpointing=False)
         run.teacher = build_sharded_model(teacher, cfg.actor.fsdp, topo, kind=run.kind, trainable=False,
                                           packed=packed)
+        try:
+            with fp32_compute(run.teacher):
+                decide_head(run, run.teacher, "teacher")
+        except ValueError as e:
+            refuse(run, e)
         if distill.offloads(cfg, topo.device):
             offload_model(run.teacher)
         run.logger.print(f"distillation: teacher {cfg.distill.teacher}, mode {cfg.distill.mode}"
@@ -376,16 +383,45 @@ def prove_modes(run: Run, model: torch.nn.Module, packed: bool) -> None:
     topo = run.topo
     try:
         with fp32_compute(model):  # fp32's tolerance on every device: a small leak hides in bf16 rounding
+            decide_head(run, model)  # first: the packing check's forwards take the head so decided
             results = selfcheck.check_modes(model, topo, packed, torch.float32)
     except ValueError as e:
-        if topo.is_main:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        run.logger.close()
-        dist.destroy_process_group()
-        exits.leave(exits.REFUSED)
+        refuse(run, e)
     for r in results:
         run.logger.print(f"self-check: {r['mode']} = padded forward (max |diff| of log-probs {r['max_diff']:.2g}, "
                          f"tolerance {r['tolerance']:g}; {r['seconds']:.2f} s)")
+
+
+def refuse(run: Run, e: Exception) -> None:
+    """A refusal found inside the ranks (the start-up self-check): rank 0 prints it, every rank leaves with 2."""
+    if run.topo.is_main:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    run.logger.close()
+    dist.destroy_process_group()
+    exits.leave(exits.REFUSED)
+
+
+def decide_head(run: Run, model: torch.nn.Module, what: str = "policy") -> None:
+    """The fused LM head for ``model`` where it gives the model's own log-probs (lib.selfcheck.check_fused_head),
+    the whole logits where it does not, said in one line; with model.fused_head on, a difference is a refusal
+    (ValueError). Nothing where the head is not fused (off, auto on a GPU, a known post-processing attribute)."""
+    setting = run.cfg.actor.model.fused_head
+    r = selfcheck.check_fused_head(model, run.topo)
+    if r is None:
+        return
+    if r["fused"]:
+        run.logger.print(f"self-check: fused LM head = whole logits for the {what} (max |diff| of log-probs and "
+                         f"entropy {r['max_diff']:.2g}, tolerance {r['tolerance']:g}; {r['seconds']:.2f} s)")
+        return
+    diff = "the fused forward fails" if r["max_diff"] == float("inf") else f"max |diff| {r['max_diff']:.2g}"
+    if setting == "on":
+        raise ValueError(f"actor.model.fused_head on: the {what}'s {r['class']} cannot take the fused LM head: "
+                         f"{r['reason']} ({diff}, tolerance {r['tolerance']:g}); use --actor.model.fused_head auto "
+                         f"or off")
+    setattr(model, UNFUSED_HEAD_ATTR, True)
+    run.logger.print(f"self-check: fused LM head off for the {what}'s {r['class']}: {r['reason']} ({diff}, "
+                     f"tolerance {r['tolerance']:g}); the whole logits instead (--actor.model.fused_head off skips "
+                     f"this check)")
 
 
 def engine_dtype(run: Run) -> torch.dtype:
