@@ -134,8 +134,8 @@ def measure(args: argparse.Namespace) -> dict:
         reduce = {}
         for name, (batching, fused) in sides.items():
             grad_reduce = "auto" if name != "other_reduce" else "micro_batch" if reduce["packed"] == "step" else "step"
-            acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head=fused), optim=OptimConfig(lr=1e-6),
-                               batching=batching, fsdp=FSDPConfig(grad_reduce=grad_reduce))
+            acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head="on" if fused else "off"),
+                               optim=OptimConfig(lr=1e-6), batching=batching, fsdp=FSDPConfig(grad_reduce=grad_reduce))
             model = build_sharded_model(acfg.model, acfg.fsdp, topo, packed=batching.use_remove_padding)
             # a plain replica (one CPU rank) has no FSDP unit: it averages its gradients once a step either way
             reduce[name] = ("step" if hasattr(model, DEFER_FLAG) else "micro_batch" if isinstance(model, FSDPModule)

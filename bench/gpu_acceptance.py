@@ -34,7 +34,8 @@ from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.acceptance.common import CHECKS, GRPO_STEPS, Row, Stopped, log_tail, result_path, stop_on_sigterm  # noqa: E402
+from bench.acceptance.common import (CHECKS, GRPO_STEPS, Row, Stopped, log_tail, result_path,  # noqa: E402
+                                     stop_on_sigterm)
 from bench.acceptance.report import report  # noqa: E402
 from bench.acceptance.schedule import TIMED, missing, run_all  # noqa: E402
 

@@ -176,8 +176,8 @@ def _set_while_off(cfg: Any) -> list[str]:
     """LoRA settings given while LoRA is off (rank 0, no adapter_path): the full model would train where the user
     asked for an adapter, with nothing said (issue 59). One message naming them."""
     default = type(cfg)()
-    given = [f"{name}={getattr(cfg, name)!r}" for name in ("target_modules", "alpha", "use_rslora", "merge",
-                                                          "sleep_level") if getattr(cfg, name) != getattr(default, name)]
+    names = ("target_modules", "alpha", "use_rslora", "merge", "sleep_level")
+    given = [f"{name}={getattr(cfg, name)!r}" for name in names if getattr(cfg, name) != getattr(default, name)]
     if not given:
         return []
     return [f"actor.lora.{', actor.lora.'.join(given)} set, but LoRA is off (actor.lora.rank 0 and no "

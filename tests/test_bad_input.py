@@ -195,9 +195,11 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
     ("lora-flags-without-rank", "train_grpo.py", "--actor.lora.target_modules q_proj v_proj",
      "set, but LoRA is off"),
     ("lora-merge-without-rank", "train_grpo.py", "--actor.lora.merge", "actor.lora.merge=True set, but LoRA is off"),
-    ("judge-jinja-braces", "train_grpo.py", "--judge.url http://127.0.0.1:9/v1 --judge.model m --judge.template {jinja_template}",
+    ("judge-jinja-braces", "train_grpo.py", "--judge.url http://127.0.0.1:9/v1 --judge.model m "
+     "--judge.template {jinja_template}",
      "it has {{response}}, which str.format renders"),
-    ("judge-negative-weight", "train_grpo.py", "--judge.url http://127.0.0.1:9/v1 --judge.model m --judge.weight -1",
+    ("judge-negative-weight", "train_grpo.py", "--judge.url http://127.0.0.1:9/v1 --judge.model m "
+     "--judge.weight -1",
      "a negative weight trains the policy against that score"),
     ("no-prompt", "train_grpo.py", "--data.train_files {no_prompt}", "row 1: no 'prompt'"),
     ("empty-messages", "train_grpo.py", "--data.train_files {empty_messages}", "row 1: an empty message list"),

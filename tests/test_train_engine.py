@@ -331,5 +331,5 @@ def test_a_model_that_changes_its_logits_after_the_head_is_never_fused():
     assert not fuses_head(_tiny_lm("granite")) and fuses_head(_tiny_lm("llama"))
     model = _tiny_lm()
     model.register_forward_hook(lambda m, args, out: out.__setitem__("logits", out.logits * 2))
-    with pytest.raises(RuntimeError, match="changes the logits after it.*--actor.model.no-fused-head"):
+    with pytest.raises(RuntimeError, match="changes the logits after it.*--actor.model.fused_head off"):
         response_log_probs(model, rl_batch(2, seed=1), packed=True)

@@ -68,7 +68,8 @@ def check_update(args) -> list[Row]:
     mfu = f"; MFU with step {r['mfu_step'] * 100:.1f}%" if r["mfu_step"] is not None else ""
     rows.append(Row("update: fsdp.grad_reduce step / micro_batch tokens/s",
                     f"{r['step_tokens_per_s'] / r['micro_tokens_per_s']:.2f}x", "", None,
-                    f"packed, the same micro-batches; auto chose {r['reduce']['packed']} (issue 41's lever){mfu}{memory}"
+                    f"packed, the same micro-batches; auto chose {r['reduce']['packed']} (issue 41's lever)"
+                    f"{mfu}{memory}"
                     + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU), timed=True))
     return rows
 

@@ -91,8 +91,9 @@ def report(args, note: str) -> None:
     archive = evidence(args.out)
     for folder in [args.out] + ([args.mirror] if args.mirror else []):
         os.makedirs(folder, exist_ok=True)
-        for name, data in (("acceptance.md", text.encode()), ("acceptance.json", json.dumps(payload, indent=1).encode()),
-                           (ARCHIVE, archive)):
+        files = (("acceptance.md", text.encode()), ("acceptance.json", json.dumps(payload, indent=1).encode()),
+                 (ARCHIVE, archive))
+        for name, data in files:
             with open(os.path.join(folder, name + ".part"), "wb") as f:
                 f.write(data)
             os.replace(os.path.join(folder, name + ".part"), os.path.join(folder, name))

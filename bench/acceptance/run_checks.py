@@ -156,8 +156,9 @@ def step_split(train: list[dict]) -> str:
         if not any(f"timing/{stage}_s" in r for r in later):
             continue
         top += mean(f"timing/{stage}_s")
-        inside = [f"{k} {mean(f'timing/{k}_s'):.2f}" + (f" (sync {mean('sync/seconds'):.2f})" if k == "to_rollout"
-                                                        else "") for k in inner if any(f"timing/{k}_s" in r for r in later)]
+        sync = f" (sync {mean('sync/seconds'):.2f})"
+        inside = [f"{k} {mean(f'timing/{k}_s'):.2f}" + (sync if k == "to_rollout" else "")
+                  for k in inner if any(f"timing/{k}_s" in r for r in later)]
         parts.append(f"{stage} {mean(f'timing/{stage}_s'):.2f}" + (f" [{', '.join(inside)}]" if inside else ""))
     parts.append(f"host {mean('timing/step_s') - top:.2f}")
     return ", ".join(parts) + f" s (steps {len(train) - len(later) + 1}-{len(train)})"

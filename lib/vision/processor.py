@@ -86,7 +86,8 @@ def _decoded(image: Image.Image, entry: Any) -> Image.Image:
     try:
         image.load()
     except (OSError, Image.DecompressionBombError) as e:
-        data = entry.get("bytes") if isinstance(entry, dict) else entry if isinstance(entry, (bytes, bytearray)) else None
+        raw = isinstance(entry, (bytes, bytearray))
+        data = entry.get("bytes") if isinstance(entry, dict) else entry if raw else None
         path = entry.get("path") if isinstance(entry, dict) else entry if isinstance(entry, str) else None
         what = f"{len(data)} bytes" if data else f"path {path!r}" if path else "a PIL image"
         raise ValueError(f"image ({what}) cannot be decoded: {e}") from None
