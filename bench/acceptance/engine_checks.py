@@ -59,6 +59,7 @@ def check_update(args) -> list[Row]:
                     f"{r['packed_tokens_per_s'] / r['whole_tokens_per_s']:.2f}x", "", None,
                     f"packed, the same micro-batches (issue 41's lever){memory}"
                     + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU), timed=True))
+    rows.append(head_at_7b(args))
     if r["step_tokens_per_s"] is None:  # one CPU rank: a plain replica
         rows.append(Row("update: fsdp.grad_reduce step / micro_batch tokens/s", "not run", "", None,
                         "a plain replica (one CPU rank) has no FSDP unit: one gradient reduction a step either way"))
@@ -72,6 +73,29 @@ def check_update(args) -> list[Row]:
                     f"{mfu}{memory}"
                     + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU), timed=True))
     return rows
+
+
+# A 7B-like head (Qwen2.5-7B: hidden 3584, vocabulary 152064, untied) on 2 decoder layers: the fused head's case is
+# the head's share of the update, largest where the vocabulary meets a wide hidden size and few layers follow it
+HEAD_7B = {"cuda": (3584, 2, 28, 4, 18944, 152064), "cpu": (256, 2, 4, 2, 512, 32768)}
+
+
+def head_at_7b(args) -> Row:
+    """The fused LM head against the whole logits on a 7B-like head (issue 57): tokens/s and peak memory, packed."""
+    hidden, layers, heads, kv, inter, vocab = HEAD_7B[args.device]
+    gpu = args.device == "cuda"
+    flags = ["--rows", "32" if gpu else "8", "--max-len", "2048" if gpu else "256", "--hidden", str(hidden),
+             "--layers", str(layers), "--vocab", str(vocab), "--heads", str(heads), "--kv-heads", str(kv),
+             "--intermediate", str(inter), "--device", args.device, "--repeats", "2" if gpu else "1",
+             "--compare-head"]
+    r = bench_train.measure(bench_train.parser().parse_args(flags))
+    peak = r["peak_bytes"]
+    memory = (f"; peak memory {peak['packed'] / 2**30:.1f} vs {peak['whole'] / 2**30:.1f} GiB"
+              if peak["packed"] is not None else "")
+    return Row("update: fused LM head / whole logits tokens/s, 7B-like head",
+               f"{r['packed_tokens_per_s'] / r['whole_tokens_per_s']:.2f}x", "", None,
+               f"hidden {hidden}, vocabulary {vocab}, {layers} layers, {r['params_m']:.0f}M params, packed{memory}"
+               + ("" if gpu else "; " + TIMING_ON_CPU), timed=True)
 
 
 def profile_path(out: str) -> str:
