@@ -146,9 +146,11 @@ def _model_config(config: Any, kind: str) -> Any:
 
 
 def without_dropout(config: Any) -> tuple[Any, list[str]]:
-    """A copy of ``config`` with every dropout rate set to 0, and the settings changed (``name=rate``). The engine
-    samples without dropout, so the trainer's log-probs of those samples (and its update) must not have it either:
-    some architectures ship attention or residual dropout in their configs. Text and vision sub-configs included."""
+    """A copy of ``config`` with every training-only noise set to 0, and the settings changed (``name=rate``): the
+    dropout rates, and the routers' jitter of mixture-of-experts models (Mixtral's and PhiMoE's router_jitter_noise,
+    PhiMoE's input_jitter_noise: noise on the router's input in training mode, which vLLM never applies; with 0.2 the
+    canary read ~8e-3, replay on or off). The engine samples without them, so the trainer's log-probs of those
+    samples (and its update) must not have them either. Text and vision sub-configs included."""
     config = copy.deepcopy(config)
     changed: list[str] = []
 
@@ -156,7 +158,7 @@ def without_dropout(config: Any) -> tuple[Any, list[str]]:
         for key, value in list(vars(cfg).items()):
             if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
                 visit(value, f"{prefix}{key}.")
-            elif ("dropout" in key or key.endswith("pdrop")) and isinstance(value, (int, float)) \
+            elif ("dropout" in key or key.endswith("pdrop") or "jitter" in key) and isinstance(value, (int, float)) \
                     and not isinstance(value, bool) and value > 0:
                 setattr(cfg, key, 0.0)
                 changed.append(f"{prefix}{key}={value}")

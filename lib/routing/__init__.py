@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lib import models
+
 Tensor = torch.Tensor
 KEY = "routed_experts"
 """The batch key of the routes: (B, L, num MoE layers, k) int16, -1 where none was recorded."""
@@ -56,6 +58,13 @@ def gate_weights(kind: str, router: nn.Module, logits: Tensor, ids: Tensor) -> T
     if kind == "softmax_norm" or router.norm_topk_prob:
         w = w / w.sum(-1, keepdim=True)
     return w.to(logits.dtype)
+
+
+def count_moe_layers(config: Any) -> int:
+    """The MoE layers (routers) of a model of ``config``, counted on the model built on the meta device: the config's
+    own rules for which layers are sparse (mlp_only_layers, decoder_sparse_step, first_k_dense_replace) as the model
+    class applies them."""
+    return len(routers(models.build_empty(config, "causal_lm", "sdpa")))
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
