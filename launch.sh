@@ -29,6 +29,7 @@ fi
 has_gpu || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 # Every check of the input (config, paths, data rows, custom reward) in one process: one message, before any rank.
 python -m lib.check "$script" "$(( NPROC * ${SLURM_NNODES:-1} ))" "$@" || exit $?
+export SPMD_RL_CHECKED=1  # the ranks check again, but do not probe the judge's endpoint a second time
 # Stopping: each rank finishes its step, every rank saves a checkpoint, and the run exits 0. Whichever processes the
 # signal reaches:
 # - this script (Ctrl-C, a batch-shell signal): it sends SIGUSR1 to the ranks;

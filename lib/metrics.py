@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -10,22 +11,34 @@ from lib.dist import reduce_metrics
 from lib.multi_turn import loop as multi_turn_loop
 from lib.protocol import DataProto
 from lib.rewards import FAILURE_KINDS
+from lib.scoring import MASKED
 from lib.startup import Run
 
 
-def response_metrics(batch: DataProto, max_len: int) -> dict[str, float]:
+def response_metrics(batch: DataProto, max_len: int, gather: Callable[[list], list] = lambda rows: rows
+                     ) -> dict[str, float]:
     """Rewards, response and prompt lengths, and the advantages and returns over the loss's tokens (verl's names
-    for those). Lengths count the sampled tokens, also those rollout correction masked out of the loss."""
+    for those). Lengths count the sampled tokens, also those rollout correction masked out of the loss. A sample the
+    judge could not score (lib.scoring.MASKED) is in none of the reward and length figures: it has no reward, and a
+    0 would read as one. ``gather``: every rank's rows (a list of (reward, length, prompt length)) from this rank's,
+    so that the figures are the whole batch's, whatever the ranks hold."""
     b = batch.batch
     lengths = b.get("sampled_mask", b["response_mask"]).sum(-1).float()
     prompt_lengths = b["attention_mask"][:, :b["prompts"].shape[1]].sum(-1).float()
     seq = b["token_level_scores"].sum(-1)
-    out = {"reward/mean": float(seq.mean()), "reward/max": float(seq.max()), "reward/min": float(seq.min()),
-           "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-           "response/length_min": float(lengths.min()),
-           "response/clip_ratio": float((lengths >= max_len).float().mean()),
-           "prompt/length_mean": float(prompt_lengths.mean()), "prompt/length_max": float(prompt_lengths.max()),
-           "prompt/length_min": float(prompt_lengths.min())}
+    masked = batch.non_tensor_batch.get(MASKED)
+    keep = [i for i in range(len(batch)) if masked is None or not masked[i]]
+    rows = gather([(float(seq[i]), float(lengths[i]), float(prompt_lengths[i])) for i in keep])
+    out = {}
+    for j, (name, stats) in enumerate((("reward", ("mean", "max", "min")),
+                                       ("response/length", ("_mean", "_max", "_min")),
+                                       ("prompt/length", ("_mean", "_max", "_min")))):
+        values = [r[j] for r in rows]
+        for stat in stats:
+            key = f"{name}/{stat}" if name == "reward" else f"{name}{stat}"
+            out[key] = (float("nan") if not values else sum(values) / len(values) if "mean" in stat
+                        else max(values) if "max" in stat else min(values))
+    out["response/clip_ratio"] = sum(r[1] >= max_len for r in rows) / len(rows) if rows else float("nan")
     mask = b["response_mask"].bool()
     for key, name in (("advantages", "critic/advantages"), ("returns", "critic/returns")):
         if key in b and mask.any():
@@ -36,15 +49,22 @@ def response_metrics(batch: DataProto, max_len: int) -> dict[str, float]:
 
 
 def samples_to_log(run: Run, batch: DataProto, k: int) -> list[tuple[str, str, float]]:
+    """The first ``k`` samples: prompt, response (what was sampled), score (NaN: masked, no verdict)."""
     k = min(k, len(batch))
-    texts = run.tokenizer.batch_decode(batch.batch["responses"][:k].masked_fill(
-        batch.batch["response_mask"][:k] == 0, run.tokenizer.pad_token_id).tolist(), skip_special_tokens=True)
+    b = batch.batch
+    texts = run.tokenizer.batch_decode(b["responses"][:k].masked_fill(
+        b.get("sampled_mask", b["response_mask"])[:k] == 0, run.tokenizer.pad_token_id).tolist(),
+        skip_special_tokens=True)
+    masked = batch.non_tensor_batch.get(MASKED)
     return [(str(batch.non_tensor_batch["raw_prompt"][i])[-60:], texts[i][:120],
-             float(batch.non_tensor_batch["scores"][i])) for i in range(k)]
+             float("nan") if masked is not None and masked[i] else float(batch.non_tensor_batch["scores"][i]))
+            for i in range(k)]
 
 
-# counts: summed over ranks and rounds
-SUMMED_METRICS = tuple(f"reward/{kind}" for kind in FAILURE_KINDS) + multi_turn_loop.SUMMED
+# counts: summed over ranks and rounds (the judge's too: requests, verdicts by kind, masked samples, tokens)
+SUMMED_METRICS = (tuple(f"reward/{kind}" for kind in FAILURE_KINDS) + multi_turn_loop.SUMMED
+                  + tuple(f"judge/{k}" for k in ("requests", "cache_hits", "errors", "parse_failures", "deadline",
+                                                  "over_budget", "masked", "dropped_groups", "tokens")))
 
 
 def global_metrics(run: Run, metrics: dict[str, float]) -> dict[str, float]:
@@ -60,7 +80,12 @@ def global_metrics(run: Run, metrics: dict[str, float]) -> dict[str, float]:
 
 
 def log_step(run: Run, step: int, batch: DataProto, metrics: dict) -> None:
-    metrics.update(response_metrics(batch, run.cfg.rollout.max_response_length))
+    def every_ranks(rows: list) -> list:
+        parts: list = [None] * run.topo.world_size
+        dist.all_gather_object(parts, rows)  # world: the batch's rows are spread over every rank
+        return [r for part in parts for r in part]
+
+    metrics.update(response_metrics(batch, run.cfg.rollout.max_response_length, every_ranks))
     metrics.update(run.carried_metrics)  # the checkpoint written after the previous step
     run.carried_metrics.clear()
     metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / max(metrics["timing/step_s"], 1e-9)

@@ -105,6 +105,7 @@ def correct_rollout(run: Run, batch: DataProto, metrics: dict[str, float]) -> No
     w, keep, m = algos.rollout_correction(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"],
                                           a.rollout_correction, a.rollout_correction_threshold,
                                           a.rollout_correction_mode)
-    b["sampled_mask"] = b["response_mask"]
+    if "sampled_mask" not in b:  # (the judge's masking may have kept it already)
+        b["sampled_mask"] = b["response_mask"]
     b["rollout_is_weights"], b["response_mask"] = w, keep
     metrics.update({k: float(v) for k, v in m.items()})

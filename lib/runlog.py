@@ -208,8 +208,9 @@ class RunLogger:
                                 "response/length_mean", "perf/tokens_per_s") if k in metrics]
             shown = "  ".join(f"{k.split('/')[-1]} {metrics[k]:.3g}" for k in keys)
             print(f"[{bar}] step {step}/{self.total}  eta {eta:5.0f}s  {shown}", flush=True)
-            for prompt, response, score in samples:
-                print(f"    {prompt!r} -> {response!r}  score {score:.2f}", flush=True)
+            for prompt, response, score in samples:  # a NaN score: a sample the judge could not score (masked)
+                verdict = "masked (no verdict)" if score != score else f"score {score:.2f}"
+                print(f"    {prompt!r} -> {response!r}  {verdict}", flush=True)
 
     def close(self) -> None:
         if self.is_main and self.jsonl is not None:

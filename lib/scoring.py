@@ -40,6 +40,11 @@ def score(run: Run, batch: DataProto) -> dict[str, float]:
     return metrics
 
 
+MASKED = "score_masked"
+"""The non-tensor column of the rows the judge left unscored (or whose group left with them): out of the update and
+out of every reward and length statistic (lib.metrics)."""
+
+
 def mask_unscored(batch: DataProto, unscored: list[bool], min_group: int) -> dict[str, float]:
     """Rows the judge could not score leave the update (``response_mask`` 0) and their group's statistics (the
     advantage's groups, ``score_group``, give each a group of its own; ``uid`` keeps the prompt's group, which moves
@@ -58,8 +63,11 @@ def mask_unscored(batch: DataProto, unscored: list[bool], min_group: int) -> dic
                 for i in rows:
                     masked[i] = True
     rows = torch.tensor([i for i, m in enumerate(masked) if m], dtype=torch.long)
+    batch.non_tensor_batch[MASKED] = np.array(masked, dtype=bool)
     if len(rows):
         b = batch.batch
+        if "sampled_mask" not in b:  # what was sampled stays known (the sample log shows a masked row's text)
+            b["sampled_mask"] = b["response_mask"].clone()
         b["response_mask"][rows.to(b["response_mask"].device)] = 0
         b["token_level_scores"][rows.to(b["token_level_scores"].device)] = 0
     if uids is not None:

@@ -119,7 +119,9 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     path = obj[0]
     problem = ""
     try:
-        inputs = check_inputs(cfg, topo.world_size, need_critic, path)
+        # the judge's endpoint probed once a launch: by launch.sh's check, or else by rank 0 (its failure stops all)
+        probe = topo.is_main and os.environ.get(CHECKED_ENV) != "1"
+        inputs = check_inputs(cfg, topo.world_size, need_critic, path, probe)
     except (ValueError, OSError) as e:  # user input: one message, no traceback, nothing loaded or written
         problem = str(e)
     problems: list = [None] * topo.world_size
@@ -186,7 +188,11 @@ class Inputs:
     """The LLM judge (lib/judges), probed once: its key and endpoint work."""
 
 
-def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> Inputs:
+CHECKED_ENV = "SPMD_RL_CHECKED"
+"""Set by launch.sh once lib.check passed: the ranks do not probe the judge's endpoint again (one probe a launch)."""
+
+
+def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, probe: bool = True) -> Inputs:
     """Every check of user input, in one process and without a process group (lib/check.py runs it before torchrun
     starts the ranks; each rank runs it again): config values and size relations, model / critic / reward-model /
     data / custom-reward paths, the run folder, the data rows. Raises ValueError or OSError with the fix named."""
@@ -207,7 +213,7 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str) -> 
     if distill.enabled(cfg):
         check_teacher(cfg, tokenizer)
     judge = judges.build(cfg.judge, cfg.actor.model.trust_remote_code)
-    if judge is not None:
+    if judge is not None and (probe or not judge.remote):
         judge.probe()  # a refused key or an endpoint that cannot be reached: one error, before any model loads
         judge.check_context(d.max_prompt_length, cfg.rollout.max_response_length)
     # an RM or a judge alone scores any row; pure distillation's rows need no reward function

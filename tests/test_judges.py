@@ -117,6 +117,17 @@ def test_a_wrong_key_or_url_is_one_clear_error_from_the_probe(server):
         RemoteJudge(JudgeConfig("http://127.0.0.1:9/v1", "m", timeout_s=2), TEMPLATE).probe()
 
 
+def test_the_probe_retries_as_training_does(server):
+    """An endpoint that answers one request in three with HTTP 500 trains (training retries 5xx), so it must start:
+    the start-up probe follows the same retry policy; out of retries it is one clear error naming the tries."""
+    server.plan = {"Reply OK.": [500, 503]}
+    RemoteJudge(JudgeConfig(server.url, "m", backoff_s=0.01, max_retries=2), TEMPLATE, "good").probe()
+    assert server.calls["Reply OK."] == 3
+    server.plan = {"Reply OK.": [500] * 10}
+    with pytest.raises(ValueError, match=r"answered a probe with HTTP 500 \(3 tries\)"):
+        RemoteJudge(JudgeConfig(server.url, "m", backoff_s=0.01, max_retries=2), TEMPLATE, "good").probe()
+
+
 def test_a_json_verdict_is_asked_for_by_schema_and_a_server_without_guided_decoding_is_refused(server):
     """parse json: every request (the probe too) carries the verdict's JSON schema (response_format, guided decoding
     on the server: the field, numbers on the judge's scale); an endpoint that refuses the schema is one error at
@@ -233,11 +244,12 @@ def test_grpo_with_a_remote_judge_masks_what_it_could_not_score(tmp_path, monkey
     from tests.test_e2e import torchrun
 
     server = Server(grade=_toy_grade)
+    server.plan = {"Reply OK.": [500, 503]}  # the start-up probe meets two 5xx: retried, as training's requests are
     monkeypatch.setenv("TEST_JUDGE_KEY", "good")
     try:
         torchrun("train_grpo.py", tmp_path, "--trainer.total_steps", "2", "--trainer.val_every", "0",
                  "--trainer.train_batch_size", "16", "--judge.url", server.url, "--judge.model", "toy-judge",
-                 "--judge.api_key_env", "TEST_JUDGE_KEY", "--judge.max_in_flight", "4")
+                 "--judge.api_key_env", "TEST_JUDGE_KEY", "--judge.max_in_flight", "4", "--judge.backoff_s", "0.05")
     finally:
         server.close()
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -246,6 +258,13 @@ def test_grpo_with_a_remote_judge_masks_what_it_could_not_score(tmp_path, monkey
     for r in train:
         assert r["judge/requests"] > 0 and r["judge/parse_failures"] > 0 and r["judge/masked"] >= r["judge/parse_failures"]
         assert r["judge/errors"] == 0 and 0 <= r["judge/score_mean"] <= 1 and r["rollout/logp_abs_diff"] < 1e-5, r
+        # a masked sample has no reward: the figures are the scored samples' (the toy's scores lie in 0..1)
+        assert 0 <= r["reward/min"] <= r["reward/mean"] <= r["reward/max"] <= 1, r
+    # one probe a launch (rank 0 here: torchrun alone), its two 5xx retried; the counts are the ranks' sum: every
+    # request the server saw, but the probe's
+    probes = server.calls.pop("Reply OK.")
+    assert probes == 3, probes
+    assert sum(r["judge/requests"] for r in train) == sum(server.calls.values())
     assert server.most_in_flight <= 2 * 4  # the cap is per rank: both ranks call the one server
 
 

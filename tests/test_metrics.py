@@ -84,6 +84,31 @@ def test_grpo_runs_three_steps_under_the_fake_device(tmp_path):
 STEP_STAGES = {f"memory/{s}_peak_gb" for s in ("step", "rollout", "score", "log_probs", "update")}
 
 
+def test_a_sample_the_judge_could_not_score_is_in_no_reward_or_length_figure():
+    """A masked sample (no verdict) leaves the update; it must leave the step's reward and length figures too, and the
+    sample log marks it: before, reward/mean counted it as 0, reward/min read 0, length_mean counted 0 tokens."""
+    import numpy as np
+
+    from lib.scoring import MASKED, mask_unscored
+
+    prompts = torch.zeros(3, 2, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    scores = torch.zeros(3, 4)
+    scores[0, 2], scores[1, 1], scores[2, 3] = 0.4, 0.9, 0.6
+    batch = DataProto.from_dict({"prompts": prompts, "attention_mask": torch.cat([torch.ones(3, 2), mask], 1).long(),
+                                 "response_mask": mask.clone(), "token_level_scores": scores})
+    mask_unscored(batch, [False, True, False], min_group=1)
+    assert batch.non_tensor_batch[MASKED].tolist() == [False, True, False]
+    m = response_metrics(batch, max_len=4)
+    assert (m["reward/mean"], m["reward/min"], m["reward/max"]) == pytest.approx((0.5, 0.4, 0.6))
+    assert (m["response/length_mean"], m["response/length_min"], m["response/clip_ratio"]) == (3.5, 3.0, 0.5)
+    assert torch.equal(batch.batch["sampled_mask"][1], mask[1])  # what was sampled, kept for the sample log
+    rows = [(0.4, 3.0, 2.0)]  # another rank's rows: the figures are the whole batch's
+    m = response_metrics(batch, max_len=4, gather=lambda mine: mine + rows)
+    assert m["reward/mean"] == pytest.approx((0.4 + 0.6 + 0.4) / 3) and m["response/length_min"] == 3.0
+    assert np.isnan(response_metrics(DataProto.from_dict(dict(batch.batch)), 4, lambda _: [])["reward/mean"])
+
+
 def test_response_metrics_count_sampled_tokens_under_a_correction_mask():
     """Rollout correction in mask mode takes rejected tokens out of response_mask; lengths and the clip ratio
     still count them (they were sampled)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 
@@ -26,6 +27,8 @@ RETRIED = (429, 500, 502, 503, 504)
 
 
 class RemoteJudge(Judge):
+    remote = True
+
     def __init__(self, cfg: JudgeConfig, template: str, api_key: str = ""):
         """The endpoint, limits and verdict form of ``cfg`` (lib.config.JudgeConfig); ``api_key``: sent as a bearer
         token."""
@@ -48,22 +51,34 @@ class RemoteJudge(Judge):
         return body
 
     def probe(self) -> None:
-        """One short request: a refused key or an endpoint that cannot be reached is one clear error, now."""
-        url = self.endpoint.url.rstrip("/") + "/chat/completions"
-        try:
-            r = httpx.post(url, json=self._body("Reply OK.", 1), headers=self._headers(),
-                           timeout=self.endpoint.timeout_s)
-        except httpx.HTTPError as e:
-            raise ValueError(f"judge endpoint {url} cannot be reached ({type(e).__name__}: {e}): check the judge's "
-                             f"url and that its server is up") from None
+        """One short request: a refused key or an endpoint that cannot be reached is one clear error, now. It follows
+        training's retry policy (429, 5xx, time-outs and dropped connections retried judge.max_retries times with
+        backoff): an endpoint that answers some requests with HTTP 500 trains, so it starts too."""
+        e = self.endpoint
+        url = e.url.rstrip("/") + "/chat/completions"
+        r, failure = None, None
+        for attempt in range(e.max_retries + 1):
+            if attempt:
+                time.sleep(e.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+            try:
+                r = httpx.post(url, json=self._body("Reply OK.", 1), headers=self._headers(), timeout=e.timeout_s)
+            except (httpx.TimeoutException, httpx.TransportError) as err:
+                r, failure = None, err
+                continue
+            if r.status_code not in RETRIED:
+                break
+        if r is None:
+            raise ValueError(f"judge endpoint {url} cannot be reached ({type(failure).__name__}: {failure}; "
+                             f"{e.max_retries + 1} tries): check the judge's url and that its server is up") from None
         if r.status_code in (401, 403):
             raise ValueError(f"judge endpoint {url} refused the key (HTTP {r.status_code}): set the environment "
                              f"variable the config's api_key_env names to a valid key") from None
         if r.status_code >= 400:
             guided = " (parse json asks it for a JSON verdict by response_format: a server without guided decoding " \
                      "refuses it; use parse auto or score)" if self.endpoint.parse == "json" else ""
-            raise ValueError(f"judge endpoint {url} answered a probe with HTTP {r.status_code}: {r.text[:200]}"
-                             f"{guided}")
+            tries = f" ({e.max_retries + 1} tries)" if r.status_code in RETRIED else ""
+            raise ValueError(f"judge endpoint {url} answered a probe with HTTP {r.status_code}{tries}: "
+                             f"{r.text[:200]}{guided}")
 
     def _answers(self, todo: dict[str, str], counts: dict[str, int]) -> dict[str, Answer]:
         return asyncio.run(self._ask_all(todo, counts))
