@@ -5,7 +5,8 @@ every option stays, the sp4 preset runs sp=2 with gradient checkpointing, dynami
 penalty on 2 gloo ranks). Each runs 2 steps of its script's own main on 2 gloo ranks under torchrun, all of them
 one after another in the same ranks (tests/runs_driver.py: the ranks' start-up, ~13 s of a loaded core a launch, is
 paid once, not once a run); DAPO must need >= 2 generation rounds.
-Every flag written in README.md and every preset key is also checked against the command line.
+Every flag written in README.md and docs/ (inline and in bash blocks) and every preset key is also checked against
+the command line.
 """
 
 import json
@@ -21,7 +22,11 @@ from tests.conftest import link_assets
 from tests.helpers import launch_runs, run_rows
 from tests.test_e2e import ROOT
 
-README = open(os.path.join(ROOT, "README.md")).read()
+PAGES = {name: open(os.path.join(ROOT, name)).read() for name in
+         ["README.md", *sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                               if f.endswith(".md"))]}
+"""The README and every page of docs/: their recipes and command lines are checked here."""
+README = "\n".join(PAGES.values())
 RECIPES = [(name.strip(), script.strip(), shlex.split(flags)) for name, script, flags in
            re.findall(r"^\| ([^|`]+?) \| (train_\w+\.py) \| `([^`]+)`", README, flags=re.M)]
 # sizes a toy run cannot take: (flag, toy value)
@@ -54,16 +59,24 @@ def test_the_readme_lists_the_recipes():
 
 
 def _command_spans(text):
-    """Backtick spans of README.md that are command lines or flag lists."""
-    for span in re.findall(r"`([^`\n]+)`", text):
-        tokens = shlex.split(span)
+    """Backtick spans and the lines of bash code blocks of the README and docs/ that are command lines or flag
+    lists."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    lines = [ln for block in blocks for ln in block.replace("\\\n", " ").splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    for span in re.findall(r"`([^`\n]+)`", text) + lines:
+        tokens = shlex.split(span, comments=True)
+        if not tokens:
+            continue
         if len(tokens) > 1 and tokens[1].startswith("bench/"):  # a bench command: the flags it hands our trainer
             for t in tokens:
                 if t.startswith("--ours-args="):
                     yield span, shlex.split(t.removeprefix("--ours-args="))
             continue
         flags = [i for i, t in enumerate(tokens) if t.startswith("--") and "." in t]
-        if not flags or "..." in tokens or any("/" in tokens[i] or "section." in tokens[i] for i in flags):
+        placeholder = any("..." in t or t.startswith("[") for t in tokens)  # a shape of a command, not one
+        if not flags or placeholder or any("/" in tokens[i] or "section." in tokens[i] for i in flags):
             continue
         start = min(flags + [i for i, t in enumerate(tokens) if t == "--config"])
         yield span, tokens[start:]
@@ -76,7 +89,7 @@ def test_every_documented_flag_parses():
         try:
             config.parse(argv)
         except SystemExit:
-            pytest.fail(f"README.md: `{span}` is refused by the command line")
+            pytest.fail(f"README.md or docs/: `{span}` is refused by the command line")
     for name in config.presets():  # an unknown or misspelt preset key is an error
         config.apply_delta(config.Config(), config.load_preset(name))
 

