@@ -11,7 +11,7 @@
 #                       shared/tools/stage_vllm.sh makes for vLLM 0.25 + torch 2.11 + CUDA 13)
 #   VLLM_VERSION=0.25.0 a fresh .venv with that vLLM and the torch it pins (each release pins one: 0.25-0.26
 #                       torch 2.11, 0.27-0.32 torch 2.13); default: the newest in the gpu extra (0.25-0.32: the
-#                       tested ends, README "Tested vLLM releases")
+#                       tested ends, docs/install.md "Tested vLLM releases")
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [ "${USE_CURRENT_ENV:-0}" = 1 ]; then

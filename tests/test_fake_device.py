@@ -1,4 +1,4 @@
-"""The code that runs only where CUDA is available, run on CPU through lib/fake_device.py (the README's test section
+"""The code that runs only where CUDA is available, run on CPU through lib/fake_device.py (docs/testing.md
 lists every such place and what runs it). A whole GRPO run under the fake is in tests/test_metrics.py."""
 
 import types
