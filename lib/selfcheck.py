@@ -18,6 +18,7 @@ cannot take it; lib.forward.fuses_head's list of known attributes is the fast pa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lib import routing
 from lib.dist import Topology
 from lib.forward import fuses_head, response_log_probs
 from lib.models import UNFUSED_HEAD_ATTR, padded_attention
@@ -68,11 +70,14 @@ def _swap_attention(model: nn.Module, old: str, new: str) -> list[Any]:
 
 
 @torch.no_grad()
-def check_modes(model: nn.Module, topo: Topology, packed: bool, dtype: torch.dtype) -> list[dict[str, Any]]:
+def check_modes(model: nn.Module, topo: Topology, packed: bool, dtype: torch.dtype, replay: bool = False
+                ) -> list[dict[str, Any]]:
     """Compare the packed forward of ``model`` (when ``packed``), then the packed forward split over the SP group
     (when sp_size > 1), with its padded forward on ``probe_rows``. Returns one {mode, max_diff, tolerance, seconds}
     per mode checked; raises ValueError naming the mode and the fix past the tolerance. Every rank of the world
-    calls it (FSDP's and SP's collectives)."""
+    calls it (FSDP's and SP's collectives). ``replay`` (rollout.routing_replay on a mixture-of-experts model): the
+    modes are compared under the routes the padded forward chose, as training replays the engine's routes (a route
+    that flips on a near-tie between two forwards is then no difference of the modes)."""
     modes = ([("packing", None)] if packed else []) + ([(f"Ulysses sp_size {topo.sp_size}", topo)]
                                                          if topo.sp_size > 1 else [])
     if not modes:
@@ -85,12 +90,18 @@ def check_modes(model: nn.Module, topo: Topology, packed: bool, dtype: torch.dty
     model.eval()
     t0 = time.perf_counter()
     packed_impl = config.get_text_config()._attn_implementation
+    replay = replay and bool(routing.routers(model))
+    if replay:
+        routing.install(model)  # for good: training installs it right after (lib/startup.py), the same state
     swapped = _swap_attention(model, packed_impl, padded_attention(config))
     try:
-        reference, _ = response_log_probs(model, rows, packed=False)
+        with routing.routes_of(model) if replay else contextlib.nullcontext({}) as chosen:
+            reference, _ = response_log_probs(model, rows, packed=False)
     finally:
         for c in swapped:
             c._attn_implementation_internal = packed_impl
+    if replay:
+        rows.batch[routing.KEY] = chosen["routes"].reshape(*rows.batch["input_ids"].shape, *chosen["routes"].shape[1:])
     results = []
     try:
         for mode, sp in modes:
@@ -100,6 +111,9 @@ def check_modes(model: nn.Module, topo: Topology, packed: bool, dtype: torch.dty
             results.append({"mode": mode, "max_diff": float(diff), "tolerance": tolerance,
                             "seconds": time.perf_counter() - t0})
             if not float(diff) <= tolerance:
+                routes = None if replay else same_routes_diff(model, rows, sp, packed_impl)
+                if routes is not None and routes <= tolerance:
+                    raise ValueError(router_refusal(model, mode, float(diff), routes, tolerance, dtype))
                 raise ValueError(refusal(model, rows, mode, sp, float(diff), tolerance, dtype, packed_impl))
     finally:
         model.train(was_training)
@@ -147,6 +161,45 @@ def check_fused_head(model: nn.Module, topo: Topology) -> dict[str, Any] | None:
     return {"class": type(model).__name__, "max_diff": diff, "tolerance": tolerance, "fused": diff <= tolerance,
             "reason": reason or ("" if diff <= tolerance else "its log-probs differ from the whole logits' (it "
                                  "changes its logits after the head)"), "seconds": time.perf_counter() - t0}
+
+
+def same_routes_diff(model: nn.Module, rows: DataProto, sp: Any, packed_impl: str) -> float | None:
+    """A mixture-of-experts model's modes compared under one set of routes (those the padded forward chose, replayed
+    in the packed one): the world's max |diff| of the log-probs; None for a model without routers lib/routing knows.
+    Every rank calls it."""
+    if not routing.routers(model):
+        return None
+    mask = rows.batch["response_mask"].bool()
+    swapped = _swap_attention(model, packed_impl, padded_attention(model.config))
+    with routing.routes_of(model):
+        try:
+            reference, _ = response_log_probs(model, rows, packed=False)
+        finally:
+            for c in swapped:
+                c._attn_implementation_internal = packed_impl
+        routed = DataProto.from_dict({**dict(rows.batch), routing.KEY: chosen_routes(model, rows)})
+        logp, _ = response_log_probs(model, routed, packed=True, sp=sp)
+    diff = torch.tensor([(logp - reference)[mask].abs().max().item()], dtype=torch.float64, device=logp.device)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)  # world: every rank takes the same message
+    return float(diff)
+
+
+def chosen_routes(model: nn.Module, rows: DataProto) -> torch.Tensor:
+    """The routes the routers chose in the block's first forward (lib.routing.routes_of's recording, read while it
+    is open), as (B, L, layers, k)."""
+    state = routing.state_of(model)
+    flat = torch.stack([calls[0] for calls in state.recorded], 1).to(torch.int16)
+    return flat.reshape(*rows.batch["input_ids"].shape, *flat.shape[1:])
+
+
+def router_refusal(model: nn.Module, mode: str, diff: float, routes: float, tolerance: float,
+                   dtype: torch.dtype) -> str:
+    """The message where the routers explain the difference: under one set of routes the modes agree."""
+    return (f"self-check: {class_name(model)}'s log-probs under {mode} differ from the padded forward's by {diff:.3g} "
+            f"(tolerance {tolerance:g} in {str(dtype).removeprefix('torch.')}), and by {routes:.3g} under the same "
+            f"routes: its mixture-of-experts routers chose other experts between the two forwards (near-ties), no "
+            f"layer mixes tokens across sequences. Train with --rollout.routing_replay (the trainer replays the "
+            f"engine's routes, and this check compares the modes under one set of routes), or without the mode.")
 
 
 def refusal(model: nn.Module, rows: DataProto, mode: str, sp: Any, diff: float, tolerance: float,

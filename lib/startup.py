@@ -390,7 +390,8 @@ def prove_modes(run: Run, model: torch.nn.Module, packed: bool) -> None:
     try:
         with fp32_compute(model):  # fp32's tolerance on every device: a small leak hides in bf16 rounding
             decide_head(run, model)  # first: the packing check's forwards take the head so decided
-            results = selfcheck.check_modes(model, topo, packed, torch.float32)
+            replay = run.cfg.rollout.routing_replay
+            results = selfcheck.check_modes(model, topo, packed, torch.float32, replay)
     except ValueError as e:
         refuse(run, e)
     for r in results:

@@ -247,3 +247,20 @@ def test_one_gradient_reduction_a_step_on_a_gpu_is_the_same_update(tmp_path):
     assert not base["deferred"] and step["deferred"] and base["units"] == 1
     _same_update(base, step)
     torch.testing.assert_close(step["logp"], base["logp"], rtol=0, atol=1e-2)  # bf16 forwards of equal weights
+
+
+def test_fsdps_parameter_groups_are_read_under_both_of_its_names():
+    """lib.fsdp.param_groups reads FSDP2's private state the way each torch we claim keeps it: torch 2.13's list
+    (``_fsdp_param_groups``) and torch 2.11's single group (``_fsdp_param_group``, None without parameters). The
+    GPU machine's torch 2.11 failed a test that read the plural (the H100 run of 2026-11-27)."""
+    from types import SimpleNamespace
+
+    from lib import fsdp
+
+    def unit(**state):
+        return SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(**state))
+
+    a, b = object(), object()
+    assert fsdp.param_groups(unit(_fsdp_param_groups=[a, b], _fsdp_param_group=a)) == [a, b]  # torch 2.13
+    assert fsdp.param_groups(unit(_fsdp_param_group=a)) == [a]  # torch 2.11
+    assert fsdp.param_groups(unit(_fsdp_param_group=None)) == []  # a unit without parameters of its own

@@ -81,6 +81,7 @@ class Routing:
     routes: Tensor | None = None  # (N, layers, k) long: the next forwards' tokens, -1: the router's own choice
     recorded: list[list[Tensor]] | None = None  # per layer, each forward's own ids (N, k), while recording
     flips: Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))  # (differing, compared)
+    handles: list[Any] = field(default_factory=list)  # the routers' hooks (``uninstall`` removes them)
 
 
 def install(model: nn.Module) -> Routing:
@@ -93,9 +94,36 @@ def install(model: nn.Module) -> Routing:
                          f"({', '.join(sorted(KINDS))})")
     state = Routing(len(found), found[0].top_k)
     for layer, router in enumerate(found):
-        router.register_forward_hook(_hook(state, layer, KINDS[type(router).__name__]))
+        state.handles.append(router.register_forward_hook(_hook(state, layer, KINDS[type(router).__name__])))
     model._routing = state
     return state
+
+
+def uninstall(model: nn.Module) -> None:
+    """The model's replay hooks removed (the start-up self-check installs them for a check of its own)."""
+    state = state_of(model)
+    if state is not None:
+        for handle in state.handles:
+            handle.remove()
+        del model._routing
+
+
+@contextmanager
+def routes_of(model: nn.Module) -> Iterator[dict[str, Tensor]]:
+    """After the block, ``out["routes"]``: the (N, layers, k) int16 routes the model's routers chose in the block's
+    first forward (N tokens: a padded forward's B x L), the replay hooks installed for the block if the model had
+    none (removed after)."""
+    mine = state_of(model) is None
+    state = install(model)
+    out: dict[str, Tensor] = {}
+    try:
+        with recording(model) as rec:
+            yield out
+            if rec and rec[0]:
+                out["routes"] = torch.stack([calls[0] for calls in rec], 1).to(torch.int16)
+    finally:
+        if mine:
+            uninstall(model)
 
 
 def _hook(state: Routing, layer: int, kind: str):
