@@ -77,9 +77,34 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--compare-head", action="store_true", help="also the packed side without the fused LM head")
     ap.add_argument("--compare-reduce", action="store_true", help="also the packed side with the other fsdp.grad_reduce")
+    ap.add_argument("--compare-levers", action="store_true", help="also the packed side with AdamW's fused kernel "
+                    "(optim.fused) and with gradient checkpointing (model.gradient_checkpointing): issue 55's levers")
     ap.add_argument("--profile", default="", help="write a profile summary of 2 packed updates after the timed ones "
                     "to this file (bench/profile_summary.py: top kernels, shares, GPU idle, peak memory by phase)")
     return ap
+
+
+def time_side(acfg: ActorConfig, batching: BatchingConfig, data: DataProto, topo, repeats: int
+              ) -> tuple[float, int | None, Trainee]:
+    """One side's best update time over ``repeats`` (the slowest rank's) after a warm-up, its peak memory (GPU),
+    and its trainee."""
+    model = build_sharded_model(acfg.model, acfg.fsdp, topo, packed=batching.use_remove_padding)
+    trainee = Trainee(model, *build_optimizer(model, acfg.optim), topo)
+    update_policy(trainee, data, acfg)  # warm-up
+    cuda = topo.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        update_policy(trainee, data, acfg)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return reduce_metrics({"t": min(times)}, None, "max")["t"], peak, trainee
 
 
 def profile_updates(trainee: Trainee, data: DataProto, acfg: ActorConfig, topo, path: str, title: str) -> None:
@@ -131,37 +156,32 @@ def measure(args: argparse.Namespace) -> dict:
             sides["whole"] = (packed, False)  # packed, dynamic, fused_head off
         if args.compare_reduce:
             sides["other_reduce"] = (packed, True)  # packed, dynamic, the grad_reduce that auto did not pick
-        reduce = {}
+        if args.compare_levers:
+            sides["fused_optim"] = sides["checkpointing"] = (packed, True)
+        reduce, failed = {}, {}
         for name, (batching, fused) in sides.items():
             grad_reduce = "auto" if name != "other_reduce" else "micro_batch" if reduce["packed"] == "step" else "step"
-            acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head="on" if fused else "off"),
-                               optim=OptimConfig(lr=1e-6), batching=batching, fsdp=FSDPConfig(grad_reduce=grad_reduce))
-            model = build_sharded_model(acfg.model, acfg.fsdp, topo, packed=batching.use_remove_padding)
+            acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head="on" if fused else "off",
+                                                 gradient_checkpointing=name == "checkpointing"),
+                               optim=OptimConfig(lr=1e-6, fused=name == "fused_optim"), batching=batching,
+                               fsdp=FSDPConfig(grad_reduce=grad_reduce))
+            if name in ("fused_optim", "checkpointing"):
+                try:  # a lever that fails here (a kernel this device lacks) costs its own row only
+                    results[name], peaks[name], _ = time_side(acfg, batching, data, topo, args.repeats)
+                except Exception as e:  # noqa: BLE001 (the row says what it was)
+                    failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                continue
+            results[name], peaks[name], trainee = time_side(acfg, batching, data, topo, args.repeats)
+            model = trainee.model
             # a plain replica (one CPU rank) has no FSDP unit: it averages its gradients once a step either way
             reduce[name] = ("step" if hasattr(model, DEFER_FLAG) else "micro_batch" if isinstance(model, FSDPModule)
                             else "replica")
-            optimizer, scheduler = build_optimizer(model, acfg.optim)
-            trainee = Trainee(model, optimizer, scheduler, topo)
-            update_policy(trainee, data, acfg)  # warm-up
-            if topo.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(args.repeats):
-                if topo.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                update_policy(trainee, data, acfg)
-                if topo.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            results[name] = reduce_metrics({"t": min(times)}, None, "max")["t"]  # the slowest rank's
-            peaks[name] = torch.cuda.max_memory_allocated() if topo.device.type == "cuda" else None
             if name == "packed" and args.profile:
                 profile_updates(trainee, data, acfg, topo, args.profile, f"{args.rows} rows, budget {budget} tokens")
             n_params = sum(p.numel() for p in model.parameters())
             # the input embedding is a lookup, no matmul: out of the FLOPs (a tied one is the LM head's matmul too)
             n_matmul = n_params - (0 if args.tied else args.vocab * args.hidden)
-            del model, optimizer, trainee
+            del model, trainee
     peak = None
     if topo.device.type == "cuda":
         gpu = torch.cuda.get_device_name()
@@ -171,7 +191,9 @@ def measure(args: argparse.Namespace) -> dict:
     base, ours, whole = results["padded"], results["packed"], results.get("whole")
     by_reduce = {reduce[k]: results[k] for k in ("packed", "other_reduce") if k in results}
     step, micro = by_reduce.get("step"), by_reduce.get("micro_batch")
+    levers = {k: all_tokens / results[k] if k in results else None for k in ("fused_optim", "checkpointing")}
     return {"whole_tokens_per_s": all_tokens / whole if whole else None, "peak_bytes": peaks,
+            "levers_tokens_per_s": levers, "levers_failed": failed,
             "reduce": reduce, "step_tokens_per_s": all_tokens / step if step else None,
             "micro_tokens_per_s": all_tokens / micro if micro else None, "ranks": topo.world_size,
             "main": topo.is_main,

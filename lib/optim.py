@@ -26,8 +26,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Opt
     params = [p for p in model.parameters() if p.requires_grad]
     # foreach: one multi-tensor kernel per op, not a Python loop over parameters (torch picks it on CUDA only;
     # on CPU it is the same arithmetic, and faster for the many small tensors of a small model)
+    kernel = {"fused": True} if cfg.fused else {"foreach": True}
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                  foreach=True)
+                                  **kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     return optimizer, scheduler
 

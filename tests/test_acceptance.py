@@ -117,6 +117,10 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
     # the update's profile (its CPU form: the operators' own time) and the GRPO run's split of a step
     assert "Shares by category:" in profile and "matmul" in profile and "Top 15" in profile, profile
     assert "update: packed / padded tokens/s" in rows and "update: fsdp.grad_reduce step / micro_batch tokens/s" in rows
+    for figure in ("update: AdamW fused / multi-tensor kernel (optim.fused) tokens/s",
+                   "update: gradient checkpointing on / off (model.gradient_checkpointing) tokens/s",
+                   "update: fused LM head / whole logits tokens/s, 7B-like head"):
+        assert rows[figure]["value"].endswith("x"), rows.get(figure)  # each lever measured beside the plain side
     assert "update_profile.txt (" in rows["update: packed / padded tokens/s"]["note"]
     split = rows["grpo hf engine: step seconds (mean)"]["note"]
     # (one mini-batch a step: the update takes the old log-probs itself, so the log-prob stage holds the reference's)

@@ -1,5 +1,7 @@
 """FSDP2 training engine: 2-rank parity with one process, dynamic batching, HSDP, offload, balancing."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -333,3 +335,26 @@ def test_a_model_that_changes_its_logits_after_the_head_is_never_fused():
     model.register_forward_hook(lambda m, args, out: out.__setitem__("logits", out.logits * 2))
     with pytest.raises(RuntimeError, match="changes the logits after it.*--actor.model.fused_head off"):
         response_log_probs(model, rl_batch(2, seed=1), packed=True)
+
+
+def test_adamws_fused_kernel_is_the_same_update():
+    """optim.fused (issue 55's lever): AdamW's fused kernel gives the multi-tensor kernel's update to fp32 rounding,
+    weight decay and the schedule included, over a few steps."""
+    from lib.config import OptimConfig
+    from lib.optim import build_optimizer
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    models = {fused: copy.deepcopy(base) for fused in (False, True)}
+    grads = [[torch.randn_like(p) for p in base.parameters()] for _ in range(3)]
+    for fused, model in models.items():
+        optimizer, scheduler = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2,
+                                                                  fused=fused))
+        for step in grads:
+            for p, g in zip(model.parameters(), step):
+                p.grad = g.clone()
+            optimizer.step()
+            scheduler.step()
+    assert any(not torch.equal(a, b) for a, b in zip(base.parameters(), models[True].parameters()))  # it moved
+    for a, b in zip(models[False].parameters(), models[True].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

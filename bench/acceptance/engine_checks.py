@@ -39,7 +39,7 @@ def check_update(args) -> list[Row]:
              "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab), "--heads", str(heads),
              "--kv-heads", str(kv), "--intermediate", str(inter), "--tied", "--device", args.device,
              "--repeats", "2" if args.device == "cuda" else "1", "--compare-head", "--compare-reduce",
-             "--profile", profile_path(args.out)]
+             "--compare-levers", "--profile", profile_path(args.out)]
     r = bench_train.measure(bench_train.parser().parse_args(flags))
     rows = [Row("update: packed / padded tokens/s", f"{r['ratio']:.2f}x ({r['packed_tokens_per_s']:.0f} vs "
                 f"{r['padded_tokens_per_s']:.0f})", ">= 1x", r["ratio"] >= 1.0 if args.device == "cuda" else None,
@@ -60,6 +60,7 @@ def check_update(args) -> list[Row]:
                     f"packed, the same micro-batches (issue 41's lever){memory}"
                     + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU), timed=True))
     rows.append(head_at_7b(args))
+    rows += lever_rows(args, r)
     if r["step_tokens_per_s"] is None:  # one CPU rank: a plain replica
         rows.append(Row("update: fsdp.grad_reduce step / micro_batch tokens/s", "not run", "", None,
                         "a plain replica (one CPU rank) has no FSDP unit: one gradient reduction a step either way"))
@@ -96,6 +97,26 @@ def head_at_7b(args) -> Row:
                f"{r['packed_tokens_per_s'] / r['whole_tokens_per_s']:.2f}x", "", None,
                f"hidden {hidden}, vocabulary {vocab}, {layers} layers, {r['params_m']:.0f}M params, packed{memory}"
                + ("" if gpu else "; " + TIMING_ON_CPU), timed=True)
+
+
+LEVERS = {"fused_optim": "AdamW fused / multi-tensor kernel (optim.fused)",
+          "checkpointing": "gradient checkpointing on / off (model.gradient_checkpointing)"}
+
+
+def lever_rows(args, r: dict) -> list[Row]:
+    """Issue 55's update levers, each against the plain packed side of the same process: tokens/s and peak memory."""
+    rows, peak = [], r["peak_bytes"]
+    for name, what in LEVERS.items():
+        mine = r["levers_tokens_per_s"].get(name)
+        if mine is None:
+            rows.append(Row(f"update: {what} tokens/s", "failed", "", False, r["levers_failed"].get(name, "")))
+            continue
+        memory = (f"; peak memory {peak[name] / 2**30:.1f} vs {peak['packed'] / 2**30:.1f} GiB"
+                  if peak.get(name) is not None else "")
+        rows.append(Row(f"update: {what} tokens/s", f"{mine / r['packed_tokens_per_s']:.2f}x", "", None,
+                        f"packed, the same micro-batches{memory}" + ("" if args.device == "cuda" else
+                                                                     "; " + TIMING_ON_CPU), timed=True))
+    return rows
 
 
 def profile_path(out: str) -> str:
