@@ -278,6 +278,9 @@ def _adapter_dir(tmp_path, **config):
     path.mkdir(exist_ok=True)
     (path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"],
                                                           "peft_type": "LORA", **config}))
+    from safetensors.torch import save_file
+
+    save_file({}, str(path / "adapter_model.safetensors"))  # a folder without its weights is refused (issue 59)
     return str(path)
 
 

@@ -195,13 +195,17 @@ def test_geo3k_and_trl_layouts_load_with_their_images(vision_root, tmp_path):
 
 @pytest.mark.parametrize("bad, message", [
     ("count", "placeholders for"),
-    ("unreadable", "cannot be read"),
+    ("unreadable", r"image \(12 bytes\) is in no format PIL reads"),  # the bytes, not PIL's BytesIO object
+    ("cut", r"image \(\d+ bytes\) cannot be decoded: image file is truncated"),  # a PNG cut after its header
 ])
 def test_a_bad_image_row_is_named(bad, message, vision_root, tmp_path):
     model = zoo.build_vision("qwen2_vl", vision_root)
     rows = geo3k_rows(2)
     if bad == "count":
         rows[1]["images"] = rows[1]["images"][:1]  # two <image> placeholders, one image
+    elif bad == "cut":
+        png = rows[1]["images"][0]["bytes"]
+        rows[1]["images"][0]["bytes"] = png[: len(png) // 2]
     else:
         rows[1]["images"][0]["bytes"] = b"not an image"
     with pytest.raises(ValueError, match=message) as e:
