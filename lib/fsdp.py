@@ -271,6 +271,76 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iter
             yield hf_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def iter_full_params_bucketed(model: nn.Module, dtype: torch.dtype | None, bucket_bytes: int
+                              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``iter_full_params``'s tensors, bit for bit and in the same order, with one all-gather per bucket of at most
+    ``bucket_bytes`` of full tensors instead of one per parameter (290 a sync for the 0.5B shape): each rank lays its
+    dim-0 shards of the bucket's parameters, cast to ``dtype``, side by side in one flat buffer (each padded to the
+    largest rank's rows), one ``all_gather_into_tensor`` over the shard group fills every rank's, and each full tensor
+    is cut out of the ranks' blocks. A parameter sharded another way (or not a DTensor) is gathered alone, in its
+    place. Extra memory: a bucket's gathered buffer and its cut-out tensors. Every rank must consume it in step."""
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            tensor = param.detach()
+            if dtype is not None:
+                tensor = tensor.to(dtype)
+            if _shard_dim(tensor) is None:  # gathered alone (or whole already), after what is pending
+                yield from _gather_bucket(pending)
+                pending, size = [], 0
+                yield hf_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if pending and (size + nbytes > bucket_bytes or tensor.device_mesh != pending[0][1].device_mesh):
+                yield from _gather_bucket(pending)
+                pending, size = [], 0
+            pending.append((name, tensor))
+            size += nbytes
+        yield from _gather_bucket(pending)
+
+
+def _shard_dim(tensor: torch.Tensor) -> int | None:
+    """The mesh dimension a DTensor is sharded over on its dim 0 (FSDP2's layout; replicated over any other mesh
+    dimension, as HSDP's), or None for anything else."""
+    if not isinstance(tensor, DTensor):
+        return None
+    placements = tensor.placements
+    shards = [i for i, p in enumerate(placements) if p.is_shard()]
+    if len(shards) != 1 or placements[shards[0]].dim != 0 or not all(p.is_replicate() for i, p in
+                                                                     enumerate(placements) if i != shards[0]):
+        return None
+    return shards[0]
+
+
+def _gather_bucket(pending: list[tuple[str, DTensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    if not pending:
+        return
+    mesh_dim = _shard_dim(pending[0][1])
+    group = pending[0][1].device_mesh.get_group(mesh_dim)
+    world = dist.get_world_size(group)
+    parts, layout = [], []
+    for name, tensor in pending:
+        rows, rest = tensor.shape[0], tensor.shape[1:]
+        most = -(-rows // world)  # the first ranks' rows (torch.chunk's split, as FSDP2 shards)
+        local = tensor.to_local().reshape(-1, *rest)
+        block = local.new_zeros((most, *rest))
+        block[:local.shape[0]] = local
+        parts.append(block.reshape(-1))
+        counts = [max(0, min(most, rows - r * most)) for r in range(world)]
+        layout.append((name, tensor.shape, most, counts, block.numel()))
+    flat = torch.cat(parts)
+    # the shard group of the parameters' mesh: every rank's blocks, in rank order
+    gathered = flat.new_empty(world * flat.numel())
+    dist.all_gather_into_tensor(gathered, flat, group=group)
+    per_rank = gathered.view(world, flat.numel())
+    offset = 0
+    for name, shape, most, counts, numel in layout:
+        blocks = per_rank[:, offset:offset + numel].reshape(world, most, *shape[1:])
+        yield hf_name(name), torch.cat([blocks[r, :counts[r]] for r in range(world)])
+        offset += numel
+
+
 def iter_persistent_buffers(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor, floating ones cast to ``dtype``) of every persistent buffer (lib.models.persistent_buffers:
     the weights that are not parameters). FSDP2 keeps buffers whole on every rank, so no gather is needed."""

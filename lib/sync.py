@@ -1,9 +1,9 @@
 """Streamed, bucketed weight sync from FSDP2 shards into a rollout engine, and the rollout-mode switch.
 
-Every rank walks the parameters in the same order and calls ``full_tensor()`` on each (an all-gather over
-the FSDP mesh: no rank-0-only sends), casts it to the engine's dtype, and hands the engine buckets of
-at most ``bucket_bytes``. The extra memory at any moment is one bucket plus the tensor being gathered,
-never the whole model. The order of a step (vLLM's sleep-mode rules):
+Every rank walks the parameters in the same order, casts its shards to the engine's dtype and gathers them one
+bucket at a time (one all-gather over the FSDP mesh per bucket of at most ``bucket_bytes``: no rank-0-only sends,
+lib.fsdp.iter_full_params_bucketed), and hands the engine buckets of at most ``bucket_bytes``. The extra memory at
+any moment is about two buckets (the gathered buffer and the tensors cut from it), never the whole model. The order of a step (vLLM's sleep-mode rules):
 
     gc.collect + empty_cache -> wake_up(["weights"]) -> stream weights (one post-load processing per sync)
     -> [offload training params] -> empty_cache -> wake_up(["kv_cache"]) -> reset_prefix_cache -> generate
@@ -26,11 +26,12 @@ from torch import nn
 
 from lib import lora
 from lib.engine import RolloutEngine
-from lib.fsdp import iter_full_params, iter_persistent_buffers, load_model, offload_model
+from lib.fsdp import iter_full_params_bucketed, iter_persistent_buffers, load_model, offload_model
 
 
-WEIGHTS = {"full": iter_full_params, "merged": lora.iter_merged, "base": lora.iter_base}
-"""The full tensors a sync can stream, in Hugging Face names, each an iterator over (model, dtype)."""
+WEIGHTS = {"full": iter_full_params_bucketed, "merged": lora.iter_merged, "base": lora.iter_base}
+"""The full tensors a sync can stream, in Hugging Face names, each an iterator over (model, dtype) (the full weights
+also over bucket_bytes: one all-gather per bucket of shards)."""
 
 
 def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -61,7 +62,8 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bu
     t0 = time.perf_counter()
     sent = 0
     largest_bucket = 0
-    params = WEIGHTS[weights](model, dtype)
+    params = (iter_full_params_bucketed(model, dtype, bucket_bytes) if weights == "full"
+              else WEIGHTS[weights](model, dtype))
     # the weights that are not parameters go after the parameters, whatever sent those (full, base or merged)
     for bucket in buckets(itertools.chain(params, iter_persistent_buffers(model, dtype)), bucket_bytes):
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
