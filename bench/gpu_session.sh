@@ -98,8 +98,8 @@ part)
     rm -rf "$ACC/repo" && mkdir -p "$ACC/repo"
     tar --exclude=./.git --exclude='./.venv*' --exclude="./$VSTAGE" --exclude=./runs -cf - . | tar -xf - -C "$ACC/repo"
     # the background writes its own pid: under setsid it leads its session and process group, so `kill -- -PID`
-    # reaches all of it ($! here is setsid's, which forks where the caller's job control made it a group leader:
-    # the H100 run of 2026-11-27 "stopped" a pid that no longer existed, and the background ran on)
+    # reaches all of it (the H100 run of 2026-11-27 recorded $! of `( cd ... && setsid ... & )`: the subshell that
+    # runs the list, no group leader, so `kill -- -PID` reached nothing and the background ran on)
     rm -f "$ACC/background.pid"
     # exec: no shell is left waiting on it with this call's output open (the caller would wait for the background)
     (cd "$ACC/repo" && exec setsid nohup bash bench/gpu_session.sh background > "$ACC/background.log" 2>&1 \

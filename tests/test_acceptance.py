@@ -356,10 +356,12 @@ def test_a_timed_row_of_a_check_that_shared_the_gpu_is_void(tmp_path):
 
 
 def test_the_background_is_stopped_under_job_control(tmp_path):
-    """bench/gpu_session.sh's background, started as the device tool starts a call (job control on, so that setsid
-    forks and ``$!`` is not the session's leader), is stopped by ``stop``: every process of it ends (the check running
-    then keeps what it measured, as a stopped check does), nothing with the acceptance folder in its command line is
-    left. Before the fix the recorded pid was gone already and the background ran on beside the timed checks."""
+    """bench/gpu_session.sh's background, started as the device tool starts a call (in a job of its own), is stopped
+    by ``stop`` while it runs its last check: every process of it ends (the check running then keeps what it
+    measured, as a stopped check does), nothing with the acceptance folder in its command line is left. Before the
+    fix the recorded pid was the subshell running ``cd ... && setsid ... &`` (no group leader: ``kill -- -PID``
+    reached nothing), and that subshell held part 0's output open, so the call returned only once the background
+    had ended: its last check then stood complete, never stopped."""
     _stage(tmp_path, parts=1)
     acc = tmp_path / "acc"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DEVICE": "cpu", "PY": sys.executable,
