@@ -107,8 +107,9 @@ def time_side(acfg: ActorConfig, batching: BatchingConfig, data: DataProto, topo
     return reduce_metrics({"t": min(times)}, None, "max")["t"], peak, trainee
 
 
-def profile_updates(trainee: Trainee, data: DataProto, acfg: ActorConfig, topo, path: str, title: str) -> None:
-    """Two more updates under torch.profiler, summed up into ``path`` (rank 0), with peak memory by phase."""
+def profile_updates(trainee: Trainee, data: DataProto, acfg: ActorConfig, topo, path: str, title: str) -> str:
+    """Two more updates under torch.profiler, summed up into ``path`` (rank 0), with peak memory by phase; returns
+    the summary's headline."""
     import profile_summary
 
     phases = profile_summary.PhasePeaks(trainee.optimizer)
@@ -119,10 +120,11 @@ def profile_updates(trainee: Trainee, data: DataProto, acfg: ActorConfig, topo, 
         if topo.device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    text = profile_summary.summary(prof, topo.device, wall, phases.close(), f"2 packed updates, {title}")
+    text, headline = profile_summary.summary(prof, topo.device, wall, phases.close(), f"2 packed updates, {title}")
     if topo.is_main:
         with open(path, "w") as f:
             f.write(text)
+    return headline
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -158,7 +160,7 @@ def measure(args: argparse.Namespace) -> dict:
             sides["other_reduce"] = (packed, True)  # packed, dynamic, the grad_reduce that auto did not pick
         if args.compare_levers:
             sides["fused_optim"] = sides["checkpointing"] = (packed, True)
-        reduce, failed = {}, {}
+        reduce, failed, profiled = {}, {}, ""
         for name, (batching, fused) in sides.items():
             grad_reduce = "auto" if name != "other_reduce" else "micro_batch" if reduce["packed"] == "step" else "step"
             acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head="on" if fused else "off",
@@ -177,7 +179,8 @@ def measure(args: argparse.Namespace) -> dict:
             reduce[name] = ("step" if hasattr(model, DEFER_FLAG) else "micro_batch" if isinstance(model, FSDPModule)
                             else "replica")
             if name == "packed" and args.profile:
-                profile_updates(trainee, data, acfg, topo, args.profile, f"{args.rows} rows, budget {budget} tokens")
+                profiled = profile_updates(trainee, data, acfg, topo, args.profile,
+                                           f"{args.rows} rows, budget {budget} tokens")
             n_params = sum(p.numel() for p in model.parameters())
             # the input embedding is a lookup, no matmul: out of the FLOPs (a tied one is the LM head's matmul too)
             n_matmul = n_params - (0 if args.tied else args.vocab * args.hidden)
@@ -193,7 +196,7 @@ def measure(args: argparse.Namespace) -> dict:
     step, micro = by_reduce.get("step"), by_reduce.get("micro_batch")
     levers = {k: all_tokens / results[k] if k in results else None for k in ("fused_optim", "checkpointing")}
     return {"whole_tokens_per_s": all_tokens / whole if whole else None, "peak_bytes": peaks,
-            "levers_tokens_per_s": levers, "levers_failed": failed,
+            "levers_tokens_per_s": levers, "levers_failed": failed, "profile": profiled,
             "reduce": reduce, "step_tokens_per_s": all_tokens / step if step else None,
             "micro_tokens_per_s": all_tokens / micro if micro else None, "ranks": topo.world_size,
             "main": topo.is_main,

@@ -29,13 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.acceptance.common import (CHECKS, GRPO_STEPS, Row, Stopped, log_tail, result_path,  # noqa: E402
-                                     stop_on_sigterm)
+                                     stop_on)
 from bench.acceptance.report import report  # noqa: E402
 from bench.acceptance.schedule import TIMED, missing, run_all  # noqa: E402
 
@@ -49,7 +50,7 @@ def check_function(name: str):
 
 def run_check(args) -> None:
     """The child process of one check: its rows into checks/NAME.rows.json, also when its budget stops it."""
-    stop_on_sigterm()
+    stop_on(signal.SIGTERM)
     try:
         rows = check_function(args.check)(args)
     except Stopped:

@@ -3,7 +3,7 @@ says what to change (the H100 run of 2026-11-27 measured 16% MFU and could not s
 
     with profiled(device) as prof:
         ...two updates...
-    text = summary(prof, device, wall_s, peaks)
+    text, headline = summary(prof, device, wall_s, peaks)
 
 On a GPU it reads the device's kernels (their own time), on CPU the operators' own CPU time: the top entries, the
 shares of matmuls, attention, the log-probs (softmax and friends), the optimizer, communication and elementwise
@@ -88,8 +88,9 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
 
 
 def summary(prof: torch.profiler.profile, device: torch.device, wall_s: float, peaks: dict[str, int] | None = None,
-            title: str = "", top: int = 15) -> str:
-    """The profile as text: top entries by own time, shares by category, idle time (GPU), peaks by phase."""
+            title: str = "", top: int = 15) -> tuple[str, str]:
+    """The profile as text (top entries by own time, shares by category, idle time on a GPU, peaks by phase) and its
+    headline (the three largest categories' shares, and the GPU's idle seconds) for a report's row."""
     gpu = device.type == "cuda"
     events = prof.events()
     if gpu:
@@ -108,16 +109,19 @@ def summary(prof: torch.profiler.profile, device: torch.device, wall_s: float, p
     total = sum(by_name.values()) or 1e-9
     lines = [f"# Profile{': ' + title if title else ''}", "",
              f"{unit}: {total / 1e6:.3f} s over {wall_s:.3f} s of wall time, {len(own)} entries"]
+    idle = ""
     if gpu:
         busy = _busy([(a, b) for _, _, a, b in own]) / 1e6
-        lines.append(f"GPU idle: {max(wall_s - busy, 0.0):.3f} s ({max(wall_s - busy, 0.0) / max(wall_s, 1e-9):.1%} "
-                     "of the wall time: no kernel running, the host launching or waiting)")
+        idle = f"GPU idle: {max(wall_s - busy, 0.0):.3f} s"
+        lines.append(f"{idle} ({max(wall_s - busy, 0.0) / max(wall_s, 1e-9):.1%} of the wall time: no kernel "
+                     "running, the host launching or waiting)")
+    shares = sorted(by_cat.items(), key=lambda kv: -kv[1])
     lines += ["", "Shares by category:"]
-    lines += [f"  {cat:28s} {us / total:6.1%}  {us / 1e6:8.3f} s" for cat, us in
-              sorted(by_cat.items(), key=lambda kv: -kv[1])]
+    lines += [f"  {cat:28s} {us / total:6.1%}  {us / 1e6:8.3f} s" for cat, us in shares]
     lines += ["", f"Top {top} by own time:"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {us / total:6.1%}  {us / 1e3:9.1f} ms  [{category(name)}]  {name[:110]}")
     if peaks:
         lines += ["", "Peak memory by phase: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in peaks.items())]
-    return "\n".join(lines) + "\n"
+    headline = ", ".join(f"{cat} {us / total:.1%}" for cat, us in shares[:3]) + (f"; {idle}" if idle else "")
+    return "\n".join(lines) + "\n", headline

@@ -77,9 +77,9 @@ def preset_rows() -> list[tuple[str, str]]:
     """(name, the preset file's first comment line) of every preset in configs/."""
     out = []
     for name in config.presets():
-        path = os.path.join(ROOT, "configs", f"{name}.yaml")
-        first = next((line[1:].strip() for line in open(path) if line.startswith("#")), "")
-        keys = sorted(yaml.safe_load(open(path)) or {})
+        text = open(os.path.join(ROOT, "configs", f"{name}.yaml")).read()
+        first = next((line[1:].strip() for line in text.splitlines() if line.startswith("#")), "")
+        keys = sorted(yaml.safe_load(text) or {})
         out.append((name, f"{first} (sections: {', '.join(keys)})"))
     return out
 

@@ -319,17 +319,19 @@ def _gather_bucket(pending: list[tuple[str, DTensor]]) -> Iterator[tuple[str, to
     mesh_dim = _shard_dim(pending[0][1])
     group = pending[0][1].device_mesh.get_group(mesh_dim)
     world = dist.get_world_size(group)
-    parts, layout = [], []
+    layout = []
     for name, tensor in pending:
-        rows, rest = tensor.shape[0], tensor.shape[1:]
+        rows = tensor.shape[0]
         most = -(-rows // world)  # the first ranks' rows (torch.chunk's split, as FSDP2 shards)
-        local = tensor.to_local().reshape(-1, *rest)
-        block = local.new_zeros((most, *rest))
-        block[:local.shape[0]] = local
-        parts.append(block.reshape(-1))
         counts = [max(0, min(most, rows - r * most)) for r in range(world)]
-        layout.append((name, tensor.shape, most, counts, block.numel()))
-    flat = torch.cat(parts)
+        layout.append((name, tensor.shape, most, counts, most * tensor.shape[1:].numel()))
+    # this rank's shards side by side, each at the start of its block (the rest of a block: zeros), one copy each
+    flat = pending[0][1].to_local().new_zeros(sum(numel for *_, numel in layout))
+    offset = 0
+    for (_, tensor), (*_, numel) in zip(pending, layout):
+        shard = tensor.to_local().reshape(-1)
+        flat[offset:offset + shard.numel()].copy_(shard)
+        offset += numel
     # the shard group of the parameters' mesh: every rank's blocks, in rank order
     gathered = flat.new_empty(world * flat.numel())
     dist.all_gather_into_tensor(gathered, flat, group=group)

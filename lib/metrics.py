@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lib.dist import reduce_metrics
@@ -27,18 +28,15 @@ def response_metrics(batch: DataProto, max_len: int, gather: Callable[[list], li
     prompt_lengths = b["attention_mask"][:, :b["prompts"].shape[1]].sum(-1).float()
     seq = b["token_level_scores"].sum(-1)
     masked = batch.non_tensor_batch.get(MASKED)
-    keep = [i for i in range(len(batch)) if masked is None or not masked[i]]
-    rows = gather([(float(seq[i]), float(lengths[i]), float(prompt_lengths[i])) for i in keep])
+    scored = torch.stack([seq.float(), lengths, prompt_lengths], 1).cpu()
+    if masked is not None:
+        scored = scored[~torch.from_numpy(masked.astype(bool))]  # an object column after resharding
+    rows = torch.tensor(gather(scored.tolist()), dtype=torch.float64).reshape(-1, 3)
     out = {}
-    for j, (name, stats) in enumerate((("reward", ("mean", "max", "min")),
-                                       ("response/length", ("_mean", "_max", "_min")),
-                                       ("prompt/length", ("_mean", "_max", "_min")))):
-        values = [r[j] for r in rows]
-        for stat in stats:
-            key = f"{name}/{stat}" if name == "reward" else f"{name}{stat}"
-            out[key] = (float("nan") if not values else sum(values) / len(values) if "mean" in stat
-                        else max(values) if "max" in stat else min(values))
-    out["response/clip_ratio"] = sum(r[1] >= max_len for r in rows) / len(rows) if rows else float("nan")
+    for column, prefix in zip(rows.T, ("reward/", "response/length_", "prompt/length_")):
+        for stat in ("mean", "max", "min"):
+            out[prefix + stat] = float(getattr(column, stat)()) if len(column) else float("nan")
+    out["response/clip_ratio"] = float((rows[:, 1] >= max_len).double().mean()) if len(rows) else float("nan")
     mask = b["response_mask"].bool()
     for key, name in (("advantages", "critic/advantages"), ("returns", "critic/returns")):
         if key in b and mask.any():

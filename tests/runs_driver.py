@@ -1,7 +1,7 @@
 """torchrun entry for several trainer runs in the same ranks, one after another: tests whose runs would each start
-the ranks anew (the zoo's models, the recipes of the README and docs/, the presets) pay the ranks' start-up once (~6 s of imports a
-rank). Each run is train_grpo.py's or train_ppo.py's own main with its own arguments, in the same default process
-group (each run makes its own meshes in it). Creating the default group again in the same ranks races on the
+the ranks anew (the zoo's models, the recipes of the README and docs/, the presets) pay the ranks' start-up once
+(~6 s of imports a rank). Each run is train_grpo.py's or train_ppo.py's own main with its own arguments, in the same
+default process group (each run makes its own meshes in it). Creating the default group again in the same ranks races on the
 rendezvous keys (a rank can read its peer's address from the previous group: "Connection refused"), so the runs'
 teardown leaves it up and the driver ends it. A run that fails ends the launch; the line ``== run NAME`` printed
 before each run names the one it was.

@@ -228,9 +228,9 @@ DATA_FILES = {"garbage-parquet", "garbage-jsonl", "empty-file", "zero-bytes-parq
 THROUGH_LAUNCH = {"unknown-flag", "changed-config", "cut-parquet", "glob-nothing", "cut-image",
                   "lora-adapter-no-weights", "judge-jinja-braces"}
 """A command-line error (tyro's), an existing run folder, a bad data file of each reader (a parquet file through
-datasets, a pattern, image rows: a PNG cut short after its header), an adapter folder and a judge template. Every case (the config checks, every kind of bad data file) runs in the driver
-below, whose capture sees what launch.sh's output would (each through launch.sh too cost ~12 s of a loaded 2-core
-machine a case, most of it imports)."""
+datasets, a pattern, image rows: a PNG cut short after its header), an adapter folder and a judge template. Every
+case (the config checks, every kind of bad data file) runs in the driver below, whose capture sees what launch.sh's
+output would (each through launch.sh too cost ~12 s of a loaded 2-core machine a case, most of it imports)."""
 
 DRIVER = """
 import json, os, sys, tempfile, traceback

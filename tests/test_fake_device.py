@@ -135,3 +135,30 @@ def test_the_device_decides_dtypes_and_offloads():
     assert compute_policy(topo(gpu), True).param_dtype == torch.bfloat16
     assert compute_policy(topo(gpu), True).reduce_dtype == torch.float32
     assert compute_policy(topo(gpu), False).param_dtype is None and compute_policy(topo(cpu), True).param_dtype is None
+
+
+def test_the_update_profiles_gpu_branches(monkeypatch):
+    """bench/profile_summary.py on a GPU, on CPU: the peak memory by phase through the optimizer's step hooks reads
+    the allocator (the fake's, each phase peaking higher), and the summary of GPU kernels counts the device's idle
+    time as the wall time less the union of the kernels' intervals."""
+    from torch.autograd import DeviceType
+
+    from bench import profile_summary
+
+    fake_device.install(fake_device.FakeDevice(base_bytes=GIB, burst_bytes=GIB), monkeypatch.setattr)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    phases = profile_summary.PhasePeaks(optimizer)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    peaks = phases.close()
+    assert set(peaks) == {"forward+backward", "optimizer step"} and 0 < peaks["forward+backward"] < peaks[
+        "optimizer step"], peaks
+    kernel = lambda name, start, end: types.SimpleNamespace(  # noqa: E731 (a CUDA event as torch.profiler gives it)
+        name=name, device_type=DeviceType.CUDA, device_time_total=end - start,
+        time_range=types.SimpleNamespace(start=start, end=end))
+    events = [kernel("sm90_xmma_gemm_bf16", 0, 10), kernel("flash_fwd_kernel", 5, 20), kernel("nccl_allGather", 30, 35)]
+    prof = types.SimpleNamespace(events=lambda: events)
+    text, headline = profile_summary.summary(prof, torch.device("cuda"), 40e-6, peaks, "fake")
+    assert "GPU idle: 0.000 s (37.5% of the wall time" in text and "matmul" in headline and "GPU idle" in headline
+    assert "Peak memory by phase: forward+backward" in text

@@ -498,6 +498,7 @@ def test_vllm_025s_reported_expert_names_count_as_written(monkeypatch):
     def sync(reports) -> None:
         engine = engine_vllm.VLLMEngine.__new__(engine_vllm.VLLMEngine)
         engine.param_names, engine._written, engine._loading = params, set(), False
+        engine._aliases = engine_vllm.reported_aliases(params)  # as __init__ makes them
         engine.asleep, engine.tied_head, engine._unwrapped = set(), False, []
         monkeypatch.setattr(engine_vllm, "run_on_model", lambda llm, fn: fn(Model(reports)))
         monkeypatch.setattr(engine_vllm, "_reload", lambda llm, begin, unwrapped: None)

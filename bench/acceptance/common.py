@@ -47,6 +47,16 @@ ENGINE_SETTINGS = {device: (PROMPT_LEN + response, min(prompts * GRPO_N, 256))
 TIMING_ON_CPU = "measured, no verdict on CPU: the tiny model's figure is overhead, the goal is the GPU's"
 
 
+# A training child's SIGTERM to SIGKILL (the step in flight, its checkpoint and the exit); the scheduler gives a check
+# this and 5 s more (the check then writes its rows)
+CHILD_GRACE_S = {"cuda": 40.0, "cpu": 20.0}
+
+
+def on_cpu(device: str) -> str:
+    """A timed row's note's tail: "" on a GPU, the reason there is no verdict on CPU."""
+    return "" if device == "cuda" else "; " + TIMING_ON_CPU
+
+
 def eager(device: str, compiled: bool = True) -> bool:
     """vLLM's engines run eager on CPU (the checks there judge numbers, not speed; compiling the tiny model took ~24 s
     of each engine's start, measured on 2 cores), and on a GPU in the rows that judge a feature (``compiled`` False).
@@ -133,11 +143,18 @@ class Stopped(Exception):
     """Raised in a check's process by SIGTERM: the check builds its rows from what it measured so far."""
 
 
-def stop_on_sigterm() -> None:
-    """In a check's process: SIGTERM raises ``Stopped`` (once; the child runs it started got the same signal)."""
-    def on_term(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def stop_on(*signals: signal.Signals) -> list[int]:
+    """The first of ``signals`` to arrive raises ``Stopped`` (the others ignored from then on: the children it started
+    got the same signal, and the stop runs once); returns the list the signal's number is put in."""
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
         raise Stopped()
 
-    signal.signal(signal.SIGTERM, on_term)
+    for sig in signals:
+        signal.signal(sig, on_signal)
+    return received
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.acceptance.common import (ENGINE_SETTINGS, PROMPT_LEN, SHAPES, TIMING_ON_CPU, Row, eager, has_vllm,
-                                     model_folder, save_folder)
+                                     model_folder, on_cpu, save_folder)
 import bench_rollout  # noqa: E402, I001 (bench/ on the path: bench.acceptance.common puts it there)
 import bench_train  # noqa: E402
 from lib import lora, toy
@@ -32,47 +32,37 @@ from lib.sync import enter_rollout, exit_rollout
 
 def check_update(args) -> list[Row]:
     """Update throughput: packed rows with dynamic batching against padded sdpa micro-batches, and MFU (GPU)."""
-    hidden, layers, heads, kv, inter, vocab = SHAPES["qwen2.5-1.5b" if args.device == "cuda" else "tiny"]
     # the true shape (Qwen2.5-1.5B's config: GQA 12/2, head 128, MLP 8960, tied); the first GPU run's bench built a
     # "1.5B" of 24 heads of 64, 12 KV heads and a 4x MLP
-    flags = ["--rows", "64" if args.device == "cuda" else "8", "--max-len", "2048" if args.device == "cuda" else "256",
-             "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab), "--heads", str(heads),
-             "--kv-heads", str(kv), "--intermediate", str(inter), "--tied", "--device", args.device,
-             "--repeats", "2" if args.device == "cuda" else "1", "--compare-head", "--compare-reduce",
-             "--compare-levers", "--profile", profile_path(args.out)]
-    r = bench_train.measure(bench_train.parser().parse_args(flags))
+    r = measure_update(args, SHAPES["qwen2.5-1.5b" if args.device == "cuda" else "tiny"], 64, "--tied",
+                       "--compare-head", "--compare-reduce", "--compare-levers", "--profile", profile_path(args.out))
     rows = [Row("update: packed / padded tokens/s", f"{r['ratio']:.2f}x ({r['packed_tokens_per_s']:.0f} vs "
                 f"{r['padded_tokens_per_s']:.0f})", ">= 1x", r["ratio"] >= 1.0 if args.device == "cuda" else None,
                 f"{r['params_m']:.0f}M params, {r['valid_tokens']} valid tokens of {r['rows']} rows; where the time "
-                f"goes: {os.path.relpath(profile_path(args.out), args.out)} (" + profile_headline(args.out) + ")"
-                + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU), timed=True)]
+                f"goes: {os.path.relpath(profile_path(args.out), args.out)} ({r['profile'] or 'no profile written'})"
+                + on_cpu(args.device), timed=True)]
     if r["mfu_packed"] is not None:
         rows.append(Row("update: MFU packed (bf16 peak)", f"{r['mfu_packed'] * 100:.1f}%", ">= 40% (issue 41)",
                         r["mfu_packed"] >= 0.4, f"padded {r['mfu_padded'] * 100:.1f}%; FLOPs without the embedding "
                         "lookup", timed=True))
     else:
         rows.append(Row("update: MFU", "not run", "", None, "needs a GPU with a known bf16 peak"))
-    peak = r["peak_bytes"]
-    memory = (f"; peak memory {peak['packed'] / 2**30:.1f} vs {peak['whole'] / 2**30:.1f} GiB"
-              if peak["packed"] is not None else "")
     rows.append(Row("update: fused LM head / whole logits tokens/s",
                     f"{r['packed_tokens_per_s'] / r['whole_tokens_per_s']:.2f}x", "", None,
-                    f"packed, the same micro-batches (issue 41's lever){memory}"
-                    + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU), timed=True))
+                    f"packed, the same micro-batches (issue 41's lever){peaks(r, 'packed', 'whole')}"
+                    + on_cpu(args.device), timed=True))
     rows.append(head_at_7b(args))
     rows += lever_rows(args, r)
     if r["step_tokens_per_s"] is None:  # one CPU rank: a plain replica
         rows.append(Row("update: fsdp.grad_reduce step / micro_batch tokens/s", "not run", "", None,
                         "a plain replica (one CPU rank) has no FSDP unit: one gradient reduction a step either way"))
         return rows
-    memory = (f"; peak memory {peak['packed'] / 2**30:.1f} vs {peak['other_reduce'] / 2**30:.1f} GiB"
-              if peak["packed"] is not None else "")
     mfu = f"; MFU with step {r['mfu_step'] * 100:.1f}%" if r["mfu_step"] is not None else ""
     rows.append(Row("update: fsdp.grad_reduce step / micro_batch tokens/s",
                     f"{r['step_tokens_per_s'] / r['micro_tokens_per_s']:.2f}x", "", None,
                     f"packed, the same micro-batches; auto chose {r['reduce']['packed']} (issue 41's lever)"
-                    f"{mfu}{memory}"
-                    + ("" if args.device == "cuda" else "; " + TIMING_ON_CPU), timed=True))
+                    f"{mfu}{peaks(r, 'packed', 'other_reduce')}"
+                    + on_cpu(args.device), timed=True))
     return rows
 
 
@@ -83,20 +73,32 @@ HEAD_7B = {"cuda": (3584, 2, 28, 4, 18944, 152064), "cpu": (256, 2, 4, 2, 512, 3
 
 def head_at_7b(args) -> Row:
     """The fused LM head against the whole logits on a 7B-like head (issue 57): tokens/s and peak memory, packed."""
-    hidden, layers, heads, kv, inter, vocab = HEAD_7B[args.device]
-    gpu = args.device == "cuda"
-    flags = ["--rows", "32" if gpu else "8", "--max-len", "2048" if gpu else "256", "--hidden", str(hidden),
-             "--layers", str(layers), "--vocab", str(vocab), "--heads", str(heads), "--kv-heads", str(kv),
-             "--intermediate", str(inter), "--device", args.device, "--repeats", "2" if gpu else "1",
-             "--compare-head"]
-    r = bench_train.measure(bench_train.parser().parse_args(flags))
-    peak = r["peak_bytes"]
-    memory = (f"; peak memory {peak['packed'] / 2**30:.1f} vs {peak['whole'] / 2**30:.1f} GiB"
-              if peak["packed"] is not None else "")
+    hidden, layers, _, _, _, vocab = HEAD_7B[args.device]
+    r = measure_update(args, HEAD_7B[args.device], 32, "--compare-head")
     return Row("update: fused LM head / whole logits tokens/s, 7B-like head",
                f"{r['packed_tokens_per_s'] / r['whole_tokens_per_s']:.2f}x", "", None,
-               f"hidden {hidden}, vocabulary {vocab}, {layers} layers, {r['params_m']:.0f}M params, packed{memory}"
-               + ("" if gpu else "; " + TIMING_ON_CPU), timed=True)
+               f"hidden {hidden}, vocabulary {vocab}, {layers} layers, {r['params_m']:.0f}M params, packed"
+               f"{peaks(r, 'packed', 'whole')}"
+               + on_cpu(args.device), timed=True)
+
+
+def measure_update(args, shape: tuple[int, ...], rows: int, *flags: str) -> dict:
+    """bench/bench_train.py's measurement of a model of ``shape`` (hidden, layers, heads, KV heads, MLP width,
+    vocabulary): ``rows`` of up to 2048 tokens, 2 repeats on a GPU; 8 rows of up to 256 tokens, one repeat on CPU."""
+    hidden, layers, heads, kv, inter, vocab = shape
+    gpu = args.device == "cuda"
+    argv = ["--rows", str(rows) if gpu else "8", "--max-len", "2048" if gpu else "256", "--hidden", str(hidden),
+            "--layers", str(layers), "--vocab", str(vocab), "--heads", str(heads), "--kv-heads", str(kv),
+            "--intermediate", str(inter), "--device", args.device, "--repeats", "2" if gpu else "1", *flags]
+    return bench_train.measure(bench_train.parser().parse_args(argv))
+
+
+def peaks(r: dict, a: str, b: str) -> str:
+    """``; peak memory A vs B GiB`` of two sides of a bench_train measurement (a GPU's; "" on CPU)."""
+    peak = r["peak_bytes"]
+    if peak.get(a) is None or peak.get(b) is None:
+        return ""
+    return f"; peak memory {peak[a] / 2**30:.1f} vs {peak[b] / 2**30:.1f} GiB"
 
 
 LEVERS = {"fused_optim": "AdamW fused / multi-tensor kernel (optim.fused)",
@@ -105,34 +107,20 @@ LEVERS = {"fused_optim": "AdamW fused / multi-tensor kernel (optim.fused)",
 
 def lever_rows(args, r: dict) -> list[Row]:
     """Issue 55's update levers, each against the plain packed side of the same process: tokens/s and peak memory."""
-    rows, peak = [], r["peak_bytes"]
+    rows = []
     for name, what in LEVERS.items():
         mine = r["levers_tokens_per_s"].get(name)
         if mine is None:
             rows.append(Row(f"update: {what} tokens/s", "failed", "", False, r["levers_failed"].get(name, "")))
             continue
-        memory = (f"; peak memory {peak[name] / 2**30:.1f} vs {peak['packed'] / 2**30:.1f} GiB"
-                  if peak.get(name) is not None else "")
         rows.append(Row(f"update: {what} tokens/s", f"{mine / r['packed_tokens_per_s']:.2f}x", "", None,
-                        f"packed, the same micro-batches{memory}" + ("" if args.device == "cuda" else
-                                                                     "; " + TIMING_ON_CPU), timed=True))
+                        f"packed, the same micro-batches{peaks(r, name, 'packed')}{on_cpu(args.device)}", timed=True))
     return rows
 
 
 def profile_path(out: str) -> str:
     """The update check's profile summary (text, a few KB; it comes back in the evidence archive)."""
     return os.path.join(out, "checks", "update_profile.txt")
-
-
-def profile_headline(out: str) -> str:
-    """The profile's shares line for the row's note: the three largest categories, and the GPU's idle time."""
-    try:
-        text = open(profile_path(out)).read().splitlines()
-    except OSError:
-        return "no profile written"
-    shares = [ln.split() for ln in text[text.index("Shares by category:") + 1:] if ln.startswith("  ")][:3]
-    idle = [ln for ln in text if ln.startswith("GPU idle")]
-    return ", ".join(f"{' '.join(p[:-3])} {p[-3]}" for p in shares) + (f"; {idle[0].split(' (')[0]}" if idle else "")
 
 
 def _engine_setup(args, engine_name: str | None, packed: bool = True, lora_cfg: LoraConfig | None = None,
@@ -287,7 +275,7 @@ def _correctness(args, engine_name: str, where: str, path: str = "", timed: bool
             f"{ratio:.1f}x ({sync_s * 1e3:.2f} vs {floor_s * 1e3:.3f} ms)", "<= 3x", ratio <= 3 if gpu else None,
             f"{sync_s * 1e3 / max(num_tensors, 1):.2f} ms a tensor ({num_tensors} engine tensors), "
             f"{sync_s / max(gb, 1e-9):.3f} s/GB ({gb * 1024:.1f} MiB sent, {floor_bytes / 2**20:.1f} MiB held)"
-            + ("" if gpu else "; " + TIMING_ON_CPU), timed=True)]
+            + on_cpu(args.device), timed=True)]
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ file that brings back every log, every run's metrics and the profiles (a call to
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
@@ -99,24 +100,14 @@ def report(args, note: str) -> None:
             os.replace(os.path.join(folder, name + ".part"), os.path.join(folder, name))
 
 
+EVIDENCE = ("*.log", "*.txt", "checks/*.log", "checks/*.txt", "checks/*.json", "runs/*.log", "runs/*/metrics.jsonl",
+            "runs/*/timings.json")
+"""What the archive holds, relative to the folder: the session's own logs, each check's log, result and profile,
+every run's log and metrics (and TRL's timings); not the models, staged packages, toy assets or checkpoints."""
+
+
 def evidence_files(out: str) -> list[str]:
-    """What the archive holds, relative to ``out``: each check's log and result, the profiles, every run's log and
-    metrics (and TRL's timings), and the session's own logs beside them."""
-    found = []
-    for top, _, files in os.walk(out):
-        rel = os.path.relpath(top, out)
-        parts = [] if rel == "." else rel.split(os.sep)
-        if parts and parts[0] not in ("checks", "runs"):
-            continue  # models, staged packages, toy assets, checkpoints
-        if "checkpoints" in parts or any(p.startswith("step_") for p in parts) or "pytest-tmp" in parts:
-            continue
-        for f in files:
-            keep = (f.endswith((".log", ".txt")) if not parts else
-                    f.endswith((".log", ".txt", ".json")) if parts[0] == "checks" else
-                    f.endswith(".log") or f in ("metrics.jsonl", "timings.json"))
-            if keep and not f.endswith(".part"):
-                found.append(os.path.normpath(os.path.join(rel, f)))
-    return sorted(found)
+    return sorted({os.path.relpath(p, out) for pattern in EVIDENCE for p in glob.glob(os.path.join(out, pattern))})
 
 
 def evidence(out: str) -> bytes:

@@ -18,15 +18,14 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.acceptance.common import (FEATURE_SIZES, GRPO_N, GRPO_SIZES, GRPO_STEPS, PROMPT_LEN, ROOT, SHORT_STEPS,
-                                     TIMING_ON_CPU, Row, Stopped, eager, failure_note, has_vllm, log_tail,
-                                     model_folder, save_folder)
+from bench.acceptance.common import (CHILD_GRACE_S, FEATURE_SIZES, GRPO_N, GRPO_SIZES, GRPO_STEPS, PROMPT_LEN,
+                                     ROOT, SHORT_STEPS, TIMING_ON_CPU, Row, Stopped, eager, failure_note, has_vllm,
+                                     log_tail, model_folder, on_cpu, save_folder)
 from lib import toy
 
 PRESETS = {name: os.path.join(ROOT, "configs", f"{file}.yaml") for name, file in (
     ("grpo", "qwen2.5_0.5b_gsm8k_grpo"), ("lora", "qwen2.5_1.5b_gsm8k_grpo_lora"), ("ppo", "qwen2.5_0.5b_gsm8k_ppo"),
     ("opd", "qwen2.5_7b_to_0.5b_gsm8k_opd"), ("tools", "tiny_cpu_grpo_tools"), ("vision", "tiny_cpu_grpo_vision"))}
-GRACE_S = {"cuda": 40.0, "cpu": 20.0}  # SIGTERM to SIGKILL: the step in flight, its checkpoint and the exit
 STOPPED: list[str] = []  # the runs a stop ended in this process (a check's later runs do not start)
 
 
@@ -93,7 +92,7 @@ def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *
            "--trainer.device", args.device, "--trainer.save_every", "0", "--trainer.no-resume", *extra]
     if engine == "vllm" and eager(args.device, timed or compiled):
         cmd.append("--rollout.enforce_eager")
-    code, wall = run_child(cmd, log_path, child_env(args.device), GRACE_S[args.device])
+    code, wall = run_child(cmd, log_path, child_env(args.device), CHILD_GRACE_S[args.device])
     metrics_file = os.path.join(run_dir, "metrics.jsonl")
     rows = [json.loads(line) for line in open(metrics_file)] if os.path.exists(metrics_file) else []
     train = [r for r in rows if "actor/pg_loss" in r]
@@ -121,7 +120,7 @@ def step_rows(args, name: str, train: list[dict], timed: bool) -> list[Row]:
     bound = 5e-2 if args.device == "cuda" else 1e-4  # bf16 kernels on both sides / fp32
     diff = max((r["rollout/logp_abs_diff"] for r in train), default=float("inf"))
     gpu = args.device == "cuda"
-    cpu_note = "" if gpu else "; " + TIMING_ON_CPU
+    cpu_note = on_cpu(args.device)
     out = [Row(f"{name}: rollout/logp_abs_diff (max)", f"{diff:.2e}", f"< {bound:g}", diff < bound),
            Row(f"{name}: step seconds (mean)", f"{mean('timing/step_s'):.2f}", "", None,
                "split: " + step_split(train) + cpu_note, timed=True),
@@ -252,7 +251,7 @@ def check_judge(args) -> list[Row]:
         parsed = 1 - sum(r.get("judge/parse_failures", 0.0) for r in train) / max(asked, 1)
         rows.append(Row(f"judge {engine} engine: its share of a step", f"{mean('judge/step_share'):.1%} "
                         f"({mean('judge/seconds'):.2f} s of {mean('timing/step_s'):.2f} s)", "", None,
-                        f"{mean('judge/tokens'):.0f} judge tokens a step" + ("" if gpu else "; " + TIMING_ON_CPU),
+                        f"{mean('judge/tokens'):.0f} judge tokens a step" + on_cpu(args.device),
                         timed=True))
         guided = engine == "vllm"
         # a random model under the grammar may write digits until its token limit (each one about 1 in 11 to stop)
@@ -288,7 +287,7 @@ def check_trl(args) -> list[Row]:
            os.path.join(ROOT, "bench", "trl_side.py"), "colocate", path, data["train"], out, str(steps), str(prompts),
            str(GRPO_N), str(response_len), args.device]
     log_path = out + ".log"
-    code, wall = run_child(cmd, log_path, child_env(args.device), GRACE_S[args.device])
+    code, wall = run_child(cmd, log_path, child_env(args.device), CHILD_GRACE_S[args.device])
     label = f"trl {trl.__version__} colocate" + ("" if gpu else " (CPU: transformers' generate)")
     if code or not os.path.exists(os.path.join(out, "timings.json")):
         what = "stopped by the budget before its first step" if code is None else "failed"
@@ -321,7 +320,7 @@ def check_trl(args) -> list[Row]:
                     ">= 1.5x (issue 41)", ratio >= 1.5 if gpu else None,
                     f"seconds a step: ours {mine_s:.2f}, TRL {sum(later) / len(later):.2f} (its generation "
                     f"{sum(generate[1:] or generate) / max(len(generate[1:] or generate), 1):.2f}); steps after the "
-                    f"first" + ("" if gpu else "; " + TIMING_ON_CPU), timed=True))
+                    f"first" + on_cpu(args.device), timed=True))
     return rows
 
 

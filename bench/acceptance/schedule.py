@@ -13,7 +13,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from bench.acceptance.common import ROOT, Row, Stopped, failure_note, has_vllm, log_tail, result_path
+from bench.acceptance.common import (CHILD_GRACE_S, ROOT, Row, Stopped, failure_note, has_vllm, log_tail,
+                                     result_path, stop_on)
 from bench.acceptance.report import report, save_result
 
 # Checks whose figures are times or device-memory readings: alone on the GPU.
@@ -23,7 +24,6 @@ TIMED = ("correctness", "sleep_wake", "rollout", "grpo_vllm", "grpo_hf", "update
 # (2026-11-27) and the models' sizes; lanes start a check only where the sum fits --gpu-gib.
 GPU_GIB = {"lora_sleep": 8, "grpo_lora_vllm": 14, "ppo": 20, "distill": 26, "tools": 3, "vision": 3, "qwen3_5": 8,
            "gemma4": 10, "moe": 12, "judge": 24}
-GRACE_S = {"cuda": 45.0, "cpu": 25.0}  # SIGTERM to SIGKILL (the training child's grace, lib's 40/20 s, and more)
 
 
 def cannot_run(name: str, args) -> list[Row]:
@@ -153,17 +153,8 @@ def run_all(args, names: list[str]) -> None:
     (or SIGINT, SIGHUP) to this process stops the checks running then as their budgets would (their rows kept) and
     exits with 128 + the signal."""
     start, pending, running, finished = time.perf_counter(), list(names), {}, 0
-    grace = min(GRACE_S[args.device], args.check_budget_s / 2)
-    stop = []
-
-    def on_signal(signum, frame) -> None:
-        stop.append(signum)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        raise Stopped()
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, on_signal)
+    grace = min(CHILD_GRACE_S[args.device] + 5, args.check_budget_s / 2)  # SIGTERM to SIGKILL
+    stop = stop_on(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def finish(name: str, rows: list[Row], secs: float, complete: bool, since: float = 0.0) -> None:
         nonlocal finished

@@ -130,6 +130,7 @@ class VLLMEngine:
         run_on_model(self.llm, lambda model: names.extend(n for n, _ in model.named_parameters()))
         # with LoRA a layer's weight sits in its base_layer, and the loader reports it under the plain name
         self.param_names = frozenset(n.replace(".base_layer.", ".") for n in names)
+        self._aliases = reported_aliases(self.param_names)  # what a release's loader may report instead of a name
         hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
         self.tied_head = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
         self._embedding: torch.Tensor | None = None
@@ -205,7 +206,7 @@ class VLLMEngine:
             if loaded is None or self._written is None:
                 self._written = None  # a model whose loader does not say: nothing to verify against
             else:
-                self._written |= written_parameters(loaded, self.param_names)
+                self._written |= {self._aliases.get(name, name) for name in loaded}
 
         run_on_model(self.llm, load)
 
@@ -590,25 +591,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def written_parameters(reported: Iterable[str], params: frozenset[str]) -> set[str]:
-    """The engine's parameter names that a loader's reported names stand for. vLLM 0.32 reports each parameter by its
-    own name. vLLM 0.25's fused-MoE layer is a ``MoERunner`` whose child ``routed_experts`` holds the experts'
-    weights; ``RoutedExperts.load_weights`` yields names relative to itself and the runner passes them up unchanged,
-    so the loader reports ``...mlp.experts.w13_weight`` for ``...mlp.experts.routed_experts.w13_weight`` (the
-    bytes are written; the H100 run of 2026-11-27 failed its MoE sync on the name). A reported name that is no
-    parameter stands for the one parameter that is it with a single module inserted before its last part (none, or
-    several: left as reported, and finish_sync names what was not written)."""
+def reported_aliases(params: frozenset[str]) -> dict[str, str]:
+    """The names a loader may report for a parameter, mapped to it (made once per engine). vLLM 0.32 reports each
+    parameter by its own name. vLLM 0.25's fused-MoE layer is a ``MoERunner`` whose child ``routed_experts`` holds
+    the experts' weights; ``RoutedExperts.load_weights`` yields names relative to itself and the runner passes them
+    up unchanged, so the loader reports ``...mlp.experts.w13_weight`` for ``...mlp.experts.routed_experts.w13_weight``
+    (the bytes are written; the H100 run of 2026-11-27 failed its MoE sync on the name). A name that is no parameter
+    stands for the one parameter that is it with a single module inserted before its last part (none, or several:
+    no alias, and finish_sync names what was not written)."""
     inner: dict[str, list[str]] = {}
     for name in params:
         parts = name.split(".")
         if len(parts) >= 3:
             inner.setdefault(".".join(parts[:-2] + parts[-1:]), []).append(name)
-    written = set()
-    for name in reported:
-        if name not in params and len(inner.get(name, ())) == 1:
-            name = inner[name][0]
-        written.add(name)
-    return written
+    return {alias: found[0] for alias, found in inner.items() if len(found) == 1 and alias not in params}
+
+
+def written_parameters(reported: Iterable[str], params: frozenset[str]) -> set[str]:
+    """The engine's parameter names that a loader's reported names stand for (``reported_aliases``)."""
+    aliases = reported_aliases(params)
+    return {aliases.get(name, name) for name in reported}
 
 
 def _shutdown(llm: Any) -> None:

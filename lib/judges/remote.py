@@ -50,6 +50,10 @@ class RemoteJudge(Judge):
             body["response_format"] = verdict_schema(e.field, e.scale_min, e.scale_max)
         return body
 
+    def backoff(self, attempt: int) -> float:
+        """Seconds before retry ``attempt`` (1, 2, ...): jittered exponential, from judge.backoff_s."""
+        return self.endpoint.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
+
     def probe(self) -> None:
         """One short request: a refused key or an endpoint that cannot be reached is one clear error, now. It follows
         training's retry policy (429, 5xx, time-outs and dropped connections retried judge.max_retries times with
@@ -59,7 +63,7 @@ class RemoteJudge(Judge):
         r, failure = None, None
         for attempt in range(e.max_retries + 1):
             if attempt:
-                time.sleep(e.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+                time.sleep(self.backoff(attempt))
             try:
                 r = httpx.post(url, json=self._body("Reply OK.", 1), headers=self._headers(), timeout=e.timeout_s)
             except (httpx.TimeoutException, httpx.TransportError) as err:
@@ -107,7 +111,7 @@ class RemoteJudge(Judge):
         async with gate:
             for attempt in range(e.max_retries + 1):
                 if attempt:
-                    await asyncio.sleep(e.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+                    await asyncio.sleep(self.backoff(attempt))
                 if e.budget_tokens and self.used_tokens >= e.budget_tokens:
                     return OVER_BUDGET
                 counts["calls"] += 1

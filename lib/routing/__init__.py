@@ -109,21 +109,24 @@ def uninstall(model: nn.Module) -> None:
 
 
 @contextmanager
-def routes_of(model: nn.Module) -> Iterator[dict[str, Tensor]]:
-    """After the block, ``out["routes"]``: the (N, layers, k) int16 routes the model's routers chose in the block's
-    first forward (N tokens: a padded forward's B x L), the replay hooks installed for the block if the model had
-    none (removed after)."""
+def recorded(model: nn.Module) -> Iterator[None]:
+    """The block's forwards recorded (``recording``), with the replay hooks installed for the block where the model
+    had none (removed after: the start-up self-check records without replay being on)."""
     mine = state_of(model) is None
-    state = install(model)
-    out: dict[str, Tensor] = {}
+    install(model)
     try:
-        with recording(model) as rec:
-            yield out
-            if rec and rec[0]:
-                out["routes"] = torch.stack([calls[0] for calls in rec], 1).to(torch.int16)
+        with recording(model):
+            yield
     finally:
         if mine:
             uninstall(model)
+
+
+def first_routes(model: nn.Module, shape: tuple[int, int]) -> Tensor:
+    """Inside ``recorded``: the routes the routers chose in the block's first forward, over (B, L) = ``shape`` padded
+    rows, as (B, L, layers, k) int16 (the batch's layout)."""
+    flat = torch.stack([calls[0] for calls in state_of(model).recorded], 1).to(torch.int16)
+    return flat.reshape(*shape, *flat.shape[1:])
 
 
 def _hook(state: Routing, layer: int, kind: str):

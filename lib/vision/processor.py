@@ -56,40 +56,39 @@ def with_image_parts(messages: list[dict]) -> list[dict]:
             for m in messages]
 
 
-def _open(entry: Any, base_dir: str) -> Image.Image:
-    """An image entry opened (its header read, its pixels not yet): see ``load_image``."""
-    if isinstance(entry, Image.Image):
-        return entry
-    data, path = None, None
+def _source(entry: Any) -> tuple[bytes | None, str | None]:
+    """(bytes, path) of an image entry that is not a PIL image; ValueError for anything else."""
     if isinstance(entry, dict):
         data, path = entry.get("bytes"), entry.get("path")
     elif isinstance(entry, (bytes, bytearray)):
-        data = entry
+        data, path = entry, None
     elif isinstance(entry, str):
-        path = entry
+        data, path = None, entry
     else:
         raise ValueError(f"an image must be a {{'bytes', 'path'}} struct, a path or bytes, not {type(entry).__name__}")
     if not data and not path:
         raise ValueError("an image entry with neither bytes nor a path")
-    what = f"{len(data)} bytes" if data else f"path {path!r}"
-    try:
-        if data:
-            return Image.open(io.BytesIO(data))
-        return Image.open(path if os.path.isabs(path) or not base_dir else os.path.join(base_dir, path))
-    except UnidentifiedImageError:  # PIL's message names its BytesIO object, not the image
-        raise ValueError(f"image ({what}) is in no format PIL reads (PNG, JPEG, WebP, GIF, ...)") from None
-    except (OSError, Image.DecompressionBombError) as e:
-        raise ValueError(f"image ({what}) cannot be read: {e}") from None
+    return data, path
 
 
-def _decoded(image: Image.Image, entry: Any) -> Image.Image:
+def _read(entry: Any, base_dir: str) -> Image.Image:
+    """An image entry opened and decoded whole (see ``load_image``); ValueError saying what it was where it cannot
+    be."""
+    if isinstance(entry, Image.Image):
+        image, what = entry, "a PIL image"
+    else:
+        data, path = _source(entry)
+        what = f"{len(data)} bytes" if data else f"path {path!r}"
+        try:
+            image = (Image.open(io.BytesIO(data)) if data else
+                     Image.open(path if os.path.isabs(path) or not base_dir else os.path.join(base_dir, path)))
+        except UnidentifiedImageError:  # PIL's message names its BytesIO object, not the image
+            raise ValueError(f"image ({what}) is in no format PIL reads (PNG, JPEG, WebP, GIF, ...)") from None
+        except (OSError, Image.DecompressionBombError) as e:
+            raise ValueError(f"image ({what}) cannot be read: {e}") from None
     try:
         image.load()
     except (OSError, Image.DecompressionBombError) as e:
-        raw = isinstance(entry, (bytes, bytearray))
-        data = entry.get("bytes") if isinstance(entry, dict) else entry if raw else None
-        path = entry.get("path") if isinstance(entry, dict) else entry if isinstance(entry, str) else None
-        what = f"{len(data)} bytes" if data else f"path {path!r}" if path else "a PIL image"
         raise ValueError(f"image ({what}) cannot be decoded: {e}") from None
     return image
 
@@ -98,14 +97,14 @@ def load_image(entry: Any, base_dir: str = "") -> Image.Image:
     """An image of a data row, as RGB: a ``{"bytes", "path"}`` struct (verl's and ``datasets``' Image layout: PNG or
     JPEG bytes, else a path relative to the data file), a path, raw bytes, or a PIL image. An unreadable one is a
     ValueError saying what it was."""
-    return _decoded(_open(entry, base_dir), entry).convert("RGB")
+    return _read(entry, base_dir).convert("RGB")
 
 
 def image_size(entry: Any, base_dir: str = "") -> tuple[int, int]:
     """(width, height) of an image decoded whole: the start-up check of the data reads every image this way, so a
     file cut short after its header (a truncated PNG or JPEG) is a bad row named there, not a rank's crash at the
     step that draws it (issue 59)."""
-    return _decoded(_open(entry, base_dir), entry).size
+    return _read(entry, base_dir).size
 
 
 class VisionProcessor:
