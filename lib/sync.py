@@ -53,7 +53,9 @@ def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
 def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20,
                  weights: str = "full") -> dict[str, float]:
     """Stream the FSDP ``model``'s full weights (``weights``, a key of WEIGHTS: its parameters, or a LoRA model's base
-    or merged weights), then its persistent buffers, into an awake ``engine``. Returns time, GB sent, peak extra GB."""
+    or merged weights), then its persistent buffers, into an awake ``engine``; once more when the engine's
+    ``finish_sync`` asks (the first sync of a vLLM engine proves its plan with the same weights: lib.engine.plan).
+    Returns time, GB sent, peak extra GB, passes."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     if cuda:
@@ -63,16 +65,21 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bu
     t0 = time.perf_counter()
     sent = 0
     largest_bucket = 0
-    params = (iter_full_params_bucketed(model, dtype, bucket_bytes) if weights == "full"
-              else WEIGHTS[weights](model, dtype))
-    # the weights that are not parameters go after the parameters, whatever sent those (full, base or merged)
-    for bucket in buckets(itertools.chain(params, iter_persistent_buffers(model, dtype)), bucket_bytes):
-        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        sent += nbytes
-        largest_bucket = max(largest_bucket, nbytes)
-        engine.load_weights(bucket)
-        del bucket
-    engine.finish_sync()  # every engine parameter written (or a declared alias of one): never a stale tensor
+    passes = 0
+    again = True
+    while again:  # a second pass only when the engine asks for the same weights again (its sync plan's proof)
+        params = (iter_full_params_bucketed(model, dtype, bucket_bytes) if weights == "full"
+                  else WEIGHTS[weights](model, dtype))
+        # the weights that are not parameters go after the parameters, whatever sent those (full, base or merged)
+        for bucket in buckets(itertools.chain(params, iter_persistent_buffers(model, dtype)), bucket_bytes):
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            sent += nbytes if not passes else 0
+            largest_bucket = max(largest_bucket, nbytes)
+            engine.load_weights(bucket)
+            del bucket
+        # every engine parameter written (or a declared alias of one): never a stale tensor
+        again = bool(engine.finish_sync())
+        passes += 1
     if cuda:
         torch.cuda.synchronize(device)
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
@@ -80,7 +87,7 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bu
         peak = largest_bucket / 2**30  # what the bucketing bounds on CPU, where no allocator peak is kept
     elapsed = time.perf_counter() - t0
     return {"sync/seconds": elapsed, "sync/gb": sent / 2**30, "sync/peak_extra_gb": peak,
-            "sync/s_per_gb": elapsed / max(sent / 2**30, 1e-9)}
+            "sync/s_per_gb": elapsed / max(sent / 2**30, 1e-9), "sync/passes": float(passes)}
 
 
 def sync_adapter(model: nn.Module, engine: RolloutEngine, adapter: lora.Sync) -> dict[str, float]:

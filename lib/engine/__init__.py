@@ -153,8 +153,9 @@ class RolloutEngine(Protocol):
         """Full tensors under Hugging Face names: parameters, then persistent buffers (lib.sync.sync_weights)."""
         ...
 
-    def finish_sync(self) -> None:
-        """The sync is over: raises if any engine weight was not written since the weights woke."""
+    def finish_sync(self) -> bool:
+        """The sync is over: raises if any engine weight was not written since the weights woke. Returns True when the
+        engine asks for the same weights once more (vLLM: its sync plan's proof, lib.engine.plan)."""
         ...
 
     def load_adapter(self, version: int, tensors: dict[str, torch.Tensor]) -> None:

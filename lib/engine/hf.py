@@ -189,13 +189,14 @@ class HFEngine:
             self._params[name].copy_(tensor)
             self._written.add(name)
 
-    def finish_sync(self) -> None:
+    def finish_sync(self) -> bool:
         """The last call of a sync: every parameter was written since the weights woke (a tied alias is its
-        target), so the engine never samples from a stale or uninitialised tensor."""
+        target), so the engine never samples from a stale or uninitialised tensor. Never asks for a second pass."""
         missing = sorted(set(self._params) - self._written)
         if self.level == 0 and missing:
             raise RuntimeError(f"the weight sync left {len(missing)} engine parameters unwritten: {missing[:5]}")
         self.base_loaded = self.level == 0
+        return False
 
     @torch.no_grad()
     def load_adapter(self, version: int, tensors: dict[str, torch.Tensor]) -> None:

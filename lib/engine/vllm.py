@@ -42,6 +42,7 @@ from lib.engine import awake
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, prompt_images,
                         request_seeds, rollout_columns, stop_ids, turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
+from lib.engine.plan import Recorder, SyncPlan
 from lib.lora import VLLM_LORA_RANKS, check_engine_load, save_adapter
 from lib.protocol import DataProto
 
@@ -70,7 +71,8 @@ class VLLMEngine:
                  max_num_seqs: int = 256, kv_cache_bytes: int = 0, gpu_memory_utilization: float = 0.5,
                  dtype: str = "bfloat16", enforce_eager: bool = False, trust_remote_code: bool = False,
                  lora: Any = None, images_per_prompt: int = 0, mm_processor_kwargs: dict | None = None,
-                 banned_ids: list[int] | None = None, videos: bool = True, route_layers: list[int] | None = None):
+                 banned_ids: list[int] | None = None, videos: bool = True, route_layers: list[int] | None = None,
+                 sync_plan: bool = True):
         """``kv_cache_bytes``: the KV cache of this rank in bytes (0: ``kv_cache_bytes()`` for ``max_num_seqs``
         sequences of ``max_model_len`` tokens; the trainer passes lib.engine.plan_kv_cache's size). ``gpu_memory_utilization`` is only vLLM's start-up check on GPU
         (that share of the device must be free); the CPU build ignores it once the KV size is given in bytes.
@@ -83,7 +85,9 @@ class VLLMEngine:
         placeholders, lib.vision.placeholder_ids). ``videos``: the model takes videos too (vLLM is told none come;
         a model without them is told nothing of them). ``route_layers``: a mixture-of-experts model's MoE decoder
         layers (lib/routing): vLLM returns the experts each chose (``enable_return_routed_experts``, 0.25 to 0.32
-        alike), and training rollouts carry them as ``routed_experts``."""
+        alike), and training rollouts carry them as ``routed_experts``. ``sync_plan``: after the first sync (through
+        vLLM's loader, recorded and proved), write the weights through lib.engine.plan's plain copies; False: vLLM's
+        layerwise reload every sync."""
         strip_expandable_segments()
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -138,6 +142,14 @@ class VLLMEngine:
         self.metrics: dict[str, float] = {}
         self._loading = False  # inside a layerwise reload (between the first bucket and wake_up(kv_cache))
         self._unwrapped: list[tuple[Any, str, Any]] = []  # the LoRA layers set aside during a reload (_reload)
+        # the sync's plan (lib.engine.plan): "record" (the next sync goes through the loader and is recorded),
+        # "prove" (its second pass), "ready" (the plan writes what it holds), "off" (the loader every sync)
+        self._plan_state = "record" if sync_plan else "off"
+        self._plan: SyncPlan | None = None
+        self._recorder: Recorder | None = None
+        self._recording = contextlib.ExitStack()
+        self._syncing = False  # a sync has sent its first bucket
+        self._counts = {"plan": 0, "loader": 0}
         self.asleep: set[str] = set()
         self.base_loaded = False
         """Every parameter written since the weights last woke from a level-2 sleep (a level-1 sleep keeps them)."""
@@ -186,23 +198,45 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """One bucket of (HF name, tensor). The buckets of one sync form one vLLM layerwise reload: a layer
-        whose weights span two buckets (q/k/v into one fused qkv) is processed once all of it has arrived;
-        ``wake_up(["kv_cache"])`` closes the reload (generate needs it awake, so it never sees an open one)."""
+        """One bucket of (HF name, tensor). What the sync's plan holds is copied in place (lib.engine.plan); the rest
+        goes through vLLM's loader, and the loader's buckets of one sync form one vLLM layerwise reload (of the
+        layers that keep the loader, or of the whole model): a layer whose weights span two buckets (q/k/v into one
+        fused qkv) is processed once all of it has arrived; ``wake_up(["kv_cache"])`` closes the reload (generate
+        needs it awake, so it never sees an open one)."""
         if "weights" in self.asleep:  # enforced without sleep mode too, so CPU runs catch what crashes a GPU
             raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
-        if not self._loading:
-            _reload(self.llm, True, self._unwrapped)
-            self._loading = True
-            self._written = set()
         batch = list(weights)
+        if not self._syncing:
+            self._begin_sync()
+        if self._plan_state == "prove":  # the second pass: the plan alone, into scrambled tensors
+            for name, tensor in batch:
+                if self._plan.takes(name, tensor):
+                    self._plan.write(name, tensor)
+            return
+        if self._plan_state == "ready":
+            direct = [(n, t) for n, t in batch if self._plan.takes(n, t)]
+            for name, tensor in direct:
+                self._written |= self._plan.write(name, tensor)
+            self._counts["plan"] += len(direct)
+            batch = [(n, t) for n, t in batch if not self._plan.takes(n, t)]
+            if not batch:
+                return
+        self._counts["loader"] += len(batch)
+        if not self._loading:
+            _reload(self.llm, True, self._unwrapped,
+                    list(self._plan.fallback) if self._plan_state == "ready" else None)
+            self._loading = True
+            if self._recorder is not None:  # the first sync: its processing watched until the reload closes
+                run_on_model(self.llm, lambda model: self._recording.enter_context(
+                    self._recorder.watching_processing(model)))
         if self.tied_head:
             # vLLM's loader skips lm_head.weight for a tied model, and during a layerwise reload its head layer
             # sits on meta apart from the embedding: keep the embedding to load the head with (finish_sync)
             self._embedding = next((t for n, t in batch if n.endswith("embed_tokens.weight")), self._embedding)
 
         def load(model: Any) -> None:
-            loaded = model.load_weights(batch)  # the vLLM names written (fused q/k/v count once)
+            with self._recording_mode(batch):
+                loaded = model.load_weights(batch)  # the vLLM names written (fused q/k/v count once)
             if loaded is None or self._written is None:
                 self._written = None  # a model whose loader does not say: nothing to verify against
             else:
@@ -210,19 +244,72 @@ class VLLMEngine:
 
         run_on_model(self.llm, load)
 
-    def finish_sync(self) -> None:
+    def _begin_sync(self) -> None:
+        self._syncing = True
+        self._written = set()
+        self._counts = {"plan": 0, "loader": 0}
+        if self._plan_state == "ready" and not self._plan.valid():
+            log.warning("weight sync: vLLM's tensors moved since the plan was recorded; recording it again")
+            self._plan_state, self._plan = "record", None
+        if self._plan_state == "record":
+            model: list[Any] = []
+            run_on_model(self.llm, model.append)
+            self._recorder = Recorder(model[0])
+            self._proof_t0 = time.perf_counter()
+        elif self._plan_state == "prove":
+            self._plan.scramble()
+
+    def _recording_mode(self, batch: list[tuple[str, torch.Tensor]]) -> Any:
+        if self._recorder is None:
+            return contextlib.nullcontext()
+        self._recorder.sending(batch)
+        return self._recorder
+
+    def finish_sync(self) -> bool:
         """The last call of a sync: load the tied head (``_load_tied_head``), then check that every vLLM parameter
         was written (a tied lm_head is the embedding itself as built, not a parameter of its own), so the engine
-        never samples from a dummy or stale tensor."""
-        if not self._loading:
-            return
-        if self.tied_head:
-            self._load_tied_head()
+        never samples from a dummy or stale tensor. Returns True when the same weights must be sent once more: the
+        first sync, once recorded, proves its plan with them (lib.engine.plan)."""
+        if not self._syncing:
+            return False
+        self._syncing = False
+        if self._plan_state == "prove":
+            self._prove()
+            return False
+        if self.tied_head and self._loading and (self._embedding is not None or self._plan_state != "ready"):
+            with self._recording_mode([("model.embed_tokens.weight", self._embedding)] if self._embedding is not None
+                                      else []):
+                self._load_tied_head()
         if self._written is not None:
             missing = sorted(self.param_names - self._written)
             if missing:
                 raise RuntimeError(f"the weight sync left {len(missing)} vLLM parameters unwritten: {missing[:5]}")
         self.base_loaded = True
+        self.metrics["sync/plan_tensors"] = float(self._counts["plan"])
+        self.metrics["sync/loader_tensors"] = float(self._counts["loader"])
+        if self._plan_state != "record":
+            return False
+        with self._recorder:  # the reload's close runs the last layers' processing (attention: always here)
+            self._finish_load()
+        self._recording.close()
+        model: list[Any] = []
+        run_on_model(self.llm, model.append)
+        names = {id(t): n.replace(".base_layer.", ".") for n, t in
+                 [*model[0].named_parameters(remove_duplicate=False), *model[0].named_buffers(remove_duplicate=False)]}
+        self._plan, self._recorder = self._recorder.build(model[0], names), None
+        if self._plan.whole or not self._plan.writes:
+            self._plan_state = "off"
+            log.warning("weight sync: %s", self._plan.summary())
+            return False
+        self._plan_state = "prove"
+        return True
+
+    def _prove(self) -> None:
+        self._plan.prove()
+        self._plan_state = "ready" if self._plan.writes else "off"
+        self.metrics["sync/plan_proof_seconds"] = time.perf_counter() - self._proof_t0
+        if self.topo.rank == 0:
+            log.warning("weight sync: %s", self._plan.summary())
 
     def load_adapter(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Serve adapter ``version`` (PEFT names -> tensors): written as a PEFT folder and added under its own id
@@ -619,7 +706,7 @@ def _shutdown(llm: Any) -> None:
         core.shutdown()
 
 
-def _reload(llm: Any, begin: bool, unwrapped: list[tuple[Any, str, Any]]) -> None:
+def _reload(llm: Any, begin: bool, unwrapped: list[tuple[Any, str, Any]], layers: list[Any] | None = None) -> None:
     """Open (``begin``) or close one vLLM layerwise reload. Open: the model goes back to checkpoint layout, on
     meta until each layer's weights arrive. Weight loading must go through this: after loading, vLLM may repack
     weights into kernel layouts (the CPU backend does) that plain ``load_weights`` cannot write into. Close:
@@ -629,12 +716,19 @@ def _reload(llm: Any, begin: bool, unwrapped: list[tuple[Any, str, Any]]) -> Non
     ``base_layer`` from the opening to the close (``unwrapped`` keeps them; the LoRA manager keeps its own
     references) and put back after. vLLM 0.25's LoRA layers neither load weights nor show the base's parameters
     under the layer's own name, so a sync into them failed (``no parameter named ...qkv_proj.weight``, the first
-    GPU run); 0.32 forwards both. Unwrapped, both releases load the base as a model without LoRA."""
+    GPU run); 0.32 forwards both. Unwrapped, both releases load the base as a model without LoRA.
+
+    ``layers``: open the reload on these layers (and what they hold) only, the rest staying live (the layers that keep
+    the loader beside a sync plan, lib.engine.plan); None: the whole model."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     if begin:
         run_on_model(llm, lambda model: unwrapped.extend(_unwrap_lora_layers(model)))
-        run_on_model(llm, initialize_layerwise_reload)
+        if layers is None:
+            run_on_model(llm, initialize_layerwise_reload)
+        else:
+            for layer in layers:
+                run_on_model(llm, lambda _: initialize_layerwise_reload(layer))
     else:
         model_config = llm.llm_engine.vllm_config.model_config
         try:
