@@ -67,6 +67,11 @@ class RolloutConfig:
     """vLLM without CUDA graphs / torch.compile: starts in seconds, decodes slower."""
     sync_bucket_mb: int = 512
     """Weight-sync bucket size."""
+    sync_plan: bool = True
+    """vLLM: after the first sync (through vLLM's own loaders, recorded, then proved bit for bit with a second pass of
+    the same weights), write each weight with plain copies into the places vLLM's loaders put it; layers whose loading
+    does more than place bytes (vLLM's CPU build packs linear weights; quantized or repacked MoE layers) keep vLLM's
+    loader, said once at the first sync. false: vLLM's layerwise reload every sync."""
     hf_batch_tokens: int = 65536
     """HF engine: prompt + response tokens of the rows generated together (a call with more runs in chunks of
     whole prompts, each prefilled once for its n samples). Bounds its KV cache: tokens x layers x 2 x KV heads x

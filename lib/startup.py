@@ -490,7 +490,7 @@ def build_engine(run: Run) -> Any:
                           dtype=str(engine_dtype(run)).removeprefix("torch."), enforce_eager=r.enforce_eager,
                           trust_remote_code=cfg.actor.model.trust_remote_code, lora=engine_lora(run),
                           route_layers=routing.moe_layers(run.actor.model) if r.routing_replay else None,
-                          **vllm_image_kwargs(run))
+                          sync_plan=r.sync_plan, **vllm_image_kwargs(run))
 
     return _hf_engine(run, cfg.actor.model.path, eos, engine_lora(run))
 

@@ -512,3 +512,57 @@ def test_a_checkpoint_class_the_installed_vllm_lacks_is_refused_before_any_model
     assert vllm_model_problems(Qwen2Config(architectures=["Qwen2ForCausalLM"])) == []
     (msg,) = vllm_model_problems(Qwen2Config(architectures=["NoSuchModelForCausalLM"]))
     assert "has no model class for this checkpoint's NoSuchModelForCausalLM; use rollout.engine=hf" in msg, msg
+
+
+def _plan_body(path):
+    """Three syncs of a trainer whose weights move between them (every tensor, the norms by a lot): the first
+    through vLLM's loader (recorded, then proved), the later ones through the plan where it holds (vLLM's CPU build:
+    the norms; its linear and embedding layers pack their weights for oneDNN and keep the loader)."""
+    import logging
+
+    from lib.config import FSDPConfig, ModelConfig
+    from lib.dist import init_topology
+    from lib.engine.vllm import VLLMEngine
+    from lib.fsdp import build_sharded_model
+    from lib.sync import enter_rollout, exit_rollout
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("lib.engine.vllm").addHandler(handler)
+    topo = init_topology()
+    model = build_sharded_model(ModelConfig(path=path), FSDPConfig(), topo, packed=False)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5)
+    eng = VLLMEngine(path, topo, 0, [EOS], sampling, max_model_len=64, max_num_seqs=8, dtype="float32",
+                     enforce_eager=True)
+    steps = []
+    for step in range(3):
+        torch.manual_seed(step)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.add_(torch.randn_like(p) * (0.5 if "norm" in name else 0.02))
+        metrics = enter_rollout(model, eng, torch.float32)
+        out = eng.generate(prompts(4, seed=step))
+        exit_rollout(model, eng, topo.device)
+        ours, _ = processed_log_probs(model, out)
+        m = out.batch["response_mask"]
+        steps.append({"logp_diff": float(((ours - out.batch["rollout_log_probs"]).abs() * m).max()),
+                      **{k: v for k, v in metrics.items() if k.startswith("sync/")}})
+    eng.close()
+    return {"steps": steps, "said": [s for s in said if s.startswith("weight sync")]}
+
+
+@pytest.mark.vllm
+def test_the_sync_plan_keeps_the_canary_over_steps_and_says_what_keeps_the_loader(tmp_path):
+    path = save_tiny_model(str(tmp_path / "m"), "qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    r = run_distributed(_plan_body, path, world_size=1, timeout=600)[0]
+    first, *later = r["steps"]
+    assert first["sync/passes"] == 2 and first["sync/plan_tensors"] == 0  # recorded, then proved
+    for s in later:
+        assert s["sync/passes"] == 1 and s["sync/plan_tensors"] == 5, s  # 2 layers x 2 norms + the final norm
+        assert s["sync/loader_tensors"] > 0
+    for s in r["steps"]:
+        assert s["logp_diff"] < 1e-4, r["steps"]  # the canary: the engine holds the trained model every step
+    assert len(r["said"]) == 1, r["said"]  # said once
+    assert "5 tensors through the plan (proved bit for bit" in r["said"][0]
+    assert "its post-load processing" in r["said"][0], r["said"]  # vLLM's CPU build packs its linear weights

@@ -97,6 +97,7 @@ class Recorder(TorchDispatchMode):
         self.model = model
         self.writes: dict[str, list[Write]] = {}
         self.fills: dict[str, list[Write]] = {}  # constant writes, under the name of a tensor sent beside them
+        self.names: dict[str, None] = {}  # every name sent, in order
         self.marked: dict[nn.Module, str] = {}  # layer -> why the plan cannot replay its loading
         self.whole: str = ""  # why no part of the model can be replayed ("" if none)
         self.reads: list[tuple[nn.Module, int]] = []  # what weightless layers' processing read (storages; build)
@@ -109,7 +110,9 @@ class Recorder(TorchDispatchMode):
 
     def sending(self, batch: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The tensors of the bucket about to go through the loader."""
+        batch = list(batch)
         self._sent = [(_ptr(t), *_extent(t), name, t) for name, t in batch if t.numel()]
+        self.names.update(dict.fromkeys(name for name, _ in batch))
 
     @contextlib.contextmanager
     def watching_processing(self, model: nn.Module) -> Iterator[None]:
@@ -257,6 +260,7 @@ class Recorder(TorchDispatchMode):
             plan.writes[name] = [Target(_view(_tensors(w.module)[w.tensor], w.dst), w.src, w.module, w.tensor,
                                         names.get(id(_tensors(w.module)[w.tensor]), w.tensor), w.value)
                                  for w in writes]
+        plan.loader.update(n for n in self.names if n not in plan.writes)
         plan.fallback = {m: self.marked.get(m, "a layer inside one that keeps the loader") for m in fallback
                          if _tensors(m)}
         return plan

@@ -1,0 +1,321 @@
+"""The weight sync's plan (lib.engine.plan) against an engine model laid out as vLLM lays out its weights: q/k/v (and
+their biases) fused into one qkv, gate/up into one gate_up, a mixture of experts stacked into w13/w2 by expert, a
+vocabulary padded with zero rows, a head tied to the embedding. No vLLM needed: the loaders here write as vLLM's do
+(narrowed copies by shard id and expert), and one layer's post-load processing packs its weight, as vLLM's CPU build
+does. The plan, recorded from these loaders, must write what they write, bit for bit, and leave the packed layer to
+its loader; vLLM's own loaders are checked the same way in tests/test_rollout.py (vllm marker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lib.engine.plan import Recorder, SyncPlan
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EXPERTS, VOCAB, PADDED = 64, 4, 2, 16, 96, 4, 1000, 1024
+
+
+class Fused(nn.Module):
+    """A linear whose output rows hold several checkpoint tensors (vLLM's QKVParallelLinear, MergedColumnParallel)."""
+
+    def __init__(self, shards: dict[str, int], in_size: int, bias: bool = False):
+        super().__init__()
+        self.offsets, start = {}, 0
+        for shard, size in shards.items():
+            self.offsets[shard] = (start, size)
+            start += size
+        self.weight = nn.Parameter(torch.zeros(start, in_size), requires_grad=False)
+        self.weight.weight_loader = self.load
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(start), requires_grad=False)
+            self.bias.weight_loader = self.load
+
+    def load(self, param: torch.Tensor, loaded: torch.Tensor, shard: str) -> None:
+        start, size = self.offsets[shard]
+        param.data.narrow(0, start, size).copy_(loaded)
+
+
+class Plain(nn.Module):
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(*shape), requires_grad=False)
+        self.weight.weight_loader = lambda param, loaded: param.data.copy_(loaded)
+
+
+class Embedding(Plain):
+    """Rows padded to a multiple of 64, the padding zero-filled by the loader (vLLM's VocabParallelEmbedding)."""
+
+    def __init__(self):
+        super().__init__(PADDED, HIDDEN)
+        self.weight.weight_loader = self.load
+
+    def load(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        param.data[:loaded.shape[0]].copy_(loaded)
+        param.data[loaded.shape[0]:].fill_(0)
+
+
+class Experts(nn.Module):
+    """Experts stacked by expert id: w13 (gate rows, then up rows) and w2 (vLLM's FusedMoE)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.zeros(EXPERTS, 2 * INTER, HIDDEN), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.zeros(EXPERTS, HIDDEN, INTER), requires_grad=False)
+        for p in (self.w13_weight, self.w2_weight):
+            p.weight_loader = self.load
+
+    def load(self, param: torch.Tensor, loaded: torch.Tensor, shard: str, expert: int) -> None:
+        if shard == "w2":
+            param.data[expert].copy_(loaded)
+        else:
+            param.data[expert].narrow(0, 0 if shard == "w1" else INTER, INTER).copy_(loaded)
+
+
+class PackedMethod:
+    """Post-load processing that keeps a packed copy beside the weight (vLLM's CPU build: a oneDNN handle)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.packed = layer.weight.t().contiguous()
+
+
+class Scaled(Plain):
+    """A loader that writes a computed tensor, not a copy of the one sent."""
+
+    def __init__(self, *shape: int):
+        super().__init__(*shape)
+        self.weight.weight_loader = lambda param, loaded: param.data.copy_(loaded * 2)
+
+
+class Absorbing(nn.Module):
+    """A weightless layer whose processing derives a tensor from another layer's weight (MLA's absorbed weights)."""
+
+    def __init__(self, source: nn.Module):
+        super().__init__()
+        self.source = [source]
+
+    def process_weights_after_loading(self) -> None:
+        self.absorbed = self.source[0].weight[:HEAD_DIM].clone()
+
+
+class FakeEngineModel(nn.Module):
+    """Two decoder layers (the second a mixture of experts), tied head, vLLM's names and fused layouts."""
+
+    def __init__(self, packed_head_layer: bool = True, scaled: bool = False, absorbing: bool = False):
+        super().__init__()
+        self.embed_tokens = Embedding()
+        self.lm_head = self.embed_tokens  # tied, as vLLM builds a tied model
+        self.layers = nn.ModuleList()
+        for i in range(2):
+            layer = nn.Module()
+            layer.qkv_proj = Fused({"q": HEADS * HEAD_DIM, "k": KV_HEADS * HEAD_DIM, "v": KV_HEADS * HEAD_DIM},
+                                   HIDDEN, bias=True)
+            layer.o_proj = Plain(HIDDEN, HEADS * HEAD_DIM)
+            layer.input_layernorm, layer.post_attention_layernorm = Plain(HIDDEN), Plain(HIDDEN)
+            if i == 0:
+                layer.gate_up_proj = Fused({"gate": INTER, "up": INTER}, HIDDEN)
+                layer.down_proj = Scaled(HIDDEN, INTER) if scaled else Plain(HIDDEN, INTER)
+            else:
+                layer.experts = Experts()
+                layer.gate = Plain(EXPERTS, HIDDEN)
+            if absorbing and i == 1:
+                layer.attn = Absorbing(layer.qkv_proj)
+            self.layers.append(layer)
+        if packed_head_layer:
+            self.layers[0].o_proj.quant_method = PackedMethod()
+        self.norm = Plain(HIDDEN)
+
+    def load_weights(self, weights) -> set[str]:
+        """HF names -> (layer, parameter, loader arguments), as vLLM's stacked-parameter mapping does."""
+        loaded = set()
+        for name, tensor in weights:
+            parts = name.removeprefix("model.").split(".")
+            if parts[0] in ("embed_tokens", "norm"):
+                target, args = getattr(self, parts[0]), ()
+            else:
+                layer, rest = self.layers[int(parts[1])], parts[2:-1]  # e.g. [self_attn, q_proj], [mlp, gate]
+                kind = rest[-1]
+                if kind in ("q_proj", "k_proj", "v_proj"):
+                    target, args = layer.qkv_proj, (kind[0],)
+                elif rest[:2] == ["mlp", "experts"]:
+                    shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[kind]
+                    param = layer.experts.w2_weight if shard == "w2" else layer.experts.w13_weight
+                    param.weight_loader(param, tensor, shard, int(rest[2]))
+                    loaded.add(name)
+                    continue
+                elif kind in ("gate_proj", "up_proj"):
+                    target, args = layer.gate_up_proj, (kind.removesuffix("_proj"),)
+                else:  # o_proj, down_proj, the router (mlp.gate), the norms
+                    target, args = getattr(layer, kind), ()
+            param = getattr(target, parts[-1])
+            param.weight_loader(param, tensor, *args)
+            loaded.add(name)
+        return loaded
+
+    def process(self) -> None:
+        """What vLLM runs after loading: each layer's quant method's processing, then the weightless layers'."""
+        for module in self.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+        for module in self.modules():
+            if isinstance(module, Absorbing):
+                module.process_weights_after_loading()
+
+
+def hf_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """A Qwen2-style checkpoint (q/k/v biases) whose second layer is a Qwen3-MoE block, in HF names, random values."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    out = [("model.embed_tokens.weight", r(VOCAB, HIDDEN))]
+    for i in range(2):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", r(HEADS * HEAD_DIM, HIDDEN)),
+                (p + "self_attn.q_proj.bias", r(HEADS * HEAD_DIM)),
+                (p + "self_attn.k_proj.weight", r(KV_HEADS * HEAD_DIM, HIDDEN)),
+                (p + "self_attn.k_proj.bias", r(KV_HEADS * HEAD_DIM)),
+                (p + "self_attn.v_proj.weight", r(KV_HEADS * HEAD_DIM, HIDDEN)),
+                (p + "self_attn.v_proj.bias", r(KV_HEADS * HEAD_DIM)),
+                (p + "self_attn.o_proj.weight", r(HIDDEN, HEADS * HEAD_DIM)),
+                (p + "input_layernorm.weight", r(HIDDEN)), (p + "post_attention_layernorm.weight", r(HIDDEN))]
+        if i == 0:
+            out += [(p + "mlp.gate_proj.weight", r(INTER, HIDDEN)), (p + "mlp.up_proj.weight", r(INTER, HIDDEN)),
+                    (p + "mlp.down_proj.weight", r(HIDDEN, INTER))]
+        else:
+            out += [(p + "mlp.gate.weight", r(EXPERTS, HIDDEN))]
+            for e in range(EXPERTS):
+                out += [(p + f"mlp.experts.{e}.gate_proj.weight", r(INTER, HIDDEN)),
+                        (p + f"mlp.experts.{e}.up_proj.weight", r(INTER, HIDDEN)),
+                        (p + f"mlp.experts.{e}.down_proj.weight", r(HIDDEN, INTER))]
+    return out + [("model.norm.weight", r(HIDDEN))]
+
+
+def bucketed(weights, size: int = 5) -> list[list[tuple[str, torch.Tensor]]]:
+    """Buckets cut from one flat buffer each, as the sync's gathers hand them (tensors share a storage)."""
+    out = []
+    for i in range(0, len(weights), size):
+        chunk = weights[i:i + size]
+        flat = torch.cat([t.reshape(-1) for _, t in chunk])
+        views, start = [], 0
+        for name, t in chunk:
+            views.append((name, flat[start:start + t.numel()].view(t.shape)))
+            start += t.numel()
+        out.append(views)
+    return out
+
+
+def record(model: FakeEngineModel, weights) -> SyncPlan:
+    recorder = Recorder(model)
+    with recorder.watching_processing(model):
+        for bucket in bucketed(weights):
+            recorder.sending(bucket)
+            with recorder:
+                model.load_weights(bucket)
+        with recorder:
+            model.process()
+    names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False)]}
+    return recorder.build(model, names)
+
+
+def proved(model: FakeEngineModel, weights) -> SyncPlan:
+    """Recorded from the loader, then proved with the same weights (the engine's first sync)."""
+    plan = record(model, weights)
+    plan.scramble()
+    for bucket in bucketed(weights):
+        for name, tensor in bucket:
+            if plan.takes(name, tensor):
+                plan.write(name, tensor)
+    plan.prove()
+    return plan
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_the_plan_writes_what_the_loader_writes_in_vllms_fused_layouts():
+    engine = FakeEngineModel()
+    plan = proved(engine, hf_weights(0))
+    # everything but the packed layer's weight goes through plain copies; the packed layer keeps its loader
+    assert plan.loader == {"model.layers.0.self_attn.o_proj.weight"}, plan.loader
+    assert list(plan.fallback.values()) == ["its post-load processing makes new tensors (aten.clone.default)"]
+    assert "proved bit for bit" in plan.summary() and "1 layer: its post-load processing makes" in plan.summary()
+    qkv = plan.writes["model.layers.1.self_attn.k_proj.weight"]
+    assert len(qkv) == 1 and qkv[0].name == "layers.1.qkv_proj.weight" and qkv[0].view.shape == (32, HIDDEN)
+    assert len(plan.writes["model.embed_tokens.weight"]) == 2  # the rows, and the padding's zeros
+    # a later sync: new weights through the plan (and the loader for the rest) equal the loader alone, bit for bit
+    reference = FakeEngineModel()  # a loader-only engine (every tensor written below)
+    new = hf_weights(1)
+    reference.load_weights(new)
+    for bucket in bucketed(new):
+        for name, tensor in bucket:
+            if plan.takes(name, tensor):
+                plan.write(name, tensor)
+            else:
+                engine.load_weights([(name, tensor)])
+    ours, theirs = state(engine), state(reference)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name].view(torch.int32), theirs[name].view(torch.int32)), name
+    assert torch.equal(engine.lm_head.weight, engine.embed_tokens.weight)  # the tied head is the embedding
+    assert not engine.embed_tokens.weight[VOCAB:].any()  # the padding rows
+    assert plan.valid()
+
+
+def test_a_plan_that_misses_bytes_fails_its_proof_and_its_layer_keeps_the_loader():
+    engine = FakeEngineModel(packed_head_layer=False)
+    weights = hf_weights(2)
+    plan = record(engine, weights)
+    loaded = state(engine)
+    plan.writes["model.layers.0.self_attn.v_proj.weight"].clear()  # a plan that would leave v's rows stale
+    plan.writes["model.layers.0.self_attn.v_proj.weight"].append(
+        plan.writes.pop("model.layers.0.self_attn.k_proj.weight")[0])  # ... and write k's rows from v
+    plan.scramble()
+    for name, tensor in weights:
+        if plan.takes(name, tensor):
+            plan.write(name, tensor)
+    failed = plan.prove()
+    assert [type(m).__name__ for m in failed] == ["Fused"] and failed[engine.layers[0].qkv_proj].startswith(
+        "the plan's copy of weight differs")
+    # what the loader wrote is back, and every name writing into that qkv goes through the loader from now on
+    for name, tensor in state(engine).items():
+        assert torch.equal(tensor.view(torch.int32), loaded[name].view(torch.int32)), name
+    assert {f"model.layers.0.self_attn.{x}_proj.{k}" for x in "qv" for k in ("weight", "bias")} <= plan.loader
+    assert "model.layers.1.self_attn.q_proj.weight" in plan.writes  # the other layer's qkv keeps the plan
+
+
+def test_a_loader_that_computes_and_processing_that_derives_keep_the_loader():
+    engine = FakeEngineModel(packed_head_layer=False, scaled=True)
+    plan = record(engine, hf_weights(3))
+    assert "model.layers.0.mlp.down_proj.weight" in plan.loader
+    assert plan.fallback[engine.layers[0].down_proj].startswith("its loader writes weight from a tensor the sync "
+                                                                "did not send")
+    # a weightless layer whose processing reads a synced weight: the whole model keeps the loader
+    plan = record(FakeEngineModel(packed_head_layer=False, absorbing=True), hf_weights(3))
+    assert not plan.writes and "Absorbing's post-load processing reads synced weights" in plan.summary()
+
+
+def test_the_plan_sees_its_tensors_move():
+    engine = FakeEngineModel(packed_head_layer=False)
+    plan = proved(engine, hf_weights(4))
+    assert plan.valid()
+    engine.norm.weight = nn.Parameter(engine.norm.weight.detach().clone(), requires_grad=False)
+    assert not plan.valid()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cast_happens_inside_the_copy(dtype):
+    """The trainer may send fp32 into a bf16 engine tensor: the copy casts, as the loader's copy_ does."""
+    engine = FakeEngineModel(packed_head_layer=False).to(dtype)
+    weights = [(n, t.to(dtype)) for n, t in hf_weights(5)]
+    plan = proved(engine, weights)
+    fp32 = hf_weights(6)
+    reference = FakeEngineModel(packed_head_layer=False).to(dtype)
+    reference.load_weights(fp32)
+    for name, tensor in fp32:
+        plan.write(name, tensor)
+    for name, tensor in state(engine).items():
+        assert torch.equal(tensor, state(reference)[name]), name
