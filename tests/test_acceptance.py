@@ -407,7 +407,7 @@ def test_the_gpu_marked_tests_import_only_what_the_gpu_machine_has():
 
     def ours(module: str) -> str | None:
         parts = module.split(".")
-        if parts[0] in ("bench_rollout", "bench_train", "profile_summary", "bench_algos"):
+        if parts[0] in ("bench_rollout", "bench_train", "bench_sync", "profile_summary", "bench_algos"):
             parts = ["bench", *parts]
         for cand in (os.path.join(ROOT, *parts) + ".py", os.path.join(ROOT, *parts, "__init__.py")):
             if parts[0] in ("lib", "tests", "bench") and os.path.exists(cand):

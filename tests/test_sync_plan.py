@@ -190,7 +190,8 @@ def hf_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
                 out += [(p + f"mlp.experts.{e}.gate_proj.weight", r(INTER, HIDDEN)),
                         (p + f"mlp.experts.{e}.up_proj.weight", r(INTER, HIDDEN)),
                         (p + f"mlp.experts.{e}.down_proj.weight", r(HIDDEN, INTER))]
-    return out + [("model.norm.weight", r(HIDDEN))]
+    # the embedding mid-bucket: the padding's zeros belong to it, not to the bucket's first tensor
+    return out[1:4] + out[:1] + out[4:] + [("model.norm.weight", r(HIDDEN))]
 
 
 def bucketed(weights, size: int = 5) -> list[list[tuple[str, torch.Tensor]]]:

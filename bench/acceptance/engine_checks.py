@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bench.acceptance.common import (ENGINE_SETTINGS, PROMPT_LEN, SHAPES, TIMING_ON_CPU, Row, eager, has_vllm,
                                      model_folder, on_cpu, save_folder)
 import bench_rollout  # noqa: E402, I001 (bench/ on the path: bench.acceptance.common puts it there)
+from bench_sync import copy_floor_seconds, engine_parameters  # noqa: E402
 import bench_train  # noqa: E402
 from lib import lora, toy
 from lib.actor import Trainee, compute_log_probs, update_policy
@@ -183,32 +184,6 @@ def greedy_rows(where: str, margins: torch.Tensor, greedy: DataProto, own: torch
                 "" if exact else "bf16: a near-tie flips a token and the rest of its row; judged by the margin above")]
 
 
-def engine_parameters(engine) -> list[torch.Tensor]:
-    """The engine's own parameter tensors (vLLM's model in this process, or the HF engine's replica)."""
-    if isinstance(engine, HFEngine):
-        return [p.data for p in engine.model.parameters()]
-    params: list[torch.Tensor] = []
-    run_on_model(engine.llm, lambda model: params.extend(p.data for p in model.parameters()))
-    return params
-
-
-def copy_floor_seconds(engine, device: torch.device) -> tuple[float, int, int]:
-    """The sync's floor, measured in this process: a bare ``copy_`` per tensor into the engine's own parameters, from
-    copies of them made beforehand (the values do not change). Returns (seconds, tensors, bytes)."""
-    params = engine_parameters(engine)
-    sources = [p.clone() for p in params]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best = float("inf")
-    for _ in range(3):
-        sync()
-        t0 = time.perf_counter()
-        for p, src in zip(params, sources):
-            p.copy_(src)
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best, len(params), sum(p.numel() * p.element_size() for p in params)
-
-
 def make_engine(engine_name: str, path: str, topo, dtype: torch.dtype, served=None, timed: bool = True):
     """The checks' engine ("hf" or "vllm") of the model at ``path``: sampling at temperature 1 (seed 1), greedy
     validation (seed 2), 32 new tokens, built asleep; vLLM with the GRPO run's engine settings (ENGINE_SETTINGS),
@@ -255,6 +230,11 @@ def _correctness(args, engine_name: str, where: str, path: str = "", timed: bool
     batch.meta_info["seed_key"] = 2
     other = engine.generate(batch)
     exit_rollout(model, engine, topo.device)
+    loader = {}
+    if isinstance(engine, VLLMEngine):  # the same sync through vLLM's loader, for the figure beside the plan's
+        engine.use_sync_plan(False)
+        loader = enter_rollout(model, engine, dtype)
+        exit_rollout(model, engine, topo.device)
     margins = greedy_margins(model, greedy)
     own = own_greedy_decode(model, batch, greedy.batch["responses"].shape[1], topo.device)
     logp, _ = compute_log_probs(model, sampled, cfg.batching, topo)
@@ -274,8 +254,13 @@ def _correctness(args, engine_name: str, where: str, path: str = "", timed: bool
         Row(f"sync ({where}): time against a bare copy into the engine's parameters",
             f"{ratio:.1f}x ({sync_s * 1e3:.2f} vs {floor_s * 1e3:.3f} ms)", "<= 3x", ratio <= 3 if gpu else None,
             f"{sync_s * 1e3 / max(num_tensors, 1):.2f} ms a tensor ({num_tensors} engine tensors), "
-            f"{sync_s / max(gb, 1e-9):.3f} s/GB ({gb * 1024:.1f} MiB sent, {floor_bytes / 2**20:.1f} MiB held)"
-            + on_cpu(args.device), timed=True)]
+            f"{sync_s / max(gb, 1e-9):.3f} s/GB ({gb * 1024:.1f} MiB sent, {floor_bytes / 2**20:.1f} MiB held); "
+            f"{metrics.get('sync/plan_tensors', 0):.0f} tensors through the sync plan, "
+            f"{metrics.get('sync/loader_tensors', 0):.0f} through vLLM's loader" + on_cpu(args.device), timed=True)
+    ] + ([Row(f"sync ({where}): the same sync through vLLM's loader alone (rollout.sync_plan false)",
+              f"{loader['sync/seconds'] / max(floor_s, 1e-9):.1f}x the floor ({loader['sync/seconds'] * 1e3:.2f} ms)",
+              "", None, f"the plan {loader['sync/seconds'] / max(sync_s, 1e-9):.2f}x faster" + on_cpu(args.device),
+              timed=True)] if loader else [])
 
 
 @torch.no_grad()

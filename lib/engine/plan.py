@@ -105,6 +105,7 @@ class Recorder(TorchDispatchMode):
         self._sent: list[tuple[int, int, int, str, torch.Tensor]] = []
         self._owners: dict[int, tuple[nn.Module, str]] = {}
         self._processing: nn.Module | None = None
+        self._last = ""  # the sent tensor last copied
 
     # ---- what the engine tells it
 
@@ -193,19 +194,21 @@ class Recorder(TorchDispatchMode):
             return
         base = _tensors(module)[name]
         self._weighted.add(module)
+        self._last = sent[3]
         self.writes.setdefault(sent[3], []).append(
             Write(module, name, _spec(dst, base), _spec(src, sent[4]), (tuple(base.shape), base.stride(), base.dtype)))
 
     def _see_fill(self, dst: torch.Tensor, value: float) -> None:
         """A loader setting part of a layer's tensor to a constant (vLLM pads a vocabulary's rows with zeros): a
-        write the plan replays with the same constant, tied to the bucket's first tensor."""
+        write the plan replays with the same constant, with the sent tensor last copied (the one whose loader this
+        is)."""
         owner = None if dst.is_meta else self._owner(dst)
         if owner is None:
             return
         module, name = owner
         base = _tensors(module)[name]
         self._weighted.add(module)
-        self.fills.setdefault(self._sent[0][3], []).append(
+        self.fills.setdefault(self._last or self._sent[0][3], []).append(
             Write(module, name, _spec(dst, base), (0, (), ()), (tuple(base.shape), base.stride(), base.dtype), value))
 
     # ---- lookups

