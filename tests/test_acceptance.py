@@ -183,6 +183,11 @@ def test_the_vllm_rows_on_cpu(tmp_path):
         assert rows[name]["passed"] is True, rows.get(name)
     ratio = rows["rollout: engine / bare LLM.generate tokens/s"]["value"]
     assert ratio.endswith(")") and float(ratio.split("x")[0]) > 0, ratio
+    # the second sync went through the plan (vLLM's CPU build: its norms), and the loader's time stands beside it
+    sync = rows["sync (vllm engine): time against a bare copy into the engine's parameters"]
+    assert " 5 tensors through the sync plan" in sync["note"], sync
+    loader = rows["sync (vllm engine): the same sync through vLLM's loader alone (rollout.sync_plan false)"]
+    assert loader["value"].endswith(" ms)") and "the plan" in loader["note"], loader
 
 
 @pytest.mark.vllm

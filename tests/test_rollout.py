@@ -566,3 +566,23 @@ def test_the_sync_plan_keeps_the_canary_over_steps_and_says_what_keeps_the_loade
     assert len(r["said"]) == 1, r["said"]  # said once
     assert "5 tensors through the plan (proved bit for bit" in r["said"][0]
     assert "its post-load processing" in r["said"][0], r["said"]  # vLLM's CPU build packs its linear weights
+
+
+@pytest.mark.vllm
+def test_the_sync_benchmark_times_both_paths_against_the_floor(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "sync.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_sync.py"), "--rounds", "1", "--out",
+                           str(out)], capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["first_passes"] == 2 and r["floor_s"] > 0
+    assert r["plan"]["plan_tensors"] == 9 and r["loader"]["plan_tensors"] == 0  # 4 layers x 2 norms + the final
+    assert r["plan"]["plan_tensors"] + r["plan"]["loader_tensors"] == r["loader"]["loader_tensors"]
+    for path in ("plan", "loader"):
+        assert r[path]["ratio_to_floor"] > 0 and r[path]["ms_per_tensor"] > 0
+        assert f"  {path}" in proc.stdout
