@@ -19,6 +19,11 @@ class ModelConfig:
     """auto: flash_attention_2 on GPU when installed, else sdpa. Or any transformers attention name."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer's forward (regional compilation, lib/compiled.py): one graph shared by the
+    layers, dynamic in the token count, at most 8 recompiles; the first update pays the compile (seconds to a minute).
+    The same model to the compiler's floating-point reordering; its speed is a GPU figure (the acceptance run's
+    update rows)."""
     fused_head: str = "auto"
     """on: make the response log-probs (and entropy) inside the LM head, a chunk of tokens at a time, its matmul
     redone per chunk in backward: no (tokens x vocabulary) logits tensor. off: the whole logits. auto: on on CPU,

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lib import lora, models, ulysses
+from lib.compiled import compile_layers
 from lib.dist import Topology
 from lib.models import hf_name, persistent_buffers, retie, tied_aliases
 from lib.vision import BANNED_ATTR, is_vision_param, placeholder_ids
@@ -394,6 +395,8 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
         lora.inject(model, pc)
         if frozen_dtype is not None:
             lora.cast_frozen(model, frozen_dtype)
+    if model_cfg.compile_layers:
+        compile_layers(decoder_layers(model))  # before sharding: FSDP's hooks stay outside the compiled code
     apply_fsdp(model, topo, fsdp_cfg.mixed_precision, fsdp_cfg.reshard_after_forward,
                model_cfg.gradient_checkpointing and trainable, fsdp_cfg.grad_reduce if trainable else "micro_batch")
     full = models.load_full(model_cfg.path, kind, attn, model_cfg.trust_remote_code, config) if topo.is_main else None
