@@ -33,13 +33,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from lib.actor import Trainee, update_policy  # noqa: E402
+from lib.budget import size_from_memory  # noqa: E402
 from lib.config import ActorConfig, BatchingConfig, FSDPConfig, ModelConfig, OptimConfig  # noqa: E402
 from lib.dist import init_topology, reduce_metrics  # noqa: E402
 from lib.fsdp import DEFER_FLAG, build_sharded_model  # noqa: E402
 from lib.optim import build_optimizer  # noqa: E402
 from lib.protocol import DataProto  # noqa: E402
+from lib.startup import DEVICE_MARGIN_BYTES  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+LEVERS = ("fused_optim", "checkpointing", "compile", "budget")
+BUDGETS: dict[str, int] = {}  # the token budget a side sized from memory chose
+"""--compare-levers' sides: issue 55's update levers, each the packed side with one switch on."""
 
 
 def long_tailed_batch(rows: int, max_len: int, vocab: int, seed: int = 0) -> DataProto:
@@ -78,7 +83,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare-head", action="store_true", help="also the packed side without the fused LM head")
     ap.add_argument("--compare-reduce", action="store_true", help="also the packed side with the other fsdp.grad_reduce")
     ap.add_argument("--compare-levers", action="store_true", help="also the packed side with AdamW's fused kernel "
-                    "(optim.fused) and with gradient checkpointing (model.gradient_checkpointing): issue 55's levers")
+                    "(optim.fused), with gradient checkpointing (model.gradient_checkpointing), with the decoder "
+                    "layers compiled (model.compile_layers) and with the token budget sized from memory "
+                    "(batching.token_budget memory, up to 16,384): issue 55's levers")
     ap.add_argument("--profile", default="", help="write a profile summary of 2 packed updates after the timed ones "
                     "to this file (bench/profile_summary.py: top kernels, shares, GPU idle, peak memory by phase)")
     return ap
@@ -89,6 +96,13 @@ def time_side(acfg: ActorConfig, batching: BatchingConfig, data: DataProto, topo
     """One side's best update time over ``repeats`` (the slowest rank's) after a warm-up, its peak memory (GPU),
     and its trainee."""
     model = build_sharded_model(acfg.model, acfg.fsdp, topo, packed=batching.use_remove_padding)
+    if batching.token_budget == "memory":  # sized as the trainer's start-up does (lib/budget.py)
+        longest = int(data.batch["attention_mask"].sum(-1).max())
+        acfg.batching, line = size_from_memory(batching, model, topo.device, model.config.vocab_size, longest,
+                                               acfg.fsdp.optimizer_offload, DEVICE_MARGIN_BYTES)
+        BUDGETS["budget"] = acfg.batching.max_tokens_per_rank
+        if topo.is_main:
+            print(f"  (budget side: {line})")
     trainee = Trainee(model, *build_optimizer(model, acfg.optim), topo)
     update_policy(trainee, data, acfg)  # warm-up
     cuda = topo.device.type == "cuda"
@@ -159,15 +173,19 @@ def measure(args: argparse.Namespace) -> dict:
         if args.compare_reduce:
             sides["other_reduce"] = (packed, True)  # packed, dynamic, the grad_reduce that auto did not pick
         if args.compare_levers:
-            sides["fused_optim"] = sides["checkpointing"] = (packed, True)
+            sides["fused_optim"] = sides["checkpointing"] = sides["compile"] = (packed, True)
+            # the budget sized from memory, up to the trainer's default 16,384 tokens, against the fixed one above
+            sides["budget"] = (BatchingConfig(use_dynamic_batching=True, use_remove_padding=True,
+                                              token_budget="memory"), True)
         reduce, failed, profiled = {}, {}, ""
         for name, (batching, fused) in sides.items():
             grad_reduce = "auto" if name != "other_reduce" else "micro_batch" if reduce["packed"] == "step" else "step"
             acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head="on" if fused else "off",
-                                                 gradient_checkpointing=name == "checkpointing"),
+                                                 gradient_checkpointing=name == "checkpointing",
+                                                 compile_layers=name == "compile"),
                                optim=OptimConfig(lr=1e-6, fused=name == "fused_optim"), batching=batching,
                                fsdp=FSDPConfig(grad_reduce=grad_reduce))
-            if name in ("fused_optim", "checkpointing"):
+            if name in LEVERS:
                 try:  # a lever that fails here (a kernel this device lacks) costs its own row only
                     results[name], peaks[name], _ = time_side(acfg, batching, data, topo, args.repeats)
                 except Exception as e:  # noqa: BLE001 (the row says what it was)
@@ -194,8 +212,8 @@ def measure(args: argparse.Namespace) -> dict:
     base, ours, whole = results["padded"], results["packed"], results.get("whole")
     by_reduce = {reduce[k]: results[k] for k in ("packed", "other_reduce") if k in results}
     step, micro = by_reduce.get("step"), by_reduce.get("micro_batch")
-    levers = {k: all_tokens / results[k] if k in results else None for k in ("fused_optim", "checkpointing")}
-    return {"whole_tokens_per_s": all_tokens / whole if whole else None, "peak_bytes": peaks,
+    levers = {k: all_tokens / results[k] if k in results else None for k in LEVERS}
+    return {"whole_tokens_per_s": all_tokens / whole if whole else None, "peak_bytes": peaks, "budgets": BUDGETS,
             "levers_tokens_per_s": levers, "levers_failed": failed, "profile": profiled,
             "reduce": reduce, "step_tokens_per_s": all_tokens / step if step else None,
             "micro_tokens_per_s": all_tokens / micro if micro else None, "ranks": topo.world_size,
@@ -230,6 +248,13 @@ def main() -> None:
             print(f"  packed, grad_reduce {name:<18}{r[name + '_tokens_per_s']:>10.0f} tokens/s")
         print(f"  ratio one reduction a step / one a micro-batch: "
               f"{r['step_tokens_per_s'] / r['micro_tokens_per_s']:.2f}x tokens/s")
+    for name in LEVERS:
+        if name in r["levers_failed"]:
+            print(f"  lever {name}: failed: {r['levers_failed'][name]}")
+        elif r["levers_tokens_per_s"].get(name):
+            budget = f" (budget {r['budgets'][name]} tokens)" if name in r["budgets"] else ""
+            print(f"  packed + lever {name:<14}{r['levers_tokens_per_s'][name]:>10.0f} tokens/s, "
+                  f"{r['levers_tokens_per_s'][name] / r['packed_tokens_per_s']:.2f}x the packed side{budget}")
     if r["peak_bytes"].get("packed") is not None:
         print("  peak GPU memory: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in r["peak_bytes"].items()))
 

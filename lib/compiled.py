@@ -14,7 +14,7 @@ updated weights of a packed GRPO update against the eager layers). Ground: impor
 
 from __future__ import annotations
 
-import torch
+import torch._dynamo
 from torch import nn
 
 RECOMPILE_LIMIT = 8
@@ -22,8 +22,6 @@ RECOMPILE_LIMIT = 8
 
 def compile_layers(layers: list[nn.Module]) -> int:
     """Replace each layer's forward by ``torch.compile(forward, dynamic=True)``; returns the layers compiled."""
-    import torch._dynamo
-
     config = torch._dynamo.config
     setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", RECOMPILE_LIMIT)
     for layer in layers:

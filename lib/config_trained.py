@@ -98,7 +98,12 @@ class BatchingConfig:
     use_dynamic_batching: bool = False
     """Pack rows into micro-batches by token count (max_tokens_per_rank) instead of a fixed row count."""
     max_tokens_per_rank: int = 16384
-    """Token budget of one dynamic micro-batch (prompt + response tokens)."""
+    """Token budget of one dynamic micro-batch (prompt + response tokens); with token_budget memory, its cap."""
+    token_budget: str = "fixed"
+    """fixed: max_tokens_per_rank. memory (actor, dynamic batching, no sequence parallelism): sized once at start-up
+    from the device's memory in bytes (its total less what is in use, AdamW's moments to come and a margin, over the
+    activation bytes a token takes in a measured forward and backward: lib/budget.py), at most max_tokens_per_rank;
+    printed. On CPU it is max_tokens_per_rank."""
     use_remove_padding: bool = True
     """Pack the valid tokens of a micro-batch into one row (no compute on padding)."""
 

@@ -22,6 +22,9 @@ from lib.multi_turn import config_problems
 from lib.ulysses import check_heads
 
 
+TOKEN_BUDGETS = ("fixed", "memory")
+
+
 def fill_estimator(cfg: Config, need_critic: bool) -> bool:
     """An empty algorithm.adv_estimator becomes the script's own: gae for train_ppo.py, grpo for train_grpo.py."""
     if cfg.algorithm.adv_estimator:
@@ -318,6 +321,16 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                             f"this is {torch.__version__}): upgrade torch, or use auto or micro_batch")
         if section.loss_agg_mode not in algos.LOSS_AGG_MODES:
             problems.append(f"{name}.loss_agg_mode={section.loss_agg_mode!r}; use one of {algos.LOSS_AGG_MODES}")
+        if section.batching.token_budget not in TOKEN_BUDGETS:
+            problems.append(f"{name}.batching.token_budget={section.batching.token_budget!r}; use one of "
+                            f"{TOKEN_BUDGETS}")
+        elif section.batching.token_budget == "memory":
+            why = ("is the actor's only (the critic's is not measured)" if name != "actor" else
+                   "needs batching.use_dynamic_batching true" if not section.batching.use_dynamic_batching else
+                   "is not measured with sequence parallelism: set a fixed max_tokens_per_rank" if
+                   cfg.trainer.sp_size > 1 else "")
+            if why:
+                problems.append(f"{name}.batching.token_budget memory {why}")
         if section.batching.use_dynamic_batching and \
                 section.batching.max_tokens_per_rank < cfg.data.max_prompt_length + r.max_response_length:
             problems.append(f"{name}.batching.max_tokens_per_rank={section.batching.max_tokens_per_rank} is below "

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import distill, exits, export, judges, lora, multi_turn, routing, selfcheck, toy
+from lib import budget, distill, exits, export, judges, lora, multi_turn, routing, selfcheck, toy
 from lib.judges import toy as judge_toy
 from lib.config import Config, to_dict
 from lib.data import PromptSet, Sampler, expand_files, load_prompts
@@ -381,6 +381,25 @@ def build_models(run: Run, with_ref: bool) -> None:
                          f"{' (' + cfg.distill.estimator + ')' if cfg.distill.mode == 'loss' else ''}, coef "
                          f"{cfg.distill.coef}, task reward {'kept' if cfg.distill.task_reward else 'off'}")
     run.engine = build_engine(run)
+    size_token_budget(run)
+
+
+def size_token_budget(run: Run) -> None:
+    """actor.batching.token_budget memory: the update's token budget from the device's memory (lib/budget.py), once
+    every model and the engine are built and the engine sleeps; printed, or the run refused with the fix."""
+    cfg = run.cfg
+    if cfg.actor.batching.token_budget != "memory":
+        return
+    model = run.actor.model
+    text = model.config.get_text_config()
+    try:
+        cfg.actor.batching, line = budget.size_from_memory(
+            cfg.actor.batching, model, run.topo.device, text.vocab_size,
+            cfg.data.max_prompt_length + cfg.rollout.max_response_length, cfg.actor.fsdp.optimizer_offload,
+            DEVICE_MARGIN_BYTES)
+    except ValueError as e:
+        refuse(run, e)
+    run.logger.print(line)
 
 
 def prove_modes(run: Run, model: torch.nn.Module, packed: bool) -> None:

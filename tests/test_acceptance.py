@@ -119,6 +119,8 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
     assert "update: packed / padded tokens/s" in rows and "update: fsdp.grad_reduce step / micro_batch tokens/s" in rows
     for figure in ("update: AdamW fused / multi-tensor kernel (optim.fused) tokens/s",
                    "update: gradient checkpointing on / off (model.gradient_checkpointing) tokens/s",
+                   "update: decoder layers compiled / eager (model.compile_layers) tokens/s",
+                   "update: token budget from memory / fixed (batching.token_budget memory) tokens/s",
                    "update: fused LM head / whole logits tokens/s, 7B-like head"):
         assert rows[figure]["value"].endswith("x"), rows.get(figure)  # each lever measured beside the plain side
     assert "update_profile.txt (" in rows["update: packed / padded tokens/s"]["note"]

@@ -60,14 +60,18 @@ def test_a_later_stage_that_peaks_higher_closes_every_stage(monkeypatch):
 def test_grpo_runs_three_steps_under_the_fake_device(tmp_path):
     """The real launch path (torchrun, 2 gloo ranks, the toy default) with torch.cuda faked in every process: the
     branches that ask torch.cuda.is_available() (stage peaks, empty_cache, synchronize) run as on a GPU, each stage
-    peaking higher than the one before. Before the stage fix the run crashed at the end of step 1, as on the H200."""
+    peaking higher than the one before. Before the stage fix the run crashed at the end of step 1, as on the H200.
+    The update's token budget is sized from memory (actor.batching.token_budget memory: lib/budget.py's GPU side)."""
     env = child_env(RL_FAKE_CUDA="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
            os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run",
            "--trainer.device", "cpu", "--trainer.total_steps", "3", "--trainer.val_every", "0",
-           "--trainer.save_every", "2"]
+           "--trainer.save_every", "2", "--actor.batching.use-dynamic-batching",
+           "--actor.batching.token_budget", "memory"]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    # the token budget sized from the (fake) device's memory at start-up, said once
+    assert out.stdout.count("tokens per micro-batch (sized from memory: ") == 1, out.stdout[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

@@ -23,7 +23,7 @@ from lib.data import collate, load_prompts
 from lib.dist import init_topology
 from lib.engine import SamplingConfig
 from lib.engine.hf import HFEngine
-from lib.engine.vllm import VLLMEngine, run_on_model
+from lib.engine.vllm import VLLMEngine
 from lib.fsdp import build_sharded_model
 from lib.models import load_config, load_tokenizer, stop_token_ids
 from lib.optim import build_optimizer
@@ -103,7 +103,9 @@ def peaks(r: dict, a: str, b: str) -> str:
 
 
 LEVERS = {"fused_optim": "AdamW fused / multi-tensor kernel (optim.fused)",
-          "checkpointing": "gradient checkpointing on / off (model.gradient_checkpointing)"}
+          "checkpointing": "gradient checkpointing on / off (model.gradient_checkpointing)",
+          "compile": "decoder layers compiled / eager (model.compile_layers)",
+          "budget": "token budget from memory / fixed (batching.token_budget memory)"}
 
 
 def lever_rows(args, r: dict) -> list[Row]:
@@ -114,8 +116,10 @@ def lever_rows(args, r: dict) -> list[Row]:
         if mine is None:
             rows.append(Row(f"update: {what} tokens/s", "failed", "", False, r["levers_failed"].get(name, "")))
             continue
+        batches = (f"{r['budgets'].get(name)} tokens a micro-batch against {r['budget']}" if name in r.get("budgets", {})
+                   else "the same micro-batches")
         rows.append(Row(f"update: {what} tokens/s", f"{mine / r['packed_tokens_per_s']:.2f}x", "", None,
-                        f"packed, the same micro-batches{peaks(r, name, 'packed')}{on_cpu(args.device)}", timed=True))
+                        f"packed, {batches}{peaks(r, name, 'packed')}{on_cpu(args.device)}", timed=True))
     return rows
 
 

@@ -312,7 +312,8 @@ class VLLMEngine:
         if not on:
             self._plan_state = "off"
         else:
-            self._plan_state = "ready" if self._plan is not None and self._plan.proven and self._plan.writes else "record"
+            proven = self._plan is not None and self._plan.proven and bool(self._plan.writes)
+            self._plan_state = "ready" if proven else "record"
 
     def _prove(self) -> None:
         self._plan.prove()
