@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from lib.actor import Trainee, update_policy  # noqa: E402
+from lib import liger  # noqa: E402
 from lib.budget import size_from_memory  # noqa: E402
 from lib.config import ActorConfig, BatchingConfig, FSDPConfig, ModelConfig, OptimConfig  # noqa: E402
 from lib.dist import init_topology, reduce_metrics  # noqa: E402
@@ -42,7 +43,7 @@ from lib.protocol import DataProto  # noqa: E402
 from lib.startup import DEVICE_MARGIN_BYTES  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-LEVERS = ("fused_optim", "checkpointing", "compile", "budget")
+LEVERS = ("fused_optim", "checkpointing", "compile", "budget", "liger")
 BUDGETS: dict[str, int] = {}  # the token budget a side sized from memory chose
 """--compare-levers' sides: issue 55's update levers, each the packed side with one switch on."""
 
@@ -177,15 +178,20 @@ def measure(args: argparse.Namespace) -> dict:
             # the budget sized from memory, up to the trainer's default 16,384 tokens, against the fixed one above
             sides["budget"] = (BatchingConfig(use_dynamic_batching=True, use_remove_padding=True,
                                               token_budget="memory"), True)
+            sides["liger"] = (packed, True)  # last: Liger patches transformers' Qwen2 module for what follows
         reduce, failed, profiled = {}, {}, ""
         for name, (batching, fused) in sides.items():
             grad_reduce = "auto" if name != "other_reduce" else "micro_batch" if reduce["packed"] == "step" else "step"
             acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head="on" if fused else "off",
                                                  gradient_checkpointing=name == "checkpointing",
-                                                 compile_layers=name == "compile"),
+                                                 compile_layers=name == "compile", liger=name == "liger"),
                                optim=OptimConfig(lr=1e-6, fused=name == "fused_optim"), batching=batching,
                                fsdp=FSDPConfig(grad_reduce=grad_reduce))
             if name in LEVERS:
+                why = liger.unusable("qwen2", topo.device.type == "cuda") if name == "liger" else ""
+                if why:
+                    failed[name] = f"not run: {why}"
+                    continue
                 try:  # a lever that fails here (a kernel this device lacks) costs its own row only
                     results[name], peaks[name], _ = time_side(acfg, batching, data, topo, args.repeats)
                 except Exception as e:  # noqa: BLE001 (the row says what it was)
@@ -250,7 +256,8 @@ def main() -> None:
               f"{r['step_tokens_per_s'] / r['micro_tokens_per_s']:.2f}x tokens/s")
     for name in LEVERS:
         if name in r["levers_failed"]:
-            print(f"  lever {name}: failed: {r['levers_failed'][name]}")
+            why = r["levers_failed"][name]
+            print(f"  lever {name}: {why if why.startswith('not run') else 'failed: ' + why}")
         elif r["levers_tokens_per_s"].get(name):
             budget = f" (budget {r['budgets'][name]} tokens)" if name in r["budgets"] else ""
             print(f"  packed + lever {name:<14}{r['levers_tokens_per_s'][name]:>10.0f} tokens/s, "

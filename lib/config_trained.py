@@ -19,6 +19,10 @@ class ModelConfig:
     """auto: flash_attention_2 on GPU when installed, else sdpa. Or any transformers attention name."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
+    liger: bool = False
+    """GPU: Liger-Kernel's Triton kernels for RMSNorm, the SwiGLU MLP and the rotary embedding (lib/liger.py; pip
+    install liger-kernel, in the gpu extra), for the architectures Liger lists. The plain path's numbers to bf16
+    rounding. Refused on CPU."""
     compile_layers: bool = False
     """torch.compile each decoder layer's forward (regional compilation, lib/compiled.py): one graph shared by the
     layers, dynamic in the token count, at most 8 recompiles; the first update pays the compile (seconds to a minute).

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lib import lora, models, ulysses
+from lib import liger, lora, models, ulysses
 from lib.compiled import compile_layers
 from lib.dist import Topology
 from lib.models import hf_name, persistent_buffers, retie, tied_aliases
@@ -395,6 +395,8 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
         lora.inject(model, pc)
         if frozen_dtype is not None:
             lora.cast_frozen(model, frozen_dtype)
+    if model_cfg.liger:
+        liger.apply(model)  # before compiling and sharding: its kernels replace the layers' own parts
     if model_cfg.compile_layers:
         compile_layers(decoder_layers(model))  # before sharding: FSDP's hooks stay outside the compiled code
     apply_fsdp(model, topo, fsdp_cfg.mixed_precision, fsdp_cfg.reshard_after_forward,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lib import algos, attention, fsdp, lora, routing
+from lib import algos, attention, fsdp, liger, lora, routing
 from lib.config import Config
 from lib.dist import divisors
 from lib.multi_turn import config_problems
@@ -321,6 +321,12 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                             f"this is {torch.__version__}): upgrade torch, or use auto or micro_batch")
         if section.loss_agg_mode not in algos.LOSS_AGG_MODES:
             problems.append(f"{name}.loss_agg_mode={section.loss_agg_mode!r}; use one of {algos.LOSS_AGG_MODES}")
+        if section.model.liger and (name == "actor" or need_critic):
+            on_gpu = cfg.trainer.device in ("auto", "cuda") and torch.cuda.is_available()
+            model_type = getattr(model_config, "model_type", "") if model_config is not None else ""
+            why = liger.unusable(model_type, on_gpu) if (model_type or not on_gpu) else ""
+            if why:
+                problems.append(why.replace("actor.", f"{name}.", 1))
         if section.batching.token_budget not in TOKEN_BUDGETS:
             problems.append(f"{name}.batching.token_budget={section.batching.token_budget!r}; use one of "
                             f"{TOKEN_BUDGETS}")

@@ -123,6 +123,8 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
                    "update: token budget from memory / fixed (batching.token_budget memory) tokens/s",
                    "update: fused LM head / whole logits tokens/s, 7B-like head"):
         assert rows[figure]["value"].endswith("x"), rows.get(figure)  # each lever measured beside the plain side
+    liger = rows["update: Liger's RMSNorm, SwiGLU and rotary kernels on / off (model.liger) tokens/s"]
+    assert liger["value"] == "not run" and liger["passed"] is None and "needs a GPU" in liger["note"], liger
     assert "update_profile.txt (" in rows["update: packed / padded tokens/s"]["note"]
     split = rows["grpo hf engine: step seconds (mean)"]["note"]
     # (one mini-batch a step: the update takes the old log-probs itself, so the log-prob stage holds the reference's)

@@ -70,7 +70,7 @@ def test_without_a_device_allocator_the_budget_is_the_cap(path):
     assert tokens == 9000 and "no device memory" in line
 
 
-def test_a_memory_budget_where_it_cannot_be_measured_is_refused():
+def test_a_memory_budget_where_it_cannot_be_measured_and_liger_on_cpu_are_refused():
     for change, part in ((lambda c: setattr(c.actor.batching, "token_budget", "bytes"),
                           "actor.batching.token_budget='bytes'; use one of ('fixed', 'memory')"),
                          (lambda c: setattr(c.actor.batching, "token_budget", "memory"),
@@ -78,7 +78,9 @@ def test_a_memory_budget_where_it_cannot_be_measured_is_refused():
                          (lambda c: (setattr(c.actor.batching, "token_budget", "memory"),
                                      setattr(c.actor.batching, "use_dynamic_batching", True),
                                      setattr(c.trainer, "sp_size", 2)),
-                          "is not measured with sequence parallelism")):
+                          "is not measured with sequence parallelism"),
+                         (lambda c: setattr(c.actor.model, "liger", True),
+                          "actor.model.liger needs a GPU (Liger's kernels are Triton kernels); leave it off on CPU")):
         cfg = config.Config()
         cfg.data.max_prompt_length, cfg.rollout.max_response_length = 64, 64
         change(cfg)

@@ -104,3 +104,47 @@ def test_lora_on_gpu_keeps_the_base_bf16_and_frozen(tmp_path):
     assert out["optimized"] == len(adapter) and set(out["moments"]) == {"torch.float32"}
     assert out["metrics"]["actor/skipped_steps"] == 0 and out["metrics"]["actor/grad_norm"] > 0
     assert out["diff"] < 0.1, out["diff"]  # bf16 rounding, not a stale or missing adapter
+
+
+LEVER_SIDES = 3  # (a CPU check of this body runs the first two)
+
+
+def _levers_body(path):
+    """Issue 55's update levers on a GPU, each against the plain path in one process: the decoder layers compiled
+    (torch's varlen attention inside the compiled layers) and Liger's kernels. Log-probs of a packed bf16 forward, and
+    one update's gradient norm. Liger goes last: it patches transformers' Qwen2 module for every model built after."""
+    from lib.actor import Trainee, compute_log_probs, update_policy
+    from lib.config import ActorConfig, BatchingConfig, ModelConfig, OptimConfig
+    from lib.dist import init_topology
+    from lib.fsdp import build_sharded_model
+    from lib.optim import build_optimizer
+
+    topo = init_topology()
+    data = rl_batch(8, prompt_len=9, response_len=12, seed=7, min_response=1)
+    g = torch.Generator().manual_seed(2)
+    data.batch["advantages"] = torch.randn(data.batch["response_mask"].shape, generator=g) * data.batch["response_mask"]
+    out = {}
+    sides = (("plain", ModelConfig(path=path)), ("compiled", ModelConfig(path=path, compile_layers=True)),
+             ("liger", ModelConfig(path=path, liger=True)))
+    for name, model_cfg in sides[:LEVER_SIDES]:
+        cfg = ActorConfig(model=model_cfg, optim=OptimConfig(lr=1e-3),
+                          batching=BatchingConfig(use_dynamic_batching=True, max_tokens_per_rank=96))
+        model = build_sharded_model(cfg.model, cfg.fsdp, topo)
+        logp, _ = compute_log_probs(model, data, cfg.batching, topo)
+        data.batch["old_log_probs"] = logp
+        metrics = update_policy(Trainee(model, *build_optimizer(model, cfg.optim), topo), data, cfg)
+        out[name] = {"logp": logp.float().cpu(), "grad_norm": metrics["actor/grad_norm"]}
+        del model
+    return out
+
+
+def test_the_update_levers_compute_the_plain_paths_numbers_on_a_gpu(tmp_path):
+    pytest.importorskip("liger_kernel", reason="actor.model.liger needs liger-kernel (the gpu extra)")
+    path = save_tiny_model(str(tmp_path / "m"), "qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    (out,) = run_distributed(_levers_body, path, world_size=1, backend="nccl", timeout=600)
+    plain = out["plain"]
+    m = rl_batch(8, prompt_len=9, response_len=12, seed=7, min_response=1).batch["response_mask"].bool()
+    for name in ("compiled", "liger"):
+        diff = (out[name]["logp"] - plain["logp"]).abs()[m].max().item()
+        assert diff < 5e-2, (name, diff)  # bf16 rounding, as the canary's bound on a GPU
+        assert abs(out[name]["grad_norm"] - plain["grad_norm"]) <= 0.05 * plain["grad_norm"], (name, out[name])

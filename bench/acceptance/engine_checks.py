@@ -105,7 +105,8 @@ def peaks(r: dict, a: str, b: str) -> str:
 LEVERS = {"fused_optim": "AdamW fused / multi-tensor kernel (optim.fused)",
           "checkpointing": "gradient checkpointing on / off (model.gradient_checkpointing)",
           "compile": "decoder layers compiled / eager (model.compile_layers)",
-          "budget": "token budget from memory / fixed (batching.token_budget memory)"}
+          "budget": "token budget from memory / fixed (batching.token_budget memory)",
+          "liger": "Liger's RMSNorm, SwiGLU and rotary kernels on / off (model.liger)"}
 
 
 def lever_rows(args, r: dict) -> list[Row]:
@@ -114,7 +115,9 @@ def lever_rows(args, r: dict) -> list[Row]:
     for name, what in LEVERS.items():
         mine = r["levers_tokens_per_s"].get(name)
         if mine is None:
-            rows.append(Row(f"update: {what} tokens/s", "failed", "", False, r["levers_failed"].get(name, "")))
+            why = r["levers_failed"].get(name, "")
+            rows.append(Row(f"update: {what} tokens/s", "not run" if why.startswith("not run") else "failed", "",
+                            None if why.startswith("not run") else False, why))
             continue
         batches = (f"{r['budgets'].get(name)} tokens a micro-batch against {r['budget']}" if name in r.get("budgets", {})
                    else "the same micro-batches")
