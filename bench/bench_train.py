@@ -43,7 +43,7 @@ from lib.protocol import DataProto  # noqa: E402
 from lib.startup import DEVICE_MARGIN_BYTES  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-LEVERS = ("fused_optim", "checkpointing", "compile", "budget", "liger")
+LEVERS = ("fused_optim", "checkpointing", "compile", "budget", "budget_checkpointing", "liger")
 BUDGETS: dict[str, int] = {}  # the token budget a side sized from memory chose
 """--compare-levers' sides: issue 55's update levers, each the packed side with one switch on."""
 
@@ -101,7 +101,8 @@ def time_side(acfg: ActorConfig, batching: BatchingConfig, data: DataProto, topo
         longest = int(data.batch["attention_mask"].sum(-1).max())
         acfg.batching, line = size_from_memory(batching, model, topo.device, model.config.vocab_size, longest,
                                                acfg.fsdp.optimizer_offload, DEVICE_MARGIN_BYTES)
-        BUDGETS["budget"] = acfg.batching.max_tokens_per_rank
+        BUDGETS["budget_checkpointing" if acfg.model.gradient_checkpointing else "budget"] = \
+            acfg.batching.max_tokens_per_rank
         if topo.is_main:
             print(f"  (budget side: {line})")
     trainee = Trainee(model, *build_optimizer(model, acfg.optim), topo)
@@ -176,14 +177,15 @@ def measure(args: argparse.Namespace) -> dict:
         if args.compare_levers:
             sides["fused_optim"] = sides["checkpointing"] = sides["compile"] = (packed, True)
             # the budget sized from memory, up to the trainer's default 16,384 tokens, against the fixed one above
-            sides["budget"] = (BatchingConfig(use_dynamic_batching=True, use_remove_padding=True,
-                                              token_budget="memory"), True)
+            sides["budget"] = sides["budget_checkpointing"] = (
+                BatchingConfig(use_dynamic_batching=True, use_remove_padding=True, token_budget="memory"), True)
             sides["liger"] = (packed, True)  # last: Liger patches transformers' Qwen2 module for what follows
         reduce, failed, profiled = {}, {}, ""
         for name, (batching, fused) in sides.items():
             grad_reduce = "auto" if name != "other_reduce" else "micro_batch" if reduce["packed"] == "step" else "step"
             acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head="on" if fused else "off",
-                                                 gradient_checkpointing=name == "checkpointing",
+                                                 gradient_checkpointing=name in ("checkpointing",
+                                                                                 "budget_checkpointing"),
                                                  compile_layers=name == "compile", liger=name == "liger"),
                                optim=OptimConfig(lr=1e-6, fused=name == "fused_optim"), batching=batching,
                                fsdp=FSDPConfig(grad_reduce=grad_reduce))
@@ -260,7 +262,7 @@ def main() -> None:
             print(f"  lever {name}: {why if why.startswith('not run') else 'failed: ' + why}")
         elif r["levers_tokens_per_s"].get(name):
             budget = f" (budget {r['budgets'][name]} tokens)" if name in r["budgets"] else ""
-            print(f"  packed + lever {name:<14}{r['levers_tokens_per_s'][name]:>10.0f} tokens/s, "
+            print(f"  packed + lever {name:<20}{r['levers_tokens_per_s'][name]:>10.0f} tokens/s, "
                   f"{r['levers_tokens_per_s'][name] / r['packed_tokens_per_s']:.2f}x the packed side{budget}")
     if r["peak_bytes"].get("packed") is not None:
         print("  peak GPU memory: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in r["peak_bytes"].items()))

@@ -121,6 +121,7 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
                    "update: gradient checkpointing on / off (model.gradient_checkpointing) tokens/s",
                    "update: decoder layers compiled / eager (model.compile_layers) tokens/s",
                    "update: token budget from memory / fixed (batching.token_budget memory) tokens/s",
+                   "update: token budget from memory with gradient checkpointing / fixed without tokens/s",
                    "update: fused LM head / whole logits tokens/s, 7B-like head"):
         assert rows[figure]["value"].endswith("x"), rows.get(figure)  # each lever measured beside the plain side
     liger = rows["update: Liger's RMSNorm, SwiGLU and rotary kernels on / off (model.liger) tokens/s"]

@@ -14,6 +14,7 @@ from torch import nn
 from lib.engine.plan import Recorder, SyncPlan
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EXPERTS, VOCAB, PADDED = 64, 4, 2, 16, 96, 4, 1000, 1024
+VISION = 48  # the vision tower's width (3 heads of 16)
 
 
 class Fused(nn.Module):
@@ -72,6 +73,15 @@ class Experts(nn.Module):
             param.data[expert].narrow(0, 0 if shard == "w1" else INTER, INTER).copy_(loaded)
 
 
+class FusedCheckpoint(Fused):
+    """A fused layer whose checkpoint tensor is fused too (a Qwen2.5-VL vision block's ``attn.qkv``): the loader cuts
+    the one tensor it gets into its shards itself."""
+
+    def load(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:
+        for start, size in self.offsets.values():
+            param.data.narrow(0, start, size).copy_(loaded.narrow(0, start, size))
+
+
 class PackedMethod:
     """Post-load processing that keeps a packed copy beside the weight (vLLM's CPU build: a oneDNN handle)."""
 
@@ -101,10 +111,18 @@ class Absorbing(nn.Module):
 class FakeEngineModel(nn.Module):
     """Two decoder layers (the second a mixture of experts), tied head, vLLM's names and fused layouts."""
 
-    def __init__(self, packed_head_layer: bool = True, scaled: bool = False, absorbing: bool = False):
+    def __init__(self, packed_head_layer: bool = True, scaled: bool = False, absorbing: bool = False,
+                 untied: bool = False, vision: bool = False):
         super().__init__()
         self.embed_tokens = Embedding()
-        self.lm_head = self.embed_tokens  # tied, as vLLM builds a tied model
+        self.lm_head = Embedding() if untied else self.embed_tokens  # tied: the embedding itself, as vLLM builds it
+        if vision:  # one vision block (fused qkv in the checkpoint too) and the merger's projection
+            self.visual = nn.Module()
+            block = nn.Module()
+            block.qkv = FusedCheckpoint({"q": VISION, "k": VISION, "v": VISION}, VISION, bias=True)
+            block.proj = Plain(VISION, VISION)
+            self.visual.blocks = nn.ModuleList([block])
+            self.visual.merger = Plain(HIDDEN, VISION)
         self.layers = nn.ModuleList()
         for i in range(2):
             layer = nn.Module()
@@ -130,8 +148,12 @@ class FakeEngineModel(nn.Module):
         loaded = set()
         for name, tensor in weights:
             parts = name.removeprefix("model.").split(".")
-            if parts[0] in ("embed_tokens", "norm"):
+            if parts[0] in ("embed_tokens", "norm", "lm_head"):
                 target, args = getattr(self, parts[0]), ()
+            elif parts[0] == "visual":  # visual.blocks.0.attn.qkv.weight, visual.merger.mlp.0.weight
+                target = self.visual.merger if parts[1] == "merger" else getattr(self.visual.blocks[int(parts[2])],
+                                                                                   parts[4])
+                args = ()
             else:
                 layer, rest = self.layers[int(parts[1])], parts[2:-1]  # e.g. [self_attn, q_proj], [mlp, gate]
                 kind = rest[-1]
@@ -163,8 +185,9 @@ class FakeEngineModel(nn.Module):
                 module.process_weights_after_loading()
 
 
-def hf_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
-    """A Qwen2-style checkpoint (q/k/v biases) whose second layer is a Qwen3-MoE block, in HF names, random values."""
+def hf_weights(seed: int, untied: bool = False, vision: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """A Qwen2-style checkpoint (q/k/v biases) whose second layer is a Qwen3-MoE block, in HF names, random values;
+    ``untied``: with its own lm_head.weight; ``vision``: a Qwen2.5-VL-style vision block and merger first."""
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape):
@@ -191,7 +214,15 @@ def hf_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
                         (p + f"mlp.experts.{e}.up_proj.weight", r(INTER, HIDDEN)),
                         (p + f"mlp.experts.{e}.down_proj.weight", r(HIDDEN, INTER))]
     # the embedding mid-bucket: the padding's zeros belong to it, not to the bucket's first tensor
-    return out[1:4] + out[:1] + out[4:] + [("model.norm.weight", r(HIDDEN))]
+    out = out[1:4] + out[:1] + out[4:] + [("model.norm.weight", r(HIDDEN))]
+    if untied:
+        out.append(("lm_head.weight", r(VOCAB, HIDDEN)))
+    if vision:
+        out = [("model.visual.blocks.0.attn.qkv.weight", r(3 * VISION, VISION)),
+               ("model.visual.blocks.0.attn.qkv.bias", r(3 * VISION)),
+               ("model.visual.blocks.0.attn.proj.weight", r(VISION, VISION)),
+               ("model.visual.merger.mlp.0.weight", r(HIDDEN, VISION))] + out
+    return out
 
 
 def bucketed(weights, size: int = 5) -> list[list[tuple[str, torch.Tensor]]]:
@@ -237,9 +268,11 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_the_plan_writes_what_the_loader_writes_in_vllms_fused_layouts():
-    engine = FakeEngineModel()
-    plan = proved(engine, hf_weights(0))
+@pytest.mark.parametrize("untied, vision", [(False, False), (True, False), (False, True)],
+                         ids=["tied", "untied", "vision"])
+def test_the_plan_writes_what_the_loader_writes_in_vllms_fused_layouts(untied, vision):
+    engine = FakeEngineModel(untied=untied, vision=vision)
+    plan = proved(engine, hf_weights(0, untied, vision))
     # everything but the packed layer's weight goes through plain copies; the packed layer keeps its loader
     assert plan.loader == {"model.layers.0.self_attn.o_proj.weight"}, plan.loader
     assert list(plan.fallback.values()) == ["its post-load processing makes new tensors (aten.clone.default)"]
@@ -247,9 +280,13 @@ def test_the_plan_writes_what_the_loader_writes_in_vllms_fused_layouts():
     qkv = plan.writes["model.layers.1.self_attn.k_proj.weight"]
     assert len(qkv) == 1 and qkv[0].name == "layers.1.qkv_proj.weight" and qkv[0].view.shape == (32, HIDDEN)
     assert len(plan.writes["model.embed_tokens.weight"]) == 2  # the rows, and the padding's zeros
+    if untied:
+        assert len(plan.writes["lm_head.weight"]) == 2 and plan.writes["lm_head.weight"][0].name == "lm_head.weight"
+    if vision:  # one checkpoint tensor cut into three destinations by its loader
+        assert [t.view.shape for t in plan.writes["model.visual.blocks.0.attn.qkv.weight"]] == [(VISION, VISION)] * 3
     # a later sync: new weights through the plan (and the loader for the rest) equal the loader alone, bit for bit
-    reference = FakeEngineModel()  # a loader-only engine (every tensor written below)
-    new = hf_weights(1)
+    reference = FakeEngineModel(untied=untied, vision=vision)  # a loader-only engine (every tensor written below)
+    new = hf_weights(1, untied, vision)
     reference.load_weights(new)
     for bucket in bucketed(new):
         for name, tensor in bucket:
@@ -261,7 +298,7 @@ def test_the_plan_writes_what_the_loader_writes_in_vllms_fused_layouts():
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name].view(torch.int32), theirs[name].view(torch.int32)), name
-    assert torch.equal(engine.lm_head.weight, engine.embed_tokens.weight)  # the tied head is the embedding
+    assert torch.equal(engine.lm_head.weight, engine.embed_tokens.weight) is not untied  # tied: the embedding itself
     assert not engine.embed_tokens.weight[VOCAB:].any()  # the padding rows
     assert plan.valid()
 

@@ -106,6 +106,7 @@ LEVERS = {"fused_optim": "AdamW fused / multi-tensor kernel (optim.fused)",
           "checkpointing": "gradient checkpointing on / off (model.gradient_checkpointing)",
           "compile": "decoder layers compiled / eager (model.compile_layers)",
           "budget": "token budget from memory / fixed (batching.token_budget memory)",
+          "budget_checkpointing": "token budget from memory with gradient checkpointing / fixed without",
           "liger": "Liger's RMSNorm, SwiGLU and rotary kernels on / off (model.liger)"}
 
 
