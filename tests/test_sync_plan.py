@@ -82,6 +82,13 @@ class FusedCheckpoint(Fused):
             param.data.narrow(0, start, size).copy_(loaded.narrow(0, start, size))
 
 
+class UnquantizedMethod:
+    """Post-load processing that keeps the bytes where they are (vLLM's unquantized layers on a GPU)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.weight.data = layer.weight.data  # the same tensor: nothing a copy misses
+
+
 class PackedMethod:
     """Post-load processing that keeps a packed copy beside the weight (vLLM's CPU build: a oneDNN handle)."""
 
@@ -139,6 +146,9 @@ class FakeEngineModel(nn.Module):
             if absorbing and i == 1:
                 layer.attn = Absorbing(layer.qkv_proj)
             self.layers.append(layer)
+        shared = UnquantizedMethod()  # one method object serving several layers, as a quant config may hand out
+        for layer in self.layers:
+            layer.input_layernorm.quant_method = layer.post_attention_layernorm.quant_method = shared
         if packed_head_layer:
             self.layers[0].o_proj.quant_method = PackedMethod()
         self.norm = Plain(HIDDEN)

@@ -133,8 +133,10 @@ class Recorder(TorchDispatchMode):
             for owner in installed:
                 vars(owner).pop(PROCESS, None)
 
-    def _wrap(self, module: nn.Module, owner: Any, method: Any) -> Any:
+    def _wrap(self, first: nn.Module, owner: Any, method: Any) -> Any:
         def processing(*args: Any, **kwargs: Any) -> Any:
+            # a quant method is called with its layer (one method object may serve several layers)
+            module = args[0] if owner is not first and args and isinstance(args[0], nn.Module) else first
             before, held = _layout(module), (_held(module), _held(owner))
             outer, self._processing = self._processing, module
             try:
