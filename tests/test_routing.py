@@ -500,8 +500,9 @@ def test_vllm_025s_reported_expert_names_count_as_written(monkeypatch):
         engine.param_names, engine._written, engine._loading = params, set(), False
         engine._aliases = engine_vllm.reported_aliases(params)  # as __init__ makes them
         engine.asleep, engine.tied_head, engine._unwrapped = set(), False, []
+        engine._start_sync_state(False)  # vLLM's loader every sync (no plan to record in this stand-in)
         monkeypatch.setattr(engine_vllm, "run_on_model", lambda llm, fn: fn(Model(reports)))
-        monkeypatch.setattr(engine_vllm, "_reload", lambda llm, begin, unwrapped: None)
+        monkeypatch.setattr(engine_vllm, "_reload", lambda llm, begin, unwrapped, layers=None: None)
         engine.llm = None
         engine.load_weights([("model.embed_tokens.weight", torch.zeros(1))])
         engine.finish_sync()

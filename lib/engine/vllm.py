@@ -139,17 +139,9 @@ class VLLMEngine:
         self.tied_head = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
         self._embedding: torch.Tensor | None = None
         self._written: set[str] | None = set()  # the vLLM names one sync wrote (None: its loader does not say)
-        self.metrics: dict[str, float] = {}
         self._loading = False  # inside a layerwise reload (between the first bucket and wake_up(kv_cache))
         self._unwrapped: list[tuple[Any, str, Any]] = []  # the LoRA layers set aside during a reload (_reload)
-        # the sync's plan (lib.engine.plan): "record" (the next sync goes through the loader and is recorded),
-        # "prove" (its second pass), "ready" (the plan writes what it holds), "off" (the loader every sync)
-        self._plan_state = "record" if sync_plan else "off"
-        self._plan: SyncPlan | None = None
-        self._recorder: Recorder | None = None
-        self._recording = contextlib.ExitStack()
-        self._syncing = False  # a sync has sent its first bucket
-        self._counts = {"plan": 0, "loader": 0}
+        self._start_sync_state(sync_plan)
         self.asleep: set[str] = set()
         self.base_loaded = False
         """Every parameter written since the weights last woke from a level-2 sleep (a level-1 sleep keeps them)."""
@@ -164,6 +156,17 @@ class VLLMEngine:
                 remove_stale_shm(root)
             self._adapter_root = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}-{os.getpid()}-lora-", dir=root)
         self.sleep(2)  # dummy weights: nothing worth keeping until the first sync
+
+    def _start_sync_state(self, sync_plan: bool) -> None:
+        """The sync's plan (lib.engine.plan): "record" (the next sync goes through the loader and is recorded),
+        "prove" (its second pass), "ready" (the plan writes what it holds), "off" (the loader every sync)."""
+        self._plan_state = "record" if sync_plan else "off"
+        self._plan: SyncPlan | None = None
+        self._recorder: Recorder | None = None
+        self._recording = contextlib.ExitStack()
+        self._syncing = False  # a sync has sent its first bucket
+        self._counts = {"plan": 0, "loader": 0}
+        self.metrics: dict[str, float] = {}
 
     def _mem(self) -> float:
         """GB in use: the whole device on GPU (vLLM's pools are not torch allocations), resident memory on CPU."""
