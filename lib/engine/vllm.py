@@ -137,7 +137,7 @@ class VLLMEngine:
         self._aliases = reported_aliases(self.param_names)  # what a release's loader may report instead of a name
         hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
         self.tied_head = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
-        self._embedding: torch.Tensor | None = None
+        self._embedding: tuple[str, torch.Tensor] | None = None  # (its name, the tensor) of this sync
         self._written: set[str] | None = set()  # the vLLM names one sync wrote (None: its loader does not say)
         self._loading = False  # inside a layerwise reload (between the first bucket and wake_up(kv_cache))
         self._unwrapped: list[tuple[Any, str, Any]] = []  # the LoRA layers set aside during a reload (_reload)
@@ -211,6 +211,10 @@ class VLLMEngine:
         batch = list(weights)
         if not self._syncing:
             self._begin_sync()
+        if self.tied_head:
+            # vLLM's loader skips lm_head.weight for a tied model, and during a layerwise reload its head layer
+            # sits on meta apart from the embedding: keep the embedding to load the head with (finish_sync)
+            self._embedding = next(((n, t) for n, t in batch if n.endswith("embed_tokens.weight")), self._embedding)
         if self._plan_state == "prove":  # the second pass: the plan alone, into scrambled tensors
             for name, tensor in batch:
                 if self._plan.takes(name, tensor):
@@ -232,10 +236,6 @@ class VLLMEngine:
             if self._recorder is not None:  # the first sync: its processing watched until the reload closes
                 run_on_model(self.llm, lambda model: self._recording.enter_context(
                     self._recorder.watching_processing(model)))
-        if self.tied_head:
-            # vLLM's loader skips lm_head.weight for a tied model, and during a layerwise reload its head layer
-            # sits on meta apart from the embedding: keep the embedding to load the head with (finish_sync)
-            self._embedding = next((t for n, t in batch if n.endswith("embed_tokens.weight")), self._embedding)
 
         def load(model: Any) -> None:
             with self._recording_mode(batch):
@@ -249,7 +249,7 @@ class VLLMEngine:
 
     def _begin_sync(self) -> None:
         self._syncing = True
-        self._written = set()
+        self._written, self._embedding = set(), None
         self._counts = {"plan": 0, "loader": 0}
         if self._plan_state == "ready" and not self._plan.valid():
             log.warning("weight sync: vLLM's tensors moved since the plan was recorded; recording it again")
@@ -279,10 +279,10 @@ class VLLMEngine:
         if self._plan_state == "prove":
             self._prove()
             return False
-        if self.tied_head and self._loading and (self._embedding is not None or self._plan_state != "ready"):
-            with self._recording_mode([("model.embed_tokens.weight", self._embedding)] if self._embedding is not None
-                                      else []):
+        if self.tied_head and self._loading and self._head_reloads():
+            with self._recording_mode([self._embedding] if self._embedding is not None else []):
                 self._load_tied_head()
+        self._embedding = None
         if self._written is not None:
             missing = sorted(self.param_names - self._written)
             if missing:
@@ -351,13 +351,23 @@ class VLLMEngine:
         (held,) = ids
         counts = self.llm.collective_rpc(_count_lora_modules, args=(held,))
         return held, int(counts[0])
+
+    def _head_reloads(self) -> bool:
+        """Whether the head's layer is in this sync's layerwise reload (all of them but under a ready plan, where only
+        the layers that keep vLLM's loader reload)."""
+        if self._plan_state != "ready":
+            return True
+        head: list[Any] = []
+        run_on_model(self.llm, lambda model: head.append(model.lm_head))
+        return head[0] in self._plan.fallback
+
     def _load_tied_head(self) -> None:
         """Write the synced embedding into the tied head's own layer. Without it, finalising the reload puts the
         head's previous kernel tensors back (on CPU a packed copy of the start weights), so vLLM would sample from
         a head the trainer no longer has: logp_abs_diff 0.26 on a tied model after one step."""
-        embedding, self._embedding = self._embedding, None
-        if embedding is None:
+        if self._embedding is None:
             raise RuntimeError("the weight sync of a tied-embedding model sent no embed_tokens.weight")
+        embedding = self._embedding[1]
 
         def load(model: Any) -> None:
             head = model.lm_head.weight
