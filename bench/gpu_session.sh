@@ -31,7 +31,8 @@ OUT=${OUT:-$ACC/out}
 # TRL right after our own GRPO run), then the others LANES at a time
 VLLM_CHECKS=(correctness sleep_wake rollout grpo_vllm trl lora_sleep grpo_lora_vllm ppo distill tools vision qwen3_5
              gemma4 moe judge)
-BG_CHECKS=(update grpo_hf)  # the background's checks (the fifth call runs again what it left unfinished)
+# the background's checks (the fifth call runs again what it left unfinished); levers last: it may not finish there
+BG_CHECKS=(update grpo_hf levers)
 # every file with gpu-marked tests (tests/test_acceptance.py checks that none is left out)
 GPU_TESTS=(tests/test_gpu_engine.py tests/test_attention.py tests/test_rollout.py tests/test_selfcheck.py
            tests/test_reward_model.py tests/test_world_size_invariance.py)
