@@ -44,7 +44,6 @@ from lib.startup import DEVICE_MARGIN_BYTES  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 LEVERS = ("fused_optim", "checkpointing", "compile", "budget", "budget_checkpointing", "liger")
-BUDGETS: dict[str, int] = {}  # the token budget a side sized from memory chose
 """--compare-levers' sides: issue 55's update levers, each the packed side with one switch on."""
 
 
@@ -95,14 +94,13 @@ def parser() -> argparse.ArgumentParser:
 def time_side(acfg: ActorConfig, batching: BatchingConfig, data: DataProto, topo, repeats: int
               ) -> tuple[float, int | None, Trainee]:
     """One side's best update time over ``repeats`` (the slowest rank's) after a warm-up, its peak memory (GPU),
-    and its trainee."""
+    and its trainee. A budget sized from memory is sized here, as the trainer's start-up does, into
+    ``acfg.batching``."""
     model = build_sharded_model(acfg.model, acfg.fsdp, topo, packed=batching.use_remove_padding)
     if batching.token_budget == "memory":  # sized as the trainer's start-up does (lib/budget.py)
         longest = int(data.batch["attention_mask"].sum(-1).max())
         acfg.batching, line = size_from_memory(batching, model, topo.device, model.config.vocab_size, longest,
                                                acfg.fsdp.optimizer_offload, DEVICE_MARGIN_BYTES)
-        BUDGETS["budget_checkpointing" if acfg.model.gradient_checkpointing else "budget"] = \
-            acfg.batching.max_tokens_per_rank
         if topo.is_main:
             print(f"  (budget side: {line})")
     trainee = Trainee(model, *build_optimizer(model, acfg.optim), topo)
@@ -180,7 +178,7 @@ def measure(args: argparse.Namespace) -> dict:
             sides["budget"] = sides["budget_checkpointing"] = (
                 BatchingConfig(use_dynamic_batching=True, use_remove_padding=True, token_budget="memory"), True)
             sides["liger"] = (packed, True)  # last: Liger patches transformers' Qwen2 module for what follows
-        reduce, failed, profiled = {}, {}, ""
+        reduce, failed, profiled, budgets = {}, {}, "", {}
         for name, (batching, fused) in sides.items():
             grad_reduce = "auto" if name != "other_reduce" else "micro_batch" if reduce["packed"] == "step" else "step"
             acfg = ActorConfig(model=ModelConfig(path=tmp, fused_head="on" if fused else "off",
@@ -196,6 +194,8 @@ def measure(args: argparse.Namespace) -> dict:
                     continue
                 try:  # a lever that fails here (a kernel this device lacks) costs its own row only
                     results[name], peaks[name], _ = time_side(acfg, batching, data, topo, args.repeats)
+                    if batching.token_budget == "memory":
+                        budgets[name] = acfg.batching.max_tokens_per_rank
                 except Exception as e:  # noqa: BLE001 (the row says what it was)
                     failed[name] = f"{type(e).__name__}: {str(e)[:200]}"
                 continue
@@ -221,7 +221,7 @@ def measure(args: argparse.Namespace) -> dict:
     by_reduce = {reduce[k]: results[k] for k in ("packed", "other_reduce") if k in results}
     step, micro = by_reduce.get("step"), by_reduce.get("micro_batch")
     levers = {k: all_tokens / results[k] if k in results else None for k in LEVERS}
-    return {"whole_tokens_per_s": all_tokens / whole if whole else None, "peak_bytes": peaks, "budgets": BUDGETS,
+    return {"whole_tokens_per_s": all_tokens / whole if whole else None, "peak_bytes": peaks, "budgets": budgets,
             "levers_tokens_per_s": levers, "levers_failed": failed, "profile": profiled,
             "reduce": reduce, "step_tokens_per_s": all_tokens / step if step else None,
             "micro_tokens_per_s": all_tokens / micro if micro else None, "ranks": topo.world_size,

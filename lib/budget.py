@@ -13,13 +13,13 @@ memory``), measured once at start-up, instead of a fixed count.
 - margin: ``DEVICE_MARGIN_BYTES`` of lib.startup's plan (CUDA context, NCCL, fragmentation).
 
 The budget is capped at ``max_tokens_per_rank`` (16,384 by default), is the smallest of the ranks' and must hold one
-full sequence. Where no device
-allocator can be read (CPU), the budget is ``max_tokens_per_rank``. The code asks ``torch.cuda.is_available()``, so
+full sequence. Where no device allocator can be read (CPU), the budget is ``max_tokens_per_rank``. The code asks ``torch.cuda.is_available()``, so
 lib/fake_device's counters drive it in the CPU tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -87,7 +87,7 @@ def token_budget(model: nn.Module, device: torch.device, vocab_size: int, packed
 
 
 def trained_bytes(model: nn.Module) -> int:
-    """AdamW's two fp32 moments for this rank's trained parameters (its shards)."""
+    """AdamW's two fp32 moments for this rank's trained parameters (its shards): what its first step adds."""
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters() if p.requires_grad)
     return 2 * 4 * local
 
@@ -95,8 +95,6 @@ def trained_bytes(model: nn.Module) -> int:
 def size_from_memory(batching: Any, model: nn.Module, device: torch.device, vocab_size: int, min_tokens: int,
                      offloaded: bool, margin_bytes: int) -> tuple[Any, str]:
     """``batching`` with max_tokens_per_rank sized from memory (a copy), and the line to print."""
-    import dataclasses
-
     tokens, line = token_budget(model, device, vocab_size, batching.use_remove_padding, batching.max_tokens_per_rank,
                                 min_tokens, 0 if offloaded else trained_bytes(model), margin_bytes)
     return dataclasses.replace(batching, max_tokens_per_rank=tokens), line

@@ -25,14 +25,15 @@ KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": Fals
 
 
 def unusable(model_type: str, cuda: bool) -> str:
-    """Why actor.model.liger cannot run here ("" if it can): checked before any model loads."""
+    """Why actor.model.liger cannot run here ("" if it can): checked before any model loads (``model_type`` ""
+    where the model's config is not read: its architecture unchecked)."""
     if not cuda:
         return "actor.model.liger needs a GPU (Liger's kernels are Triton kernels); leave it off on CPU"
     if importlib.util.find_spec("liger_kernel") is None:
         return f"actor.model.liger needs the liger-kernel package: pip install liger-kernel=={VERSION} (or '.[gpu]')"
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+    if model_type and model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         return (f"actor.model.liger: Liger has no kernels for model type {model_type!r} (it has "
                 f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); leave it off")
     return ""

@@ -78,13 +78,17 @@ class Sizes:
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
+def on_gpu(cfg: Config) -> bool:
+    """The run trains on a GPU: trainer.device auto or cuda, with CUDA available."""
+    return cfg.trainer.device in ("auto", "cuda") and torch.cuda.is_available()
+
+
 def picks_vllm(cfg: Config) -> bool:
     """rollout.engine vllm, or auto on a GPU machine with vllm installed (lib.startup.uses_vllm)."""
     r = cfg.rollout
     if r.engine != "auto":
         return r.engine == "vllm"
-    on_gpu = cfg.trainer.device in ("auto", "cuda") and torch.cuda.is_available()
-    return on_gpu and importlib.util.find_spec("vllm") is not None
+    return on_gpu(cfg) and importlib.util.find_spec("vllm") is not None
 
 
 # the vLLM releases the engine is tested with (docs/install.md, "Tested vLLM releases"): the oldest on a GPU (the
@@ -272,8 +276,7 @@ def _value_problems(cfg: Config) -> list[str]:
 def _packing_problems(cfg: Config, need_critic: bool) -> list[str]:
     """Packed rows on a GPU need a varlen attention kernel; without one, refuse rather than build an
     O(total_tokens^2) block mask."""
-    on_gpu = cfg.trainer.device in ("auto", "cuda") and torch.cuda.is_available()
-    if not on_gpu or attention.varlen_kernel() is not None:
+    if not on_gpu(cfg) or attention.varlen_kernel() is not None:
         return []
     return [f"{name}.batching.use_remove_padding on GPU needs a varlen attention kernel (torch >= 2.10 has one; "
             f"torch {torch.__version__} does not, and flash-attn is not installed): upgrade torch, "
@@ -322,10 +325,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
         if section.loss_agg_mode not in algos.LOSS_AGG_MODES:
             problems.append(f"{name}.loss_agg_mode={section.loss_agg_mode!r}; use one of {algos.LOSS_AGG_MODES}")
         if section.model.liger and (name == "actor" or need_critic):
-            on_gpu = cfg.trainer.device in ("auto", "cuda") and torch.cuda.is_available()
-            model_type = getattr(model_config, "model_type", "") if model_config is not None else ""
-            why = liger.unusable(model_type, on_gpu) if (model_type or not on_gpu) else ""
-            if why:
+            if why := liger.unusable(getattr(model_config, "model_type", ""), on_gpu(cfg)):
                 problems.append(why.replace("actor.", f"{name}.", 1))
         if section.batching.token_budget not in TOKEN_BUDGETS:
             problems.append(f"{name}.batching.token_budget={section.batching.token_budget!r}; use one of "

@@ -549,8 +549,7 @@ def device_budget(run: Run, engine_dtype_: torch.dtype) -> int | None:
         return None
     total = torch.cuda.get_device_properties(topo.device).total_memory
     params = list(run.actor.model.parameters())
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params if p.requires_grad)
-    moments = 0 if run.cfg.actor.fsdp.optimizer_offload else 2 * 4 * local
+    moments = 0 if run.cfg.actor.fsdp.optimizer_offload else budget.trained_bytes(run.actor.model)
     engine_weights = sum(p.numel() for p in params) * engine_dtype_.itemsize // topo.rollout_tp_size
     return total - torch.cuda.memory_allocated(topo.device) - moments - engine_weights - DEVICE_MARGIN_BYTES
 

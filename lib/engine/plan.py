@@ -316,8 +316,7 @@ class SyncPlan:
 
     def valid(self) -> bool:
         """The engine's tensors still live where the plan recorded them (the same objects, the same storage)."""
-        return all(_tensors(t.module).get(t.tensor) is not None and _ptr(_tensors(t.module)[t.tensor]) == _ptr(t.view)
-                   for targets in self.writes.values() for t in targets)
+        return all(_ptr_of(t.module, t.tensor) == _ptr(t.view) for targets in self.writes.values() for t in targets)
 
     # ---- the proof (module docstring, 2)
 

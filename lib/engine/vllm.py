@@ -164,8 +164,8 @@ class VLLMEngine:
         self._plan: SyncPlan | None = None
         self._recorder: Recorder | None = None
         self._recording = contextlib.ExitStack()
-        self._syncing = False  # a sync has sent its first bucket
-        self._counts = {"plan": 0, "loader": 0}
+        self._syncing = False  # a sync has sent its first bucket (_begin_sync sets what it counts)
+        self._head_reloads = True  # the tied head's layer is in every layerwise reload (not so under a plan)
         self.metrics: dict[str, float] = {}
 
     def _mem(self) -> float:
@@ -221,11 +221,14 @@ class VLLMEngine:
                     self._plan.write(name, tensor)
             return
         if self._plan_state == "ready":
-            direct = [(n, t) for n, t in batch if self._plan.takes(n, t)]
-            for name, tensor in direct:
-                self._written |= self._plan.write(name, tensor)
-            self._counts["plan"] += len(direct)
-            batch = [(n, t) for n, t in batch if not self._plan.takes(n, t)]
+            rest = []
+            for name, tensor in batch:
+                if self._plan.takes(name, tensor):
+                    self._written |= self._plan.write(name, tensor)
+                    self._counts["plan"] += 1
+                else:
+                    rest.append((name, tensor))
+            batch = rest
             if not batch:
                 return
         self._counts["loader"] += len(batch)
@@ -279,7 +282,7 @@ class VLLMEngine:
         if self._plan_state == "prove":
             self._prove()
             return False
-        if self.tied_head and self._loading and self._head_reloads():
+        if self.tied_head and self._loading and (self._plan_state != "ready" or self._head_reloads):
             with self._recording_mode([self._embedding] if self._embedding is not None else []):
                 self._load_tied_head()
         self._embedding = None
@@ -295,11 +298,11 @@ class VLLMEngine:
         with self._recorder:  # the reload's close runs the last layers' processing (attention: always here)
             self._finish_load()
         self._recording.close()
-        model: list[Any] = []
-        run_on_model(self.llm, model.append)
+        model = self._recorder.model
         names = {id(t): n.replace(".base_layer.", ".") for n, t in
-                 [*model[0].named_parameters(remove_duplicate=False), *model[0].named_buffers(remove_duplicate=False)]}
-        self._plan, self._recorder = self._recorder.build(model[0], names), None
+                 [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+        self._plan, self._recorder = self._recorder.build(model, names), None
+        self._head_reloads = getattr(model, "lm_head", None) in self._plan.fallback
         if self._plan.whole or not self._plan.writes:
             self._plan_state = "off"
             log.warning("weight sync: %s", self._plan.summary())
@@ -351,15 +354,6 @@ class VLLMEngine:
         (held,) = ids
         counts = self.llm.collective_rpc(_count_lora_modules, args=(held,))
         return held, int(counts[0])
-
-    def _head_reloads(self) -> bool:
-        """Whether the head's layer is in this sync's layerwise reload (all of them but under a ready plan, where only
-        the layers that keep vLLM's loader reload)."""
-        if self._plan_state != "ready":
-            return True
-        head: list[Any] = []
-        run_on_model(self.llm, lambda model: head.append(model.lm_head))
-        return head[0] in self._plan.fallback
 
     def _load_tied_head(self) -> None:
         """Write the synced embedding into the tied head's own layer. Without it, finalising the reload puts the
