@@ -469,7 +469,7 @@ def test_vllm_is_asked_for_the_routes_the_way_the_installed_release_returns_them
 # ---- an MoE model synced into vLLM
 
 
-def test_vllm_025s_reported_expert_names_count_as_written(monkeypatch):
+def test_vllm_025s_reported_expert_names_count_as_written():
     """vLLM 0.25's fused-MoE layer (a MoERunner whose child routed_experts holds the experts' weights) reports
     ``...mlp.experts.w13_weight`` for the parameter ``...mlp.experts.routed_experts.w13_weight``; 0.32 reports the
     full name. A sync whose loader reports either way finishes; a parameter no report stands for still stops it. Fed
@@ -496,16 +496,14 @@ def test_vllm_025s_reported_expert_names_count_as_written(monkeypatch):
             return set(self.reports)
 
     def sync(reports) -> None:
-        engine = engine_vllm.VLLMEngine.__new__(engine_vllm.VLLMEngine)
-        engine.param_names, engine._written, engine._loading = params, set(), False
-        engine._aliases = engine_vllm.reported_aliases(params)  # as __init__ makes them
-        engine.asleep, engine.tied_head, engine._unwrapped = set(), False, []
-        engine._start_sync_state(False)  # vLLM's loader every sync (no plan to record in this stand-in)
-        monkeypatch.setattr(engine_vllm, "run_on_model", lambda llm, fn: fn(Model(reports)))
-        monkeypatch.setattr(engine_vllm, "_reload", lambda llm, begin, unwrapped, layers=None: None)
-        engine.llm = None
-        engine.load_weights([("model.embed_tokens.weight", torch.zeros(1))])
-        engine.finish_sync()
+        from lib.engine.vllm_sync import EngineSync
+
+        # the engine's sync state over a model that reports as 0.25 or 0.32 does; vLLM's loader every sync (no plan
+        # to record in this stand-in)
+        sync = EngineSync(lambda fn: fn(Model(reports)), lambda begin, layers: None, params, tied_head=False,
+                          use_plan=False)
+        sync.load([("model.embed_tokens.weight", torch.zeros(1))])
+        sync.finish()
 
     sync(v025)
     sync(params)

@@ -7,11 +7,14 @@ its loader; vLLM's own loaders are checked the same way in tests/test_rollout.py
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
 
 from lib.engine.plan import Recorder, SyncPlan
+from lib.engine.vllm_sync import EngineSync, tensor_names
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EXPERTS, VOCAB, PADDED = 64, 4, 2, 16, 96, 4, 1000, 1024
 VISION = 48  # the vision tower's width (3 heads of 16)
@@ -116,13 +119,20 @@ class Absorbing(nn.Module):
 
 
 class FakeEngineModel(nn.Module):
-    """Two decoder layers (the second a mixture of experts), tied head, vLLM's names and fused layouts."""
+    """Two decoder layers (the second a mixture of experts), tied head, vLLM's names and fused layouts. As vLLM 0.25
+    builds them: a tied head is the embedding module registered a second time, and the MoE block's router gate is
+    registered again inside its experts (0.25's MoERunner holds it as its own child). ``head=False``: no head here
+    (a wrapper holds it, as vLLM's ``...ForCausalLM`` does around its ``model``); ``defer``: each layer's loaders
+    run once all of its tensors have arrived, as vLLM's layerwise reload runs them (a layer split across buckets
+    is written while a later bucket is the current one)."""
 
     def __init__(self, packed_head_layer: bool = True, scaled: bool = False, absorbing: bool = False,
-                 untied: bool = False, vision: bool = False):
+                 untied: bool = False, vision: bool = False, head: bool = True, defer: bool = False):
         super().__init__()
         self.embed_tokens = Embedding()
-        self.lm_head = Embedding() if untied else self.embed_tokens  # tied: the embedding itself, as vLLM builds it
+        if head:
+            self.lm_head = Embedding() if untied else self.embed_tokens  # tied: the embedding itself, as vLLM does
+        self.defer, self.pending, self.expected = defer, {}, {}
         if vision:  # one vision block (fused qkv in the checkpoint too) and the merger's projection
             self.visual = nn.Module()
             block = nn.Module()
@@ -141,8 +151,9 @@ class FakeEngineModel(nn.Module):
                 layer.gate_up_proj = Fused({"gate": INTER, "up": INTER}, HIDDEN)
                 layer.down_proj = Scaled(HIDDEN, INTER) if scaled else Plain(HIDDEN, INTER)
             else:
-                layer.experts = Experts()
                 layer.gate = Plain(EXPERTS, HIDDEN)
+                layer.experts = Experts()
+                layer.experts.gate = layer.gate  # the runner's second path to the router
             if absorbing and i == 1:
                 layer.attn = Absorbing(layer.qkv_proj)
             self.layers.append(layer)
@@ -153,35 +164,52 @@ class FakeEngineModel(nn.Module):
             self.layers[0].o_proj.quant_method = PackedMethod()
         self.norm = Plain(HIDDEN)
 
+    def route(self, name: str) -> tuple[nn.Module, nn.Parameter, tuple]:
+        """HF name -> (layer, parameter, loader arguments), as vLLM's stacked-parameter mapping does."""
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] in ("embed_tokens", "norm", "lm_head"):
+            target, args = getattr(self, parts[0]), ()
+        elif parts[0] == "visual":  # visual.blocks.0.attn.qkv.weight, visual.merger.mlp.0.weight
+            target = self.visual.merger if parts[1] == "merger" else getattr(self.visual.blocks[int(parts[2])],
+                                                                               parts[4])
+            args = ()
+        else:
+            layer, rest = self.layers[int(parts[1])], parts[2:-1]  # e.g. [self_attn, q_proj], [mlp, gate]
+            kind = rest[-1]
+            if kind in ("q_proj", "k_proj", "v_proj"):
+                target, args = layer.qkv_proj, (kind[0],)
+            elif rest[:2] == ["mlp", "experts"]:
+                shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[kind]
+                param = layer.experts.w2_weight if shard == "w2" else layer.experts.w13_weight
+                return layer.experts, param, (shard, int(rest[2]))
+            elif kind in ("gate_proj", "up_proj"):
+                target, args = layer.gate_up_proj, (kind.removesuffix("_proj"),)
+            else:  # o_proj, down_proj, the router (mlp.gate), the norms
+                target, args = getattr(layer, kind), ()
+        return target, getattr(target, parts[-1]), args
+
+    def expect(self, weights) -> None:
+        """The tensors each layer waits for (``defer``)."""
+        self.expected = {}
+        for name, _ in weights:
+            layer = self.route(name)[0]
+            self.expected[layer] = self.expected.get(layer, 0) + 1
+
     def load_weights(self, weights) -> set[str]:
-        """HF names -> (layer, parameter, loader arguments), as vLLM's stacked-parameter mapping does."""
+        """Each tensor through its parameter's loader; returns the engine names written (vLLM's contract)."""
+        own = {id(p): n for n, p in self.named_parameters()}
         loaded = set()
         for name, tensor in weights:
-            parts = name.removeprefix("model.").split(".")
-            if parts[0] in ("embed_tokens", "norm", "lm_head"):
-                target, args = getattr(self, parts[0]), ()
-            elif parts[0] == "visual":  # visual.blocks.0.attn.qkv.weight, visual.merger.mlp.0.weight
-                target = self.visual.merger if parts[1] == "merger" else getattr(self.visual.blocks[int(parts[2])],
-                                                                                   parts[4])
-                args = ()
-            else:
-                layer, rest = self.layers[int(parts[1])], parts[2:-1]  # e.g. [self_attn, q_proj], [mlp, gate]
-                kind = rest[-1]
-                if kind in ("q_proj", "k_proj", "v_proj"):
-                    target, args = layer.qkv_proj, (kind[0],)
-                elif rest[:2] == ["mlp", "experts"]:
-                    shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[kind]
-                    param = layer.experts.w2_weight if shard == "w2" else layer.experts.w13_weight
-                    param.weight_loader(param, tensor, shard, int(rest[2]))
-                    loaded.add(name)
+            layer, param, args = self.route(name)
+            calls = [(param, tensor, args)]
+            if self.defer:
+                self.pending.setdefault(layer, []).append(calls[0])
+                if len(self.pending[layer]) < self.expected[layer]:
                     continue
-                elif kind in ("gate_proj", "up_proj"):
-                    target, args = layer.gate_up_proj, (kind.removesuffix("_proj"),)
-                else:  # o_proj, down_proj, the router (mlp.gate), the norms
-                    target, args = getattr(layer, kind), ()
-            param = getattr(target, parts[-1])
-            param.weight_loader(param, tensor, *args)
-            loaded.add(name)
+                calls = self.pending.pop(layer)
+            for param, tensor, args in calls:
+                param.weight_loader(param, tensor, *args)
+                loaded.add(own[id(param)])
         return loaded
 
     def process(self) -> None:
@@ -235,9 +263,9 @@ def hf_weights(seed: int, untied: bool = False, vision: bool = False) -> list[tu
     return out
 
 
-def bucketed(weights, size: int = 5) -> list[list[tuple[str, torch.Tensor]]]:
-    """Buckets cut from one flat buffer each, as the sync's gathers hand them (tensors share a storage)."""
-    out = []
+def bucketed(weights, size: int = 5) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets cut from one flat buffer each, as the sync's gathers hand them (tensors share a storage), one at a
+    time: a bucket no one holds is freed before the next is made."""
     for i in range(0, len(weights), size):
         chunk = weights[i:i + size]
         flat = torch.cat([t.reshape(-1) for _, t in chunk])
@@ -245,21 +273,22 @@ def bucketed(weights, size: int = 5) -> list[list[tuple[str, torch.Tensor]]]:
         for name, t in chunk:
             views.append((name, flat[start:start + t.numel()].view(t.shape)))
             start += t.numel()
-        out.append(views)
-    return out
+        yield views
 
 
-def record(model: FakeEngineModel, weights) -> SyncPlan:
+def record(model: FakeEngineModel, weights, size: int = 5) -> SyncPlan:
     recorder = Recorder(model)
+    model.expect(weights)
     with recorder.watching_processing(model):
-        for bucket in bucketed(weights):
+        for bucket in bucketed(weights, size):
             recorder.sending(bucket)
             with recorder:
                 model.load_weights(bucket)
+            del bucket
         with recorder:
             model.process()
-    names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False)]}
-    return recorder.build(model, names)
+    assert not model.pending  # every deferred layer written
+    return recorder.build(model, tensor_names(model))
 
 
 def proved(model: FakeEngineModel, weights) -> SyncPlan:
@@ -367,3 +396,194 @@ def test_a_cast_happens_inside_the_copy(dtype):
         plan.write(name, tensor)
     for name, tensor in state(engine).items():
         assert torch.equal(tensor, state(reference)[name]), name
+
+
+# ---- the sync's states (lib.engine.vllm_sync) over fakes laid out as vLLM 0.25 and 0.32 lay models out
+
+
+class LanguageModel(nn.Module):
+    """vLLM's ``...ForCausalLM`` around its ``model``: a tied head registered as the embedding module itself (0.25's
+    Qwen2/Qwen3: ``self.lm_head = self.model.embed_tokens``) or a head module of its own sharing the embedding's
+    parameter (0.32's ``ParallelLMHead.tie_weights``, 0.25's Qwen3-MoE)."""
+
+    def __init__(self, head: str = "module", **kw):
+        super().__init__()
+        self.model = FakeEngineModel(head=False, **kw)
+        if head == "module":
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = Embedding()
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def load_weights(self, weights) -> set[str]:
+        return {f"model.{n}" for n in self.model.load_weights(weights)}
+
+
+class VisionLanguage(nn.Module):
+    """vLLM's Qwen2.5-VL / Qwen3-VL top level (0.25 and 0.32 alike): no ``lm_head`` of its own, only its language
+    model's (``get_language_model()``)."""
+
+    def __init__(self, head: str = "module", **kw):
+        super().__init__()
+        self.language_model = LanguageModel(head, **kw)
+
+    def get_language_model(self) -> nn.Module:
+        return self.language_model
+
+    def load_weights(self, weights) -> set[str]:
+        return {f"language_model.{n}" for n in self.language_model.load_weights(weights)}
+
+
+def inner(top: nn.Module) -> FakeEngineModel:
+    return top if isinstance(top, FakeEngineModel) else inner(getattr(top, "language_model", None) or top.model)
+
+
+def engine_sync(top: nn.Module, use_plan: bool = True) -> EngineSync:
+    """EngineSync over a fake: the reload's close runs the layers' processing, as vLLM's finalize does."""
+    def reload(begin: bool, layers) -> None:
+        if not begin:
+            inner(top).process()
+    return EngineSync(lambda fn: fn(top), reload, frozenset(n for n, _ in top.named_parameters()), tied_head=True,
+                      use_plan=use_plan)
+
+
+def sync(es: EngineSync, top: nn.Module, weights, size: int = 5) -> int:
+    """One sync as lib.sync.sync_weights runs it (again while finish asks), then the KV wake's close. Returns the
+    passes."""
+    inner(top).expect(weights)
+    passes, again = 0, True
+    while again:
+        for bucket in bucketed(weights, size):
+            es.load(bucket)
+        again = es.finish()
+        passes += 1
+    es.finish_load()
+    return passes
+
+
+def assert_holds(top: nn.Module, weights) -> None:
+    """The engine's tensors are the sent weights, as vLLM's loader alone writes them (padding rows zero)."""
+    reference = FakeEngineModel(packed_head_layer=False)
+    reference.load_weights(weights)
+    theirs = state(reference)
+    for name, tensor in state(inner(top)).items():
+        assert torch.equal(tensor.view(torch.int32), theirs[name].view(torch.int32)), name
+    head = top.get_language_model().lm_head if isinstance(top, VisionLanguage) else top.lm_head
+    assert torch.equal(head.weight, inner(top).embed_tokens.weight)
+
+
+@pytest.mark.parametrize("layout", ["causal-lm", "vision-language"])
+@pytest.mark.parametrize("head", ["module", "shared"], ids=["head-is-embedding", "head-shares-parameter"])
+def test_syncs_of_a_tied_model_as_vllm_lays_it_out_write_every_parameter(layout, head):
+    """Issue 63, 1-3: the plan names a tensor by its first path, as named_parameters() does (a tied head that is the
+    embedding module, the MoE runner's second path to the router); before, the second sync raised "left 1 vLLM
+    parameters unwritten: ['model.embed_tokens.weight']". A vision-language top level has no lm_head of its own:
+    the head is its language model's (before: AttributeError at the first sync, with or without the plan)."""
+    top = (LanguageModel if layout == "causal-lm" else VisionLanguage)(head, packed_head_layer=False)
+    es = engine_sync(top)
+    for step in range(3):
+        weights = hf_weights(10 + step)
+        assert sync(es, top, weights) == (2 if step == 0 else 1)
+        assert_holds(top, weights)
+        if step:
+            assert es.counts == {"plan": len(weights), "loader": 0}, es.counts  # the whole model through the plan
+    named = {n for n, _ in top.named_parameters()}
+    reported = {t.name for targets in es.plan.writes.values() for t in targets}
+    assert reported <= named, reported - named
+    router = [n for n in reported if n.endswith("layers.1.gate.weight")]
+    assert len(router) == 1 and ".experts." not in router[0]
+    # the loader alone, every sync: the tied head loaded through its own layer where it has one
+    top = (LanguageModel if layout == "causal-lm" else VisionLanguage)(head, packed_head_layer=False)
+    es = engine_sync(top, use_plan=False)
+    for step in range(2):
+        assert sync(es, top, hf_weights(20 + step)) == 1
+        assert_holds(top, hf_weights(20 + step))
+
+
+def test_a_sync_plan_names_nothing_named_parameters_does_not():
+    """The check behind issue 63's first two failures: what the plan reports is what named_parameters() names."""
+    model = FakeEngineModel()
+    plan = proved(model, hf_weights(7))
+    named = {n for n, _ in model.named_parameters()}
+    assert {t.name for targets in plan.writes.values() for t in targets} <= named
+    assert plan.writes["model.embed_tokens.weight"][0].name == "embed_tokens.weight"
+
+
+def test_a_layer_split_across_buckets_and_loaded_late_keeps_the_plan():
+    """Issue 63, 4: vLLM's layerwise reload runs a layer's loaders once all of it has arrived, so q (bucket k) is
+    copied while bucket k+1 is current. The recorder knows every sent tensor that still lives; before, it knew only
+    the current bucket and the fused qkv kept the loader, "from a tensor the sync did not send"."""
+    for size in (3, 5, 7):  # cuts between q, k and v, and between gate and up
+        engine = FakeEngineModel(defer=True)
+        plan = record(engine, hf_weights(8), size)
+        assert plan.loader == {"model.layers.0.self_attn.o_proj.weight"}, (size, plan.fallback)
+    # the same through the engine's states, a tied model split every three tensors, three syncs
+    top = LanguageModel(packed_head_layer=False, defer=True)
+    es = engine_sync(top)
+    for step in range(3):
+        assert sync(es, top, hf_weights(30 + step), size=3) == (2 if step == 0 else 1)
+        assert_holds(top, hf_weights(30 + step))
+    assert not es.plan.fallback and not es.plan.loader
+
+
+def test_a_sync_keeps_no_embedding_and_a_closed_engine_no_plan():
+    """Issue 63, 5: the sent embedding is let go when the proof ends (before: kept through the first rollout), never
+    taken under a plan that writes the head; close() drops the plan (its views hold the engine's weights)."""
+    top = LanguageModel(packed_head_layer=False)
+    es = engine_sync(top)
+    sync(es, top, hf_weights(40))
+    assert es.embedding is None and es.state == "ready"
+    weights = hf_weights(41)
+    es.load(weights[:4])  # the embedding among them
+    assert es.embedding is None
+    es.load(weights[4:])
+    es.finish()
+    es.close()
+    assert es.plan is None and es.recorder is None and es.state == "off"
+
+
+def test_a_loader_that_does_not_say_what_it_wrote_beside_the_plan():
+    """Issue 63, 5: a loader returning None (nothing to check against) in a sync whose later buckets go through the
+    plan; before, the next plan write raised TypeError (None |= set)."""
+    top = LanguageModel()  # the packed o_proj keeps the loader
+    es = engine_sync(top)
+    sync(es, top, hf_weights(50))
+    top.load_weights = lambda weights, own=top.load_weights: own(weights) and None
+    weights = hf_weights(51)
+    order = sorted(weights, key=lambda w: "o_proj" not in w[0])  # the loader's tensor first, then the plan's
+    for bucket in bucketed(order, 5):
+        es.load(bucket)
+    es.finish()
+    es.finish_load()
+    assert es.written is None and es.counts == {"plan": len(weights) - 1, "loader": 1}
+
+
+class ScaleFromWeights(nn.Module):
+    """A loader that sets a tensor to a value it reads from the sent one (vLLM 0.25's mllama4: ``fill_(x.item())``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+    def load_weights(self, weights) -> set[str]:
+        for name, tensor in weights:
+            if name == "scale":
+                self.scale.data.fill_(tensor.reshape(-1)[0].item())
+            else:
+                self.weight.data.copy_(tensor)
+        return {n for n, _ in weights}
+
+
+def test_a_fill_with_a_value_read_from_the_weights_keeps_the_loader():
+    """Issue 63, 5: the proof sends the same weights, so a value read out of them looks constant to it; the recorder
+    marks the layer instead (before: replayed with the first sync's value forever)."""
+    model = ScaleFromWeights()
+    recorder = Recorder(model)
+    weights = [("weight", torch.randn(4, 4)), ("scale", torch.tensor([0.5]))]
+    recorder.sending(weights)
+    with recorder:
+        model.load_weights(weights)
+    plan = recorder.build(model, tensor_names(model))
+    assert "scale" in plan.loader and "weight" in plan.loader  # one layer: both keep the loader
+    assert plan.fallback[model].startswith("its loader fills scale with a value read from a sent tensor")

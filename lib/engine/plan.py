@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 Spec = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -79,6 +80,19 @@ def _held(module: nn.Module) -> dict[str, int]:
 
 
 @dataclass
+class Sent:
+    """A tensor the sync sent: where its elements lie in its storage, and that storage, weakly (a copy from it
+    counts while the storage lives: vLLM's layerwise reload runs a layer's loaders once all of its tensors have
+    arrived, with an earlier bucket's tensors among them; holding them here would keep every bucket alive)."""
+    ptr: int
+    lo: int
+    hi: int
+    name: str
+    offset: int  # the sent tensor's own storage offset (a source view's spec is relative to it)
+    storage: StorageWeakRef
+
+
+@dataclass
 class Write:
     """One ``copy_`` a loader ran: a view of the sent tensor into a view of a layer's own tensor."""
     module: nn.Module
@@ -102,7 +116,9 @@ class Recorder(TorchDispatchMode):
         self.whole: str = ""  # why no part of the model can be replayed ("" if none)
         self.reads: list[tuple[nn.Module, int]] = []  # what weightless layers' processing read (storages; build)
         self._weighted: set[nn.Module] = set()  # layers a loader wrote a sent tensor into
-        self._sent: list[tuple[int, int, int, str, torch.Tensor]] = []
+        self._sent: list[Sent] = []  # every sent tensor still alive, the newest first
+        self._bucket_first = ""  # the current bucket's first name
+        self._scalar_read = False  # a loader read a value out of a sent tensor (``.item()``) since the last write
         self._owners: dict[int, tuple[nn.Module, str]] = {}
         self._processing: nn.Module | None = None
         self._last = ""  # the sent tensor last copied
@@ -112,7 +128,11 @@ class Recorder(TorchDispatchMode):
     def sending(self, batch: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The tensors of the bucket about to go through the loader."""
         batch = list(batch)
-        self._sent = [(_ptr(t), *_extent(t), name, t) for name, t in batch if t.numel()]
+        new = [Sent(_ptr(t), *_extent(t), name, t.storage_offset(), StorageWeakRef(t.untyped_storage()))
+               for name, t in batch if t.numel()]
+        # a storage freed since may have its address reused by this bucket: the dead are dropped, the newest first
+        self._sent = new[::-1] + [s for s in self._sent if not s.storage.expired()]
+        self._bucket_first = batch[0][0] if batch else self._bucket_first
         self.names.update(dict.fromkeys(name for name, _ in batch))
 
     @contextlib.contextmanager
@@ -161,8 +181,12 @@ class Recorder(TorchDispatchMode):
             self._see_processing(func, args, kwargs, out)
         elif func is torch.ops.aten.copy_.default:
             self._see_copy(args[0], args[1])
+            self._scalar_read = False
         elif func in CONSTANT_FILLS and self._sent:
             self._see_fill(args[0], float(args[1]) if len(args) > 1 else 0.0)
+            self._scalar_read = False
+        elif func is torch.ops.aten._local_scalar_dense.default:
+            self._scalar_read = self._scalar_read or self._find_sent(args[0]) is not None
         elif func._schema.is_mutable:
             for tensor in _written_args(func, args, kwargs):
                 owner = self._owner(tensor)
@@ -196,29 +220,34 @@ class Recorder(TorchDispatchMode):
             return
         base = _tensors(module)[name]
         self._weighted.add(module)
-        self._last = sent[3]
-        self.writes.setdefault(sent[3], []).append(
-            Write(module, name, _spec(dst, base), _spec(src, sent[4]), (tuple(base.shape), base.stride(), base.dtype)))
+        self._last = sent.name
+        src_spec = (src.storage_offset() - sent.offset, tuple(src.shape), tuple(src.stride()))
+        self.writes.setdefault(sent.name, []).append(
+            Write(module, name, _spec(dst, base), src_spec, (tuple(base.shape), base.stride(), base.dtype)))
 
     def _see_fill(self, dst: torch.Tensor, value: float) -> None:
         """A loader setting part of a layer's tensor to a constant (vLLM pads a vocabulary's rows with zeros): a
         write the plan replays with the same constant, with the sent tensor last copied (the one whose loader this
-        is)."""
+        is). A value the loader read out of a sent tensor (``fill_(loaded.item())``) is no constant: the proof, which
+        sends the same weights, could not tell, so its layer keeps the loader."""
         owner = None if dst.is_meta else self._owner(dst)
         if owner is None:
             return
         module, name = owner
+        if self._scalar_read:
+            self._mark(module, f"its loader fills {name} with a value read from a sent tensor (not a constant)")
         base = _tensors(module)[name]
         self._weighted.add(module)
-        self.fills.setdefault(self._last or self._sent[0][3], []).append(
+        self.fills.setdefault(self._last or self._bucket_first, []).append(
             Write(module, name, _spec(dst, base), (0, (), ()), (tuple(base.shape), base.stride(), base.dtype), value))
 
     # ---- lookups
 
-    def _find_sent(self, src: torch.Tensor) -> tuple | None:
+    def _find_sent(self, src: torch.Tensor) -> Sent | None:
+        """The live sent tensor ``src`` views (the newest, where a freed storage's address came back)."""
         ptr, (lo, hi) = _ptr(src), _extent(src)
         for entry in self._sent:
-            if entry[0] == ptr and entry[1] <= lo and hi <= entry[2]:
+            if entry.ptr == ptr and entry.lo <= lo and hi <= entry.hi and not entry.storage.expired():
                 return entry
         return None
 

@@ -42,7 +42,7 @@ from lib.engine import awake
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, prompt_images,
                         request_seeds, rollout_columns, stop_ids, turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
-from lib.engine.plan import Recorder, SyncPlan
+from lib.engine.vllm_sync import EngineSync, reported_aliases, written_parameters  # noqa: F401 (re-exported)
 from lib.lora import VLLM_LORA_RANKS, check_engine_load, save_adapter
 from lib.protocol import DataProto
 
@@ -132,16 +132,15 @@ class VLLMEngine:
         # here (during a layerwise reload it sits on meta apart from it, and finalising puts the shared one back)
         names: list[str] = []
         run_on_model(self.llm, lambda model: names.extend(n for n, _ in model.named_parameters()))
-        # with LoRA a layer's weight sits in its base_layer, and the loader reports it under the plain name
-        self.param_names = frozenset(n.replace(".base_layer.", ".") for n in names)
-        self._aliases = reported_aliases(self.param_names)  # what a release's loader may report instead of a name
         hf_config = self.llm.llm_engine.vllm_config.model_config.hf_config
         self.tied_head = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
-        self._embedding: tuple[str, torch.Tensor] | None = None  # (its name, the tensor) of this sync
-        self._written: set[str] | None = set()  # the vLLM names one sync wrote (None: its loader does not say)
-        self._loading = False  # inside a layerwise reload (between the first bucket and wake_up(kv_cache))
         self._unwrapped: list[tuple[Any, str, Any]] = []  # the LoRA layers set aside during a reload (_reload)
-        self._start_sync_state(sync_plan)
+        self.metrics: dict[str, float] = {}
+        # with LoRA a layer's weight sits in its base_layer, and the loader reports it under the plain name
+        self.sync = EngineSync(lambda fn: run_on_model(self.llm, fn),
+                               lambda begin, layers: _reload(self.llm, begin, self._unwrapped, layers),
+                               frozenset(n.replace(".base_layer.", ".") for n in names), self.tied_head, sync_plan,
+                               topo.rank, self.metrics)
         self.asleep: set[str] = set()
         self.base_loaded = False
         """Every parameter written since the weights last woke from a level-2 sleep (a level-1 sleep keeps them)."""
@@ -156,17 +155,6 @@ class VLLMEngine:
                 remove_stale_shm(root)
             self._adapter_root = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}-{os.getpid()}-lora-", dir=root)
         self.sleep(2)  # dummy weights: nothing worth keeping until the first sync
-
-    def _start_sync_state(self, sync_plan: bool) -> None:
-        """The sync's plan (lib.engine.plan): "record" (the next sync goes through the loader and is recorded),
-        "prove" (its second pass), "ready" (the plan writes what it holds), "off" (the loader every sync)."""
-        self._plan_state = "record" if sync_plan else "off"
-        self._plan: SyncPlan | None = None
-        self._recorder: Recorder | None = None
-        self._recording = contextlib.ExitStack()
-        self._syncing = False  # a sync has sent its first bucket (_begin_sync sets what it counts)
-        self._head_reloads = True  # the tied head's layer is in every layerwise reload (not so under a plan)
-        self.metrics: dict[str, float] = {}
 
     def _mem(self) -> float:
         """GB in use: the whole device on GPU (vLLM's pools are not torch allocations), resident memory on CPU."""
@@ -195,7 +183,7 @@ class VLLMEngine:
             awake.woke("policy")
         self.metrics[f"engine/mem_after_wake_{'_'.join(tags)}_gb"] = self._mem()
         if "kv_cache" in tags:
-            self._finish_load()  # the sync is over: process the last layers
+            self.sync.finish_load()  # the sync is over: process the last layers
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -205,128 +193,23 @@ class VLLMEngine:
         goes through vLLM's loader, and the loader's buckets of one sync form one vLLM layerwise reload (of the
         layers that keep the loader, or of the whole model): a layer whose weights span two buckets (q/k/v into one
         fused qkv) is processed once all of it has arrived; ``wake_up(["kv_cache"])`` closes the reload (generate
-        needs it awake, so it never sees an open one)."""
+        needs it awake, so it never sees an open one). lib.engine.vllm_sync keeps the sync's state."""
         if "weights" in self.asleep:  # enforced without sleep mode too, so CPU runs catch what crashes a GPU
             raise RuntimeError("load_weights on a sleeping engine: call wake_up(['weights']) first")
-        batch = list(weights)
-        if not self._syncing:
-            self._begin_sync()
-        if self.tied_head:
-            # vLLM's loader skips lm_head.weight for a tied model, and during a layerwise reload its head layer
-            # sits on meta apart from the embedding: keep the embedding to load the head with (finish_sync)
-            self._embedding = next(((n, t) for n, t in batch if n.endswith("embed_tokens.weight")), self._embedding)
-        if self._plan_state == "prove":  # the second pass: the plan alone, into scrambled tensors
-            for name, tensor in batch:
-                if self._plan.takes(name, tensor):
-                    self._plan.write(name, tensor)
-            return
-        if self._plan_state == "ready":
-            rest = []
-            for name, tensor in batch:
-                if self._plan.takes(name, tensor):
-                    self._written |= self._plan.write(name, tensor)
-                    self._counts["plan"] += 1
-                else:
-                    rest.append((name, tensor))
-            batch = rest
-            if not batch:
-                return
-        self._counts["loader"] += len(batch)
-        if not self._loading:
-            _reload(self.llm, True, self._unwrapped,
-                    list(self._plan.fallback) if self._plan_state == "ready" else None)
-            self._loading = True
-            if self._recorder is not None:  # the first sync: its processing watched until the reload closes
-                run_on_model(self.llm, lambda model: self._recording.enter_context(
-                    self._recorder.watching_processing(model)))
-
-        def load(model: Any) -> None:
-            with self._recording_mode(batch):
-                loaded = model.load_weights(batch)  # the vLLM names written (fused q/k/v count once)
-            if loaded is None or self._written is None:
-                self._written = None  # a model whose loader does not say: nothing to verify against
-            else:
-                self._written |= {self._aliases.get(name, name) for name in loaded}
-
-        run_on_model(self.llm, load)
-
-    def _begin_sync(self) -> None:
-        self._syncing = True
-        self._written, self._embedding = set(), None
-        self._counts = {"plan": 0, "loader": 0}
-        if self._plan_state == "ready" and not self._plan.valid():
-            log.warning("weight sync: vLLM's tensors moved since the plan was recorded; recording it again")
-            self._plan_state, self._plan = "record", None
-        if self._plan_state == "record":
-            model: list[Any] = []
-            run_on_model(self.llm, model.append)
-            self._recorder = Recorder(model[0])
-            self._proof_t0 = time.perf_counter()
-        elif self._plan_state == "prove":
-            self._plan.scramble()
-
-    def _recording_mode(self, batch: list[tuple[str, torch.Tensor]]) -> Any:
-        if self._recorder is None:
-            return contextlib.nullcontext()
-        self._recorder.sending(batch)
-        return self._recorder
+        self.sync.load(list(weights))
 
     def finish_sync(self) -> bool:
-        """The last call of a sync: load the tied head (``_load_tied_head``), then check that every vLLM parameter
-        was written (a tied lm_head is the embedding itself as built, not a parameter of its own), so the engine
-        never samples from a dummy or stale tensor. Returns True when the same weights must be sent once more: the
-        first sync, once recorded, proves its plan with them (lib.engine.plan)."""
-        if not self._syncing:
-            return False
-        self._syncing = False
-        if self._plan_state == "prove":
-            self._prove()
-            return False
-        if self.tied_head and self._loading and (self._plan_state != "ready" or self._head_reloads):
-            with self._recording_mode([self._embedding] if self._embedding is not None else []):
-                self._load_tied_head()
-        self._embedding = None
-        if self._written is not None:
-            missing = sorted(self.param_names - self._written)
-            if missing:
-                raise RuntimeError(f"the weight sync left {len(missing)} vLLM parameters unwritten: {missing[:5]}")
-        self.base_loaded = True
-        self.metrics["sync/plan_tensors"] = float(self._counts["plan"])
-        self.metrics["sync/loader_tensors"] = float(self._counts["loader"])
-        if self._plan_state != "record":
-            return False
-        with self._recorder:  # the reload's close runs the last layers' processing (attention: always here)
-            self._finish_load()
-        self._recording.close()
-        model = self._recorder.model
-        names = {id(t): n.replace(".base_layer.", ".") for n, t in
-                 [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
-        self._plan, self._recorder = self._recorder.build(model, names), None
-        self._head_reloads = getattr(model, "lm_head", None) in self._plan.fallback
-        if self._plan.whole or not self._plan.writes:
-            self._plan_state = "off"
-            log.warning("weight sync: %s", self._plan.summary())
-            return False
-        self._plan_state = "prove"
-        return True
+        """The last call of a sync: the tied head loaded, every vLLM parameter checked written (never a dummy or
+        stale tensor). True when the same weights must be sent once more (the record sync's proof)."""
+        synced = self.sync.syncing
+        again = self.sync.finish()
+        self.base_loaded = self.base_loaded or synced
+        return again
 
     def use_sync_plan(self, on: bool) -> None:
         """Switch the sync between its plan and vLLM's loader from the next sync on (bench/bench_sync.py measures
         both in one process): on, the plan already proved, or recorded at the next sync if there is none."""
-        if self._syncing:
-            raise RuntimeError("use_sync_plan during a sync")
-        if not on:
-            self._plan_state = "off"
-        else:
-            proven = self._plan is not None and self._plan.proven and bool(self._plan.writes)
-            self._plan_state = "ready" if proven else "record"
-
-    def _prove(self) -> None:
-        self._plan.prove()
-        self._plan_state = "ready" if self._plan.writes else "off"
-        self.metrics["sync/plan_proof_seconds"] = time.perf_counter() - self._proof_t0
-        if self.topo.rank == 0:
-            log.warning("weight sync: %s", self._plan.summary())
+        self.sync.use_plan(on)
 
     def load_adapter(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Serve adapter ``version`` (PEFT names -> tensors): written as a PEFT folder and added under its own id
@@ -355,29 +238,10 @@ class VLLMEngine:
         counts = self.llm.collective_rpc(_count_lora_modules, args=(held,))
         return held, int(counts[0])
 
-    def _load_tied_head(self) -> None:
-        """Write the synced embedding into the tied head's own layer. Without it, finalising the reload puts the
-        head's previous kernel tensors back (on CPU a packed copy of the start weights), so vLLM would sample from
-        a head the trainer no longer has: logp_abs_diff 0.26 on a tied model after one step."""
-        if self._embedding is None:
-            raise RuntimeError("the weight sync of a tied-embedding model sent no embed_tokens.weight")
-        embedding = self._embedding[1]
-
-        def load(model: Any) -> None:
-            head = model.lm_head.weight
-            head.weight_loader(head, embedding)
-
-        run_on_model(self.llm, load)
-
-    def _finish_load(self) -> None:
-        if self._loading:
-            _reload(self.llm, False, self._unwrapped)
-            self._loading = False
-
     def close(self) -> None:
         """Shut the engine down while the process group still exists. vLLM's teardown destroys the default
         group too (after its own), so call this last, once no collective is left to run."""
-        self._finish_load()
+        self.sync.close()
         _shutdown(self.llm)
         if self._adapter_root:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
@@ -694,28 +558,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
-
-
-def reported_aliases(params: frozenset[str]) -> dict[str, str]:
-    """The names a loader may report for a parameter, mapped to it (made once per engine). vLLM 0.32 reports each
-    parameter by its own name. vLLM 0.25's fused-MoE layer is a ``MoERunner`` whose child ``routed_experts`` holds
-    the experts' weights; ``RoutedExperts.load_weights`` yields names relative to itself and the runner passes them
-    up unchanged, so the loader reports ``...mlp.experts.w13_weight`` for ``...mlp.experts.routed_experts.w13_weight``
-    (the bytes are written; the H100 run of 2026-11-27 failed its MoE sync on the name). A name that is no parameter
-    stands for the one parameter that is it with a single module inserted before its last part (none, or several:
-    no alias, and finish_sync names what was not written)."""
-    inner: dict[str, list[str]] = {}
-    for name in params:
-        parts = name.split(".")
-        if len(parts) >= 3:
-            inner.setdefault(".".join(parts[:-2] + parts[-1:]), []).append(name)
-    return {alias: found[0] for alias, found in inner.items() if len(found) == 1 and alias not in params}
-
-
-def written_parameters(reported: Iterable[str], params: frozenset[str]) -> set[str]:
-    """The engine's parameter names that a loader's reported names stand for (``reported_aliases``)."""
-    aliases = reported_aliases(params)
-    return {aliases.get(name, name) for name in reported}
 
 
 def _shutdown(llm: Any) -> None:
