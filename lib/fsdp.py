@@ -276,29 +276,36 @@ def iter_full_params_bucketed(model: nn.Module, dtype: torch.dtype | None, bucke
                               ) -> Iterator[tuple[str, torch.Tensor]]:
     """``iter_full_params``'s tensors, bit for bit and in the same order, with one all-gather per bucket of at most
     ``bucket_bytes`` of full tensors instead of one per parameter (290 a sync for the 0.5B shape): each rank lays its
-    dim-0 shards of the bucket's parameters, cast to ``dtype``, side by side in one flat buffer (each padded to the
-    largest rank's rows), one ``all_gather_into_tensor`` over the shard group fills every rank's, and each full tensor
-    is cut out of the ranks' blocks. A parameter sharded another way (or not a DTensor) is gathered alone, in its
-    place. Extra memory: a bucket's gathered buffer and its cut-out tensors. Every rank must consume it in step."""
-    pending: list[tuple[str, torch.Tensor]] = []
+    dim-0 shards of the bucket's parameters side by side in one flat buffer of ``dtype`` (each padded to the largest
+    rank's rows; the cast happens inside that copy, on the local shard, never through DTensor's dispatch), one
+    ``all_gather_into_tensor`` over the shard group fills every rank's, and each full tensor is cut out of the ranks'
+    blocks. A shard group of one rank holds whole tensors: each is yielded as its local tensor (cast where ``dtype``
+    differs), with no buffer and no collective. A parameter sharded another way (or not a DTensor) is gathered alone,
+    in its place. Extra memory: a bucket's gathered buffer and its cut-out tensors. Every rank must consume it in
+    step."""
+    pending: list[tuple[str, DTensor]] = []
     size = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
             tensor = param.detach()
-            if dtype is not None:
-                tensor = tensor.to(dtype)
             if _shard_dim(tensor) is None:  # gathered alone (or whole already), after what is pending
-                yield from _gather_bucket(pending)
+                yield from _gather_bucket(pending, dtype)
                 pending, size = [], 0
+                if dtype is not None:
+                    tensor = tensor.to(dtype)
                 yield hf_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 continue
-            nbytes = tensor.numel() * tensor.element_size()
+            nbytes = tensor.numel() * (tensor.element_size() if dtype is None else _itemsize(dtype))
             if pending and (size + nbytes > bucket_bytes or tensor.device_mesh != pending[0][1].device_mesh):
-                yield from _gather_bucket(pending)
+                yield from _gather_bucket(pending, dtype)
                 pending, size = [], 0
             pending.append((name, tensor))
             size += nbytes
-        yield from _gather_bucket(pending)
+        yield from _gather_bucket(pending, dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _shard_dim(tensor: torch.Tensor) -> int | None:
@@ -314,12 +321,19 @@ def _shard_dim(tensor: torch.Tensor) -> int | None:
     return shards[0]
 
 
-def _gather_bucket(pending: list[tuple[str, DTensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _gather_bucket(pending: list[tuple[str, DTensor]], dtype: torch.dtype | None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     if not pending:
         return
     mesh_dim = _shard_dim(pending[0][1])
     group = pending[0][1].device_mesh.get_group(mesh_dim)
     world = dist.get_world_size(group)
+    if world == 1:  # the local shard is the whole tensor
+        for name, tensor in pending:
+            local = tensor.to_local()
+            yield hf_name(name), local if dtype is None else local.to(dtype)
+        return
+    dtype = dtype or pending[0][1].dtype
     layout = []
     for name, tensor in pending:
         rows = tensor.shape[0]
@@ -327,7 +341,9 @@ def _gather_bucket(pending: list[tuple[str, DTensor]]) -> Iterator[tuple[str, to
         counts = [max(0, min(most, rows - r * most)) for r in range(world)]
         layout.append((name, tensor.shape, most, counts, most * tensor.shape[1:].numel()))
     # this rank's shards side by side, each at the start of its block (the rest of a block: zeros), one copy each
-    flat = pending[0][1].to_local().new_zeros(sum(numel for *_, numel in layout))
+    # (casting to ``dtype`` as it copies)
+    local0 = pending[0][1].to_local()
+    flat = torch.zeros(sum(numel for *_, numel in layout), dtype=dtype, device=local0.device)
     offset = 0
     for (_, tensor), (*_, numel) in zip(pending, layout):
         shard = tensor.to_local().reshape(-1)

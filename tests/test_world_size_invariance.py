@@ -308,3 +308,6 @@ def test_the_sync_gathers_one_bucket_of_shards_at_a_time(tmp_path):
     for r in run_distributed(_bucketed_gathers, path, 64 * 2**10, world_size=2):
         assert r["names"] and r["equal"] and r["uneven"], r
         assert r["calls"] == r["expected"] < r["tensors"] / 2, r
+    # a shard group of one rank (issue 63, 6): the local tensors themselves, cast, with no buffer and no collective
+    (r,) = run_distributed(_bucketed_gathers, path, 64 * 2**10, world_size=1)
+    assert r["names"] and r["equal"] and r["calls"] == 0, r

@@ -326,13 +326,28 @@ class SyncPlan:
 
     def write(self, name: str, tensor: torch.Tensor) -> set[str]:
         """Copy a sent tensor into every destination the loader gave it; returns the engine names written."""
-        with torch.no_grad():
+        return self.write_all([(name, tensor)])
+
+    def write_all(self, sent: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """``write`` for a bucket of sent tensors (each one the plan ``takes``): every copy in one
+        ``torch._foreach_copy_`` (one dispatch for the bucket, casts inside it; a Python ``copy_`` a destination was
+        the plan's host cost), then the constants. The proof writes through here too, so what it proves is this.
+        Returns the engine names written."""
+        dsts, srcs, fills, names = [], [], [], set()
+        for name, tensor in sent:
             for target in self.writes[name]:
                 if target.value is None:
-                    target.view.copy_(_view(tensor, target.src))
+                    dsts.append(target.view)
+                    srcs.append(_view(tensor, target.src))
                 else:
-                    target.view.fill_(target.value)
-        return {t.name for t in self.writes[name]}
+                    fills.append(target)
+                names.add(target.name)
+        with torch.no_grad():
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+            for target in fills:
+                target.view.fill_(target.value)
+        return names
 
     def owners(self) -> list[torch.Tensor]:
         """The engine tensors the plan writes (each once)."""

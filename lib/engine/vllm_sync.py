@@ -119,20 +119,15 @@ class EngineSync:
             # vLLM's loader skips lm_head.weight for a tied model, and during a layerwise reload a head layer of its
             # own sits on meta apart from the embedding: keep the embedding to load the head with (finish)
             self.embedding = next(((n, t) for n, t in batch if n.endswith("embed_tokens.weight")), self.embedding)
-        if self.state == "prove":  # the second pass: the plan alone, into scrambled tensors
-            for name, tensor in batch:
-                if self.plan.takes(name, tensor):
-                    self.plan.write(name, tensor)
-            return
-        if self.state == "ready":
-            rest = []
-            for name, tensor in batch:
-                if self.plan.takes(name, tensor):
-                    self._wrote(self.plan.write(name, tensor))
-                    self.counts["plan"] += 1
-                else:
-                    rest.append((name, tensor))
-            batch = rest
+        if self.state in ("prove", "ready"):  # prove: the second pass, the plan alone into scrambled tensors
+            takes = [self.plan.takes(n, t) for n, t in batch]
+            taken = [w for w, take in zip(batch, takes) if take]
+            written = self.plan.write_all(taken)
+            if self.state == "prove":
+                return
+            self._wrote(written)
+            self.counts["plan"] += len(taken)
+            batch = [w for w, take in zip(batch, takes) if not take]
             if not batch:
                 return
         self.counts["loader"] += len(batch)
