@@ -587,3 +587,20 @@ def test_a_fill_with_a_value_read_from_the_weights_keeps_the_loader():
     plan = recorder.build(model, tensor_names(model))
     assert "scale" in plan.loader and "weight" in plan.loader  # one layer: both keep the loader
     assert plan.fallback[model].startswith("its loader fills scale with a value read from a sent tensor")
+
+
+def test_a_moe_runners_fused_router_follows_the_synced_gates():
+    """vLLM's MoE runner caches cat(gate, shared-expert gate) at its first forward (ROCm's fused shared experts:
+    Qwen3-Next, Qwen3.5-MoE) and no reload refreshes it: after a sync the engine refreshes it in place."""
+    from lib.engine.vllm import refresh_fused_gates
+
+    runner = nn.Module()
+    runner.gate, runner.shared_expert_gate = Plain(EXPERTS, HIDDEN), Plain(1, HIDDEN)
+    runner._combined_gate_weight = torch.zeros(EXPERTS + 1, HIDDEN)  # as made from the dummy weights
+    cached = runner._combined_gate_weight
+    model = nn.Sequential(runner, Plain(HIDDEN))
+    with torch.no_grad():  # a sync writes the gates
+        runner.gate.weight.normal_()
+        runner.shared_expert_gate.weight.normal_()
+    assert refresh_fused_gates(model) == 1 and runner._combined_gate_weight is cached
+    assert torch.equal(cached, torch.cat([runner.gate.weight, runner.shared_expert_gate.weight]))

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 from transformers import AutoConfig
 
 from lib import routing
@@ -184,6 +185,7 @@ class VLLMEngine:
         self.metrics[f"engine/mem_after_wake_{'_'.join(tags)}_gb"] = self._mem()
         if "kv_cache" in tags:
             self.sync.finish_load()  # the sync is over: process the last layers
+            run_on_model(self.llm, refresh_fused_gates)
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -598,6 +600,22 @@ def _reload(llm: Any, begin: bool, unwrapped: list[tuple[Any, str, Any]], layers
             for parent, name, layer in reversed(unwrapped):
                 setattr(parent, name, layer)
             unwrapped.clear()
+
+
+def refresh_fused_gates(model: nn.Module) -> int:
+    """vLLM's MoE runner (0.25 to 0.32: ``MoERunner._combined_gate_weight``) keeps ``cat([gate.weight,
+    shared_expert_gate.weight])``, made at its first forward (the dummy weights' profiling run) where ROCm's AITER
+    fuses the shared experts (Qwen3-Next, Qwen3.5-MoE); no reload refreshes it, so those models would route with
+    the start-up gates after every sync, vLLM's loader included. Refreshed in place after each sync (a graph
+    captured with its address keeps it). Returns the runners refreshed."""
+    done = 0
+    with torch.no_grad():
+        for module in model.modules():
+            cached = getattr(module, "_combined_gate_weight", None)
+            if isinstance(cached, torch.Tensor):
+                cached.copy_(torch.cat([module.gate.weight, module.shared_expert_gate.weight], dim=0))
+                done += 1
+    return done
 
 
 def _repack_cpu_experts(model: Any) -> int:
