@@ -32,6 +32,10 @@ def tiny_config(arch: str = "qwen2", **overrides):
         return LlamaConfig(**common)
     if arch == "granite":  # its forward divides the logits by logits_scaling, 1.0 included
         return GraniteConfig(**common)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**{"head_dim": 8, **common})
     raise ValueError(arch)
 
 

@@ -116,6 +116,7 @@ class Recorder(TorchDispatchMode):
         self.whole: str = ""  # why no part of the model can be replayed ("" if none)
         self.reads: list[tuple[nn.Module, int]] = []  # what weightless layers' processing read (storages; build)
         self._weighted: set[nn.Module] = set()  # layers a loader wrote a sent tensor into
+        self.restored: list[tuple[nn.Module, str]] = []  # layer tensors written whole from another layer tensor
         self._sent: list[Sent] = []  # every sent tensor still alive, the newest first
         self._bucket_first = ""  # the current bucket's first name
         self._scalar_read = False  # a loader read a value out of a sent tensor (``.item()``) since the last write
@@ -215,6 +216,12 @@ class Recorder(TorchDispatchMode):
             return
         module, name = owner
         if sent is None:
+            if _whole(dst, _tensors(module)[name]) and self._layer_tensor(src):
+                # a layer's whole tensor into another's (vLLM's reload restoring its kernel tensors, a tensor that
+                # never went to meta onto itself, a tied head's into the embedding it shares): its bytes were
+                # recorded where the sync wrote them; build checks that some write covers the destination
+                self.restored.append((module, name))
+                return
             self._mark(module, f"its loader writes {name} from a tensor the sync did not send (a cast or a "
                                f"computed tensor)")
             return
@@ -262,6 +269,11 @@ class Recorder(TorchDispatchMode):
             hit = self._owners.get(ptr)
         return hit
 
+    def _layer_tensor(self, src: torch.Tensor) -> bool:
+        """``src`` is the whole of a layer's own tensor (not a part of one, not a tensor of the loader's)."""
+        owner = self._owner(src)
+        return owner is not None and _whole(src, _tensors(owner[0])[owner[1]])
+
     def _mark(self, module: nn.Module, why: str) -> None:
         self.marked.setdefault(module, why)
 
@@ -280,6 +292,11 @@ class Recorder(TorchDispatchMode):
             return plan
         recorded = {name: [*self.writes.get(name, []), *self.fills.get(name, [])]
                     for name in dict.fromkeys([*self.writes, *self.fills])}
+        # a tensor written only from another layer's tensor: no write of a sent tensor reaches it
+        covered = {id(_tensors(w.module).get(w.tensor)) for writes in recorded.values() for w in writes}
+        for module, name in self.restored:
+            if id(_tensors(module).get(name)) not in covered:
+                self._mark(module, f"its loader writes {name} from another layer's tensor, never from a sent one")
         # a layer whose own tensors no longer have the layout its loader wrote into: processing changed it
         for writes in recorded.values():
             for w in writes:
@@ -421,6 +438,12 @@ def _fits(tensor: torch.Tensor, spec: Spec) -> bool:
 
 def _layout(module: nn.Module) -> dict[str, tuple]:
     return {n: (_ptr(t), tuple(t.shape), t.stride(), t.dtype) for n, t in _tensors(module).items() if not t.is_meta}
+
+
+def _whole(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """``view`` is all of ``base`` (its storage, offset, shape and strides)."""
+    return (_ptr(view) == _ptr(base) and view.storage_offset() == base.storage_offset()
+            and view.shape == base.shape and view.stride() == base.stride())
 
 
 def _ptr_of(module: nn.Module, name: str) -> int:
