@@ -542,7 +542,7 @@ def _moe_vllm_body(path: str, lr: float = 1e-2) -> dict:
         diffs.append(float(((logp.cpu() - rollout.batch["rollout_log_probs"].cpu()).abs() * m).sum() / m.sum()))
         rollout.batch["advantages"] = torch.randn(m.shape) * m
         update_policy(trainee, rollout, cfg)  # the next sync sends other weights
-    experts = sorted(n for n in engine.param_names if "experts" in n)
+    experts = sorted(n for n in engine.sync.param_names if "experts" in n)
     engine.close()
     return {"diffs": diffs, "synced_gb": synced, "experts": experts}
 
