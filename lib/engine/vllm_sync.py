@@ -107,6 +107,7 @@ class EngineSync:
         self.embedding: tuple[str, torch.Tensor] | None = None  # (its name, the tensor) of this sync
         self.written: set[str] | None = set()  # the vLLM names one sync wrote (None: its loader does not say)
         self.counts = {"plan": 0, "loader": 0}
+        self.batched = True  # the plan's copies of a bucket in one foreach (False: a copy_ each; bench_sync's row)
 
     # ---- one sync
 
@@ -122,7 +123,10 @@ class EngineSync:
         if self.state in ("prove", "ready"):  # prove: the second pass, the plan alone into scrambled tensors
             takes = [self.plan.takes(n, t) for n, t in batch]
             taken = [w for w, take in zip(batch, takes) if take]
-            written = self.plan.write_all(taken)
+            if self.batched:
+                written = self.plan.write_all(taken)
+            else:
+                written = set().union(*(self.plan.write(n, t) for n, t in taken))
             if self.state == "prove":
                 return
             self._wrote(written)
