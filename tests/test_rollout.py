@@ -514,18 +514,22 @@ def test_a_checkpoint_class_the_installed_vllm_lacks_is_refused_before_any_model
     assert "has no model class for this checkpoint's NoSuchModelForCausalLM; use rollout.engine=hf" in msg, msg
 
 
-def _plan_body(path):
-    """Three syncs of a trainer whose weights move between them (every tensor, the norms by a lot): the first
-    through vLLM's loader (recorded, then proved), the later ones through the plan where it holds (vLLM's CPU build:
-    the norms; its linear and embedding layers pack their weights for oneDNN and keep the loader)."""
+def _plan_body(path, cuda_layout=False, bucket_bytes=512 * 2**20, num_syncs=3):
+    """Syncs of a trainer whose weights move between them (every tensor, the norms by a lot): the first through vLLM's
+    loader (recorded, then proved), the later ones through the plan where it holds (vLLM's CPU build: the norms; its
+    linear and embedding layers pack their weights for oneDNN and keep the loader; ``cuda_layout``: the CUDA build's
+    layout, lib.engine.vllm_cuda_layout, where every tensor goes through the plan)."""
     import logging
 
     from lib.config import FSDPConfig, ModelConfig
     from lib.dist import init_topology
-    from lib.engine.vllm import VLLMEngine
+    from lib.engine import vllm_cuda_layout
+    from lib.engine.vllm import VLLMEngine, run_on_model
     from lib.fsdp import build_sharded_model
     from lib.sync import enter_rollout, exit_rollout
 
+    if cuda_layout:
+        vllm_cuda_layout.install()
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
@@ -536,20 +540,25 @@ def _plan_body(path):
     eng = VLLMEngine(path, topo, 0, [EOS], sampling, max_model_len=64, max_num_seqs=8, dtype="float32",
                      enforce_eager=True)
     steps = []
-    for step in range(3):
+    for step in range(num_syncs):
         torch.manual_seed(step)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.add_(torch.randn_like(p) * (0.5 if "norm" in name else 0.02))
-        metrics = enter_rollout(model, eng, torch.float32)
+        metrics = enter_rollout(model, eng, torch.float32, bucket_bytes=bucket_bytes)
         out = eng.generate(prompts(4, seed=step))
         exit_rollout(model, eng, topo.device)
         ours, _ = processed_log_probs(model, out)
         m = out.batch["response_mask"]
         steps.append({"logp_diff": float(((ours - out.batch["rollout_log_probs"]).abs() * m).max()),
-                      **{k: v for k, v in metrics.items() if k.startswith("sync/")}})
+                      "tokens": int(m.sum()), **{k: v for k, v in metrics.items() if k.startswith("sync/")}})
+    plan = eng.sync.plan
+    kept: dict[str, str] = {}  # the layers that keep vLLM's loader, by name, and why
+    run_on_model(eng.llm, lambda vllm_model: kept.update(
+        {name: plan.fallback[m] for name, m in vllm_model.named_modules() if m in plan.fallback}))
     eng.close()
-    return {"steps": steps, "said": [s for s in said if s.startswith("weight sync")]}
+    return {"steps": steps, "said": [s for s in said if s.startswith("weight sync")], "kept": kept,
+            "sent": sum(1 for _ in model.named_parameters()), "closed_plan": eng.sync.plan is None}
 
 
 @pytest.mark.vllm

@@ -18,59 +18,15 @@ import pytest
 import torch
 
 from lib import toy
-from lib.engine import SamplingConfig
 from lib.testing import run_distributed
 from tests.helpers import ROOT, child_env, save_tiny_model
-from tests.test_rollout import EOS, processed_log_probs, prompts
+from tests.test_rollout import _plan_body
 
 pytestmark = pytest.mark.vllm
 
 CANARY = 1e-5
 """The largest engine-vs-trainer log-prob difference allowed: fp32 on both sides measures ~1e-6 here (a stale or
 dummy tensor: 1e-2 and more)."""
-
-
-def _syncs_body(path: str, bucket_bytes: int) -> dict:
-    """Four syncs of a trainer whose weights move between them, vLLM in the CUDA layout."""
-    import logging
-
-    from lib.config import FSDPConfig, ModelConfig
-    from lib.dist import init_topology
-    from lib.engine import vllm_cuda_layout
-    from lib.engine.vllm import VLLMEngine, run_on_model
-    from lib.fsdp import build_sharded_model
-    from lib.sync import enter_rollout, exit_rollout
-
-    vllm_cuda_layout.install()
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("lib.engine.vllm").addHandler(handler)
-    topo = init_topology()
-    model = build_sharded_model(ModelConfig(path=path), FSDPConfig(), topo, packed=False)
-    eng = VLLMEngine(path, topo, 0, [EOS], SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5),
-                     max_model_len=64, max_num_seqs=8, dtype="float32", enforce_eager=True)
-    steps = []
-    for step in range(4):
-        torch.manual_seed(step)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.add_(torch.randn_like(p) * (0.5 if "norm" in name else 0.05))
-        metrics = enter_rollout(model, eng, torch.float32, bucket_bytes=bucket_bytes)
-        out = eng.generate(prompts(4, seed=step))
-        exit_rollout(model, eng, topo.device)
-        ours, _ = processed_log_probs(model, out)
-        m = out.batch["response_mask"]
-        steps.append({"logp_diff": float(((ours - out.batch["rollout_log_probs"]).abs() * m).max()),
-                      "tokens": int(m.sum()), **{k: v for k, v in metrics.items() if k.startswith("sync/")}})
-    sent = sum(1 for _ in model.named_parameters())
-    plan = eng.sync.plan
-    kept: dict[str, str] = {}
-    run_on_model(eng.llm, lambda vllm_model: kept.update(
-        {name: plan.fallback[m] for name, m in vllm_model.named_modules() if m in plan.fallback}))
-    eng.close()
-    return {"steps": steps, "said": [s for s in said if s.startswith("weight sync")], "sent": sent, "kept": kept,
-            "closed_plan": plan is not None and eng.sync.plan is None}
 
 
 CASES = {"qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
@@ -84,7 +40,7 @@ def test_every_tensor_goes_through_the_plan_in_the_cuda_layout(tmp_path, case):
     arch, overrides = CASES[case]
     path = save_tiny_model(str(tmp_path / "m"), arch, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
                            head_dim=32, **overrides)
-    r = run_distributed(_syncs_body, path, 24_000, world_size=1, timeout=900)[0]
+    r = run_distributed(_plan_body, path, True, 24_000, 4, world_size=1, timeout=900)[0]
     first, *later = r["steps"]
     assert first["sync/passes"] == 2 and first["sync/plan_tensors"] == 0, first  # recorded, then proved
     for s in later:
@@ -94,7 +50,7 @@ def test_every_tensor_goes_through_the_plan_in_the_cuda_layout(tmp_path, case):
         assert s["tokens"] > 0 and s["logp_diff"] < CANARY, r["steps"]
     assert len(r["said"]) == 1 and f"{r['sent']} tensors through the plan (proved bit for bit" in r["said"][0], r
     assert "0 through the engine's loader" in r["said"][0], r["said"]
-    assert r["closed_plan"]
+    assert r["closed_plan"] and not r["kept"], r["kept"]
 
 
 # ---- GRPO as users run it (train_grpo.py under torchrun, 2 ranks, the default preset), vLLM in the CUDA layout
