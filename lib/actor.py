@@ -143,5 +143,5 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
                 # tokens (old = the policy that generated them) against the engine's own
                 diff = (old.detach() - b["rollout_log_probs"]).abs()
                 step_metrics["rollout/logp_abs_diff"] += (diff * mask).sum() / num_tokens.clamp(min=1)
-        step_and_record(actor, cfg.optim.max_grad_norm, step_metrics, sums, "actor")
+        step_and_record(actor, cfg.optim.max_grad_norm, step_metrics, sums, "actor", cfg.optim.step_without_gradient)
     return finish_update(actor, sums, "actor")

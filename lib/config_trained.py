@@ -63,6 +63,14 @@ class OptimConfig:
     """Training steps (updates) the cosine schedule spans. 0: the run's trainer steps."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this. A non-finite norm skips the step (counted in metrics)."""
+    step_without_gradient: bool = False
+    """AdamW's step where the gradient is zero everywhere (no learning signal: every GRPO group scored alike, so every
+    advantage is 0, and no KL or entropy term). False: that step is left out, the weights, AdamW's moments and its
+    step count stay as they are (counted: ``<actor|critic>/zero_grad_steps``). AdamW would otherwise move the weights
+    by its momentum alone and let its second moment decay, so that the next rare gradient (one sample wrong in a
+    solved batch) meets a denominator far below its scale and moves every parameter it touches by ~3 lr, then more by
+    momentum: a solved task unlearned (the default run continued to 3,000 steps collapsed at step ~1,620). True: step
+    anyway (verl's trainer does)."""
     fused: bool = False
     """AdamW's fused kernel (one kernel a step for every parameter) instead of the multi-tensor one: the same update
     to the dtype's rounding (4e-9 apart on 6M parameters, CPU fp32). On CPU the optimizer step alone took 25.3 ->

@@ -54,5 +54,5 @@ def update_critic(critic: Trainee, data: DataProto, cfg: CriticConfig, mini_batc
             step["critic/vf_loss"] += loss.detach()
             step["critic/vf_clipfrac"] += m["vf_clipfrac"] * share
             step["critic/vpred_mean"] += algos.masked_mean(vpreds.detach(), mask) * share
-        step_and_record(critic, cfg.optim.max_grad_norm, step, sums, "critic")
+        step_and_record(critic, cfg.optim.max_grad_norm, step, sums, "critic", cfg.optim.step_without_gradient)
     return finish_update(critic, sums, "critic")

@@ -1,4 +1,4 @@
-"""AdamW, the warm-up + constant/cosine schedule, and a clipped step that skips non-finite gradients."""
+"""AdamW, the warm-up + constant/cosine schedule, and a clipped step that skips non-finite and all-zero gradients."""
 
 from __future__ import annotations
 
@@ -33,9 +33,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Opt
     return optimizer, scheduler
 
 
-def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> tuple[float, bool]:
+def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
+                 step_without_gradient: bool = False) -> tuple[float, str]:
     """Clip the global grad norm (over all shards: DTensor norms reduce across the mesh) and step.
-    A non-finite norm skips the step and clears the gradients. Returns (norm, stepped).
+    A non-finite norm skips the step and clears the gradients ("non-finite"); so does a norm of exactly 0 ("zero":
+    no gradient anywhere, OptimConfig.step_without_gradient) unless ``step_without_gradient``. The norm is the global
+    one, so every rank decides alike. Returns (norm, "stepped" | "non-finite" | "zero").
     A plain replica's gradients are first averaged over the ranks (lib.fsdp.average_gradients)."""
     average_gradients(model)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -43,8 +46,12 @@ def clipped_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_no
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     norm = float(norm)
-    stepped = math.isfinite(norm)
-    if stepped:
+    if not math.isfinite(norm):
+        outcome = "non-finite"
+    elif norm == 0.0 and not step_without_gradient:
+        outcome = "zero"
+    else:
+        outcome = "stepped"
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm, stepped
+    return norm, outcome

@@ -100,13 +100,16 @@ def accumulation_steps(trainee: Trainee, data: DataProto, epochs: int, mini_batc
             yield epoch, accumulating(trainee.model, [p.to(topo.device) for p in pieces]), num_tokens, num_seqs
 
 
-def step_and_record(trainee: Trainee, max_grad_norm: float, step_metrics: dict, sums: dict, prefix: str) -> None:
-    """One clipped optimizer step at the end of a mini-batch; its metrics join the update's lists."""
-    grad_norm, stepped = clipped_step(trainee.model, trainee.optimizer, max_grad_norm)
+def step_and_record(trainee: Trainee, max_grad_norm: float, step_metrics: dict, sums: dict, prefix: str,
+                    step_without_gradient: bool = False) -> None:
+    """One clipped optimizer step at the end of a mini-batch (lib.optim.clipped_step: left out where the gradient is
+    non-finite, or zero everywhere); its metrics join the update's lists."""
+    grad_norm, outcome = clipped_step(trainee.model, trainee.optimizer, max_grad_norm, step_without_gradient)
     for k, v in step_metrics.items():
         sums[k].append(float(v))
-    sums[f"{prefix}/grad_norm"].append(grad_norm if stepped else float("nan"))
-    sums[f"{prefix}/skipped_steps"].append(0.0 if stepped else 1.0)
+    sums[f"{prefix}/grad_norm"].append(grad_norm if outcome != "non-finite" else float("nan"))
+    sums[f"{prefix}/skipped_steps"].append(float(outcome == "non-finite"))
+    sums[f"{prefix}/zero_grad_steps"].append(float(outcome == "zero"))
 
 
 def finish_update(trainee: Trainee, sums: dict, prefix: str) -> dict[str, float]:
@@ -115,8 +118,10 @@ def finish_update(trainee: Trainee, sums: dict, prefix: str) -> dict[str, float]
     ``<prefix>/lr`` is the rate this update's optimizer steps used (the schedule moves on after it)."""
     local = {k: float(np.nanmean(v)) if not all(np.isnan(v)) else 0.0 for k, v in sums.items()}
     local[f"{prefix}/skipped_steps"] = float(np.sum(sums[f"{prefix}/skipped_steps"]))
+    local[f"{prefix}/zero_grad_steps"] = float(np.sum(sums[f"{prefix}/zero_grad_steps"]))
     local[f"{prefix}/lr"] = trainee.optimizer.param_groups[0]["lr"]
     trainee.scheduler.step()
     ops = {k: "sum" for k in local}
-    ops.update({f"{prefix}/grad_norm": "mean", f"{prefix}/skipped_steps": "max", f"{prefix}/lr": "max"})
+    ops.update({f"{prefix}/grad_norm": "mean", f"{prefix}/skipped_steps": "max", f"{prefix}/zero_grad_steps": "max",
+                f"{prefix}/lr": "max"})
     return reduce_metrics(local, trainee.topo.dp_group, ops)
