@@ -32,7 +32,8 @@ python -m lib.check "$script" "$(( NPROC * ${SLURM_NNODES:-1} ))" "$@" || exit $
 export SPMD_RL_CHECKED=1  # the ranks check again, but do not probe the judge's endpoint a second time
 # Stopping: each rank finishes its step, every rank saves a checkpoint, and the run exits 0. Whichever processes the
 # signal reaches:
-# - this script (Ctrl-C, a batch-shell signal): it sends SIGUSR1 to the ranks;
+# - this script (Ctrl-C, a batch-shell signal): it sends the ranks the signal it got (so that a rank's "stopped by"
+#   names what the user sent, whichever copy arrives first when the signal went to every process of the job);
 # - every process of the job (scancel's SIGTERM, SLURM's pre-emption SIGUSR1): the ranks stop themselves, the reward
 #   workers ignore it, and torchrun ignores SIGUSR1 (inherited here; left to itself it would die of it at once);
 # - torchrun alone (kill, docker stop): it passes a SIGTERM on to the ranks and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT
@@ -46,8 +47,10 @@ stop_file=$(mktemp "${TMPDIR:-/tmp}/spmd-rl-stop.XXXXXX")
 trap 'rm -f "$stop_file"' EXIT
 (trap '' USR1; SPMD_RL_STOP_FILE="$stop_file" exec setsid torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "$script" "$@") &
 runner=$!
-stop() { pkill -USR1 -P "$runner" 2>/dev/null || true; }
-trap stop INT TERM USR1
+stop() { pkill "-$1" -P "$runner" 2>/dev/null || true; }
+trap 'stop INT' INT
+trap 'stop TERM' TERM
+trap 'stop USR1' USR1
 status=0
 while true; do
   status=0; wait "$runner" || status=$?  # (set -e is on: a failing wait must not end this script)

@@ -146,6 +146,7 @@ def test_scancel_ends_in_a_checkpoint_and_the_same_command_resumes(cluster, refe
         assert (state, code) == ("COMPLETED", "0:0"), text[-4000:]
     else:
         assert state == "CANCELLED", text[-4000:]
+    # the signal the user sent: launch.sh passes on the one it got, so both copies of it a rank may see are the same
     assert f"stopped by SIG{how.upper()} after step" in text and "BrokenPipeError" not in text, text[-4000:]
     step = int(open(os.path.join(run_dir(tmp_path), "checkpoints", "latest")).read())
     assert step == 2

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -143,18 +145,36 @@ class Stopped(Exception):
     """Raised in a check's process by SIGTERM: the check builds its rows from what it measured so far."""
 
 
+_HELD = [0]  # blocks a stop waits for (stop_held), nested
+
+
 def stop_on(*signals: signal.Signals) -> list[int]:
     """The first of ``signals`` to arrive raises ``Stopped`` (the others ignored from then on: the children it started
-    got the same signal, and the stop runs once); returns the list the signal's number is put in."""
+    got the same signal, and the stop runs once), at once or at the end of a ``stop_held`` block; returns the list
+    the signal's number is put in."""
     received: list[int] = []
 
     def on_signal(signum, frame):
         received.append(signum)
         for sig in signals:
             signal.signal(sig, signal.SIG_IGN)
-        raise Stopped()
+        if not _HELD[0]:
+            raise Stopped()
 
     for sig in signals:
         signal.signal(sig, on_signal)
     return received
+
+
+@contextlib.contextmanager
+def stop_held(received: list[int]) -> Iterator[None]:
+    """A block a stop does not cut in two (a check's process started and recorded as running): a stop that came in
+    it is raised at its end. ``received``: stop_on's list."""
+    _HELD[0] += 1
+    try:
+        yield
+    finally:
+        _HELD[0] -= 1
+    if received and not _HELD[0]:
+        raise Stopped()
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from bench.acceptance.common import (CHILD_GRACE_S, ROOT, Row, Stopped, failure_note, has_vllm, log_tail,
-                                     result_path, stop_on)
+                                     result_path, stop_held, stop_on)
 from bench.acceptance.report import report, save_result
 
 # Checks whose figures are times or device-memory readings: alone on the GPU.
@@ -187,7 +187,8 @@ def run_all(args, names: list[str]) -> None:
                     finish(name, [Row(name, "not run", "", False, f"the run's budget ({args.budget_s:.0f} s) was "
                                       "spent")], 0.0, False)
                 elif fits(name, running, args):
-                    running[pending.pop(0)] = launch(name, args, min(args.check_budget_s, left))
+                    with stop_held(stop):  # a stop now finds the check started and recorded, or neither
+                        running[pending.pop(0)] = launch(name, args, min(args.check_budget_s, left))
                 else:
                     break
             if running:
