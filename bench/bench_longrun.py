@@ -25,8 +25,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = (("rank", ("train_grpo.py", "train_ppo.py", "runs_driver.py")), ("reward worker", ("lib.rewards.worker",)),
-         ("torchrun", ("torch.distributed.run", "torchrun")), ("launch.sh", ("launch.sh",)), ("check", ("lib.check",)))
+KINDS = (("check", ("lib.check",)), ("torchrun", ("torch.distributed.run", "torchrun")),
+         ("rank", ("train_grpo.py", "train_ppo.py", "runs_driver.py")), ("reward worker", ("lib.rewards.worker",)),
+         ("launch.sh", ("launch.sh",)))  # the first that matches: lib.check's and torchrun's command lines name the
+# script too
 
 
 def descendants(pid: int) -> list[int]:
@@ -65,14 +67,24 @@ def rss_mib(pid: int) -> float:
         return 0.0
 
 
-def sample(root: int, t0: float) -> dict:
-    """Every live process of the run: its kind and resident MiB."""
+def sample(root: int, t0: float, run_dir: str) -> dict:
+    """Every live process of the run (its kind and resident MiB), and the steps the run has logged."""
     procs = [(kind(p), rss_mib(p)) for p in descendants(root)]
     procs = [(k, m) for k, m in procs if k and m > 0]
     by_kind: dict[str, list[float]] = {}
     for k, m in procs:
         by_kind.setdefault(k, []).append(m)
-    return {"t": time.monotonic() - t0, "alive": len(procs), "rss_mib": {k: sorted(v) for k, v in by_kind.items()}}
+    return {"t": time.monotonic() - t0, "step": len(step_seconds(run_dir)), "alive": len(procs),
+            "rss_mib": {k: sorted(v) for k, v in by_kind.items()}}
+
+
+def step_seconds(run_dir: str) -> list[float]:
+    """Each logged training step's seconds (metrics.jsonl's timing/step_s)."""
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [r["timing/step_s"] for r in map(json.loads, f) if "timing/step_s" in r]
+    except (OSError, ValueError):
+        return []
 
 
 def folder_mib(path: str) -> float:
@@ -88,18 +100,16 @@ def folder_mib(path: str) -> float:
 
 def summarize(samples: list[dict], run_dir: str) -> dict:
     out: dict = {"samples": len(samples), "seconds": samples[-1]["t"] if samples else 0.0}
-    if samples:
-        first, last = samples[0], samples[-1]
+    steps = step_seconds(run_dir)
+    # while it trains: from its first step logged to its last (start-up and the ranks' exit are not the run)
+    running = [s for s in samples if 1 <= s["step"] < len(steps)] or [s for s in samples if s["step"] >= 1]
+    if running:
+        first, last = running[0], running[-1]
         kinds = sorted({k for s in samples for k in s["rss_mib"]})
         out["rss_mib"] = {k: {"first": max(first["rss_mib"].get(k, [0.0])), "last": max(last["rss_mib"].get(k, [0.0])),
-                              "peak": max(max(s["rss_mib"].get(k, [0.0])) for s in samples)} for k in kinds}
-        out["alive"] = {"first": first["alive"], "last": last["alive"], "most": max(s["alive"] for s in samples)}
-    steps = []
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            steps = [r["timing/step_s"] for r in map(json.loads, f) if "timing/step_s" in r]
-    except (OSError, ValueError):
-        pass
+                              "peak": max(max(s["rss_mib"].get(k, [0.0])) for s in running)} for k in kinds}
+        out["alive"] = {"first": first["alive"], "last": last["alive"], "most": max(s["alive"] for s in running)}
+        out["first_sample_step"], out["last_sample_step"] = first["step"], last["step"]
     out["steps"] = len(steps)
     if len(steps) >= 10:
         tenth = len(steps) // 10
@@ -113,7 +123,8 @@ def summarize(samples: list[dict], run_dir: str) -> dict:
 
 
 def report(s: dict) -> None:
-    print(f"run health over {s['seconds']:.0f} s ({s['samples']} samples, {s['steps']} steps):")
+    print(f"run health over {s['seconds']:.0f} s ({s['samples']} samples, {s['steps']} steps; processes from the "
+          f"sample at step {s.get('first_sample_step', '-')} to the one at step {s.get('last_sample_step', '-')}):")
     for k, r in s.get("rss_mib", {}).items():
         print(f"  {k:13s} resident MiB (largest of its kind): first {r['first']:.0f}, last {r['last']:.0f}, "
               f"peak {r['peak']:.0f}")
@@ -145,7 +156,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, lambda *_: proc.send_signal(signal.SIGINT))
     t0, samples = time.monotonic(), []
     while True:
-        samples.append(sample(proc.pid, t0))
+        samples.append(sample(proc.pid, t0, run_dir))
         if a.out:
             with open(a.out + ".tmp", "w") as f:
                 json.dump({"command": cmd, "summary": summarize(samples, run_dir), "samples": samples}, f)

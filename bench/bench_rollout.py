@@ -107,7 +107,8 @@ def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len, enf
     rounds), its sync, and sleep/wake seconds where vLLM has a sleep mode. Prints and returns the figures.
     ``enforce_eager``: both without vLLM's compiled graphs; ``max_num_seqs``: the engine's (0: the prompts')."""
     from lib.engine import request_seeds
-    from lib.engine.vllm import VLLMEngine, _sampling_params
+    from lib.engine.vllm import VLLMEngine
+    from lib.engine.vllm_adapter import sampling_params
     from lib.sync import enter_rollout, exit_rollout
 
     engine = VLLMEngine(path, topo, 0, [1], sampling, max_model_len=max_len,
@@ -117,7 +118,7 @@ def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len, enf
     exit_rollout(model, engine, topo.device)
     metrics, _ = timed(lambda: enter_rollout(model, engine, dtype))  # a sync as every later step makes it
     reqs = [{"prompt_token_ids": row.tolist()} for row in prompts.batch["input_ids"]]
-    params = _sampling_params(sampling, [1], request_seeds(sampling.seed, len(reqs)), [])  # seeded like ours
+    params = sampling_params(sampling, [1], request_seeds(sampling.seed, len(reqs)), [])  # seeded like ours
 
     def ours():
         out = engine.generate(prompts)

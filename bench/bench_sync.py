@@ -44,7 +44,7 @@ SHAPES = {  # Qwen2.5-0.5B's shape (tied embeddings, GQA 14/2), and a small one 
 def engine_parameters(engine) -> list[torch.Tensor]:
     """The engine's own parameter tensors (vLLM's model in this process, or the HF engine's replica)."""
     from lib.engine.hf import HFEngine
-    from lib.engine.vllm import run_on_model
+    from lib.engine.vllm_adapter import run_on_model
 
     if isinstance(engine, HFEngine):
         return [p.data for p in engine.model.parameters()]

@@ -204,7 +204,7 @@ def test_stale_vllm_shared_memory_is_removed(tmp_path):
     import subprocess
     import sys
 
-    from lib.engine.vllm import SHM_PREFIX, remove_stale_shm
+    from lib.engine.vllm_adapter import SHM_PREFIX, remove_stale_shm
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(gone.stdout)  # a finished process: its segments are leftovers of a killed run
@@ -402,7 +402,7 @@ def test_vllm_engine_after_a_step(tmp_path, tp, ballast):
         pytest.skip(f"rollout tp={tp} needs {tp} GPUs; this machine has {world}")
     backend = "nccl" if cuda else "gloo"
     if tp == 2 and not cuda:  # a killed TP engine's shared-memory segments must not break the next engine
-        from lib.engine.vllm import SHM_DIR, SHM_PREFIX
+        from lib.engine.vllm_adapter import SHM_DIR, SHM_PREFIX
 
         with pytest.raises(AssertionError, match="exited without a result"):
             run_distributed(_killed_engine_body, path, tp, world_size=world, backend=backend, timeout=300)
@@ -501,7 +501,7 @@ def test_only_the_rotary_layers_reload_warning_is_dropped():
     means a weight the sync did not send: kept."""
     import logging
 
-    from lib.engine.vllm import RotaryReloadFilter
+    from lib.engine.vllm_adapter import RotaryReloadFilter
 
     def record(layer):
         return logging.LogRecord("vllm", logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None)
@@ -545,7 +545,8 @@ def _plan_body(path, cuda_layout=False, bucket_bytes=512 * 2**20, num_syncs=3):
     from lib.config import FSDPConfig, ModelConfig
     from lib.dist import init_topology
     from lib.engine import vllm_cuda_layout
-    from lib.engine.vllm import VLLMEngine, run_on_model
+    from lib.engine.vllm import VLLMEngine
+    from lib.engine.vllm_adapter import run_on_model
     from lib.fsdp import build_sharded_model
     from lib.sync import enter_rollout, exit_rollout
 

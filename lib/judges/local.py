@@ -27,7 +27,7 @@ from safetensors import safe_open
 from lib.config_judge import JudgeConfig
 from lib.engine import SamplingConfig, awake, kv_cache_bytes
 from lib.engine.hf import HFEngine
-from lib.engine.vllm import cpu_prefill_kwargs
+from lib.engine.vllm_adapter import cpu_prefill_kwargs
 from lib.judges.base import Answer, Judge
 from lib.judges.parse import ERROR, verdict_schema
 from lib.judges.vllm_child import ChildEngine, TPLayout, tp_layout

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from lib.dist import free_port
 from lib.engine import Turn, awake, call_seed, request_seeds
-from lib.engine.vllm import SHM_PREFIX, name_cpu_shm
+from lib.engine.vllm_adapter import SHM_PREFIX, name_cpu_shm
 
 # what torchrun gives a rank: the child is a process of its own, one device, no process group
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
