@@ -18,6 +18,8 @@ Where this departs from the paper:
 - Dynamic sampling draws each extra round from the next prompts of the data stream (no prompt is skipped), so
   a step can consume several batches; when the rounds keep more groups than needed, the last round's surplus
   is dropped at random (seeded by step), not by rank.
+- An optimizer step whose gradient is exactly 0 (no learning signal) is left out, AdamW's moments and step
+  count kept (``actor.optim.step_without_gradient``: verl steps; a solved run then unlearned its task).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ Where this departs from the papers:
 - The critic starts from the policy's weights with a fresh value head; ``algorithm.critic_warmup`` steps
   train only the critic.
 - Rows are rebalanced across ranks (Karmarkar-Karp on a*L + L^2) before the update.
+- An optimizer step whose gradient is exactly 0 (no learning signal) is left out, AdamW's moments and step
+  count kept (``actor.optim.step_without_gradient``: verl steps; a solved run then unlearned its task).
 """
 
 from __future__ import annotations
