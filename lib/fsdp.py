@@ -296,7 +296,8 @@ def iter_full_params_bucketed(model: nn.Module, dtype: torch.dtype | None, bucke
                 yield hf_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 continue
             nbytes = tensor.numel() * (tensor.element_size() if dtype is None else _itemsize(dtype))
-            if pending and (size + nbytes > bucket_bytes or tensor.device_mesh != pending[0][1].device_mesh):
+            if pending and (size + nbytes > bucket_bytes or tensor.device_mesh != pending[0][1].device_mesh
+                            or (dtype is None and tensor.dtype != pending[0][1].dtype)):  # one buffer, one dtype
                 yield from _gather_bucket(pending, dtype)
                 pending, size = [], 0
             pending.append((name, tensor))

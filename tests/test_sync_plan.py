@@ -568,8 +568,14 @@ class ScaleFromWeights(nn.Module):
 
     def load_weights(self, weights) -> set[str]:
         for name, tensor in weights:
-            if name == "scale":
-                self.scale.data.fill_(tensor.reshape(-1)[0].item())
+            if name == "scale":  # the value read first, a copy between, then the fill
+                value = tensor.reshape(-1)[0].item()
+                self.scale.data[:1].copy_(tensor)
+                self.scale.data[1:].fill_(value)
+            elif name == "staged":  # through a tensor of the loader's own
+                staging = torch.empty_like(tensor)
+                staging.copy_(tensor)
+                self.weight.data.copy_(staging)
             else:
                 self.weight.data.copy_(tensor)
         return {n for n, _ in weights}
@@ -619,3 +625,16 @@ def test_a_buckets_copies_in_one_foreach_equal_one_copy_each(dtype):
     ours, theirs = state(engines[0]), state(engines[1])
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_a_loader_that_stages_a_sent_tensor_keeps_the_whole_model_on_the_loader():
+    """A loader copying a sent tensor into a tensor no layer holds (a staging buffer): the plan cannot follow the
+    bytes, so no part of the model is replayed, said in one line (before: TypeError in the recorder)."""
+    model = ScaleFromWeights()
+    recorder = Recorder(model)
+    weights = [("staged", torch.randn(4, 4))]
+    recorder.sending(weights)
+    with recorder:
+        model.load_weights(weights)
+    plan = recorder.build(model, tensor_names(model))
+    assert not plan.writes and "a loader copies staged into a tensor that no layer holds" in plan.summary()

@@ -175,6 +175,6 @@ def stop_held(received: list[int]) -> Iterator[None]:
         yield
     finally:
         _HELD[0] -= 1
-    if received and not _HELD[0]:
-        raise Stopped()
+        if received and not _HELD[0]:  # also where the block raised: the stop is not lost
+            raise Stopped()
 

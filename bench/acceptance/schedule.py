@@ -174,8 +174,9 @@ def run_all(args, names: list[str]) -> None:
                 if run.proc.poll() is None and now - run.started > run.budget:
                     kill(run)
                 if run.proc.poll() is not None:
-                    del running[name]
-                    finish(name, *collect(name, args, run), run.since)
+                    with stop_held(stop):  # an ended check is reported whole, a stop or not
+                        del running[name]
+                        finish(name, *collect(name, args, run), run.since)
             while pending:  # start what may start
                 name = pending[0]
                 left = args.budget_s - (time.perf_counter() - start)

@@ -119,7 +119,8 @@ class Recorder(TorchDispatchMode):
         self.restored: list[tuple[nn.Module, str]] = []  # layer tensors written whole from another layer tensor
         self._sent: list[Sent] = []  # every sent tensor still alive, the newest first
         self._bucket_first = ""  # the current bucket's first name
-        self._scalar_read = False  # a loader read a value out of a sent tensor (``.item()``) since the last write
+        self._scalar_read = False  # a loader read a value out of a sent tensor (``.item()``) in this bucket, since
+        # the last fill (a copy between the read and the fill does not clear it: the value may be kept aside)
         self._owners: dict[int, tuple[nn.Module, str]] = {}
         self._processing: nn.Module | None = None
         self._last = ""  # the sent tensor last copied
@@ -134,6 +135,7 @@ class Recorder(TorchDispatchMode):
         # a storage freed since may have its address reused by this bucket: the dead are dropped, the newest first
         self._sent = new[::-1] + [s for s in self._sent if not s.storage.expired()]
         self._bucket_first = batch[0][0] if batch else self._bucket_first
+        self._scalar_read = False
         self.names.update(dict.fromkeys(name for name, _ in batch))
 
     @contextlib.contextmanager
@@ -182,7 +184,6 @@ class Recorder(TorchDispatchMode):
             self._see_processing(func, args, kwargs, out)
         elif func is torch.ops.aten.copy_.default:
             self._see_copy(args[0], args[1])
-            self._scalar_read = False
         elif func in CONSTANT_FILLS and self._sent:
             self._see_fill(args[0], float(args[1]) if len(args) > 1 else 0.0)
             self._scalar_read = False
@@ -212,7 +213,7 @@ class Recorder(TorchDispatchMode):
         sent = self._find_sent(src)
         if owner is None:
             if sent is not None:
-                self.whole = f"a loader copies {sent[3]} into a tensor that no layer holds"
+                self.whole = f"a loader copies {sent.name} into a tensor that no layer holds"
             return
         module, name = owner
         if sent is None:

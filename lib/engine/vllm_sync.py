@@ -180,7 +180,7 @@ class EngineSync:
         model = self.recorder.model
         self.plan, self.recorder = self.recorder.build(model, tensor_names(model)), None
         unknown = sorted({t.name for targets in self.plan.writes.values() for t in targets}
-                         - self.param_names - {n for n, _ in model.named_buffers()})
+                         - self.param_names - {n.replace(".base_layer.", ".") for n, _ in model.named_buffers()})
         if unknown:  # the check below would miss these: a naming rule of ours out of step with torch's
             raise RuntimeError(f"the sync plan names tensors the engine does not: {unknown[:5]}")
         head = lm_head(model)
@@ -252,6 +252,9 @@ class EngineSync:
     def _prove(self) -> None:
         self.plan.prove()
         self.state = "ready" if self.plan.writes else "off"
+        head: list[nn.Module | None] = []
+        self.run(lambda model: head.append(lm_head(model)))
+        self.head_reloads = head[0] is not None and head[0] in self.plan.fallback  # the proof may have added it
         self.metrics["sync/plan_proof_seconds"] = time.perf_counter() - self._proof_t0
         if self.rank == 0:
             log.warning("weight sync: %s", self.plan.summary())
