@@ -25,29 +25,13 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.acceptance.schedule import process_tree  # noqa: E402 (a process and its descendants, from /proc)
 KINDS = (("check", ("lib.check",)), ("torchrun", ("torch.distributed.run", "torchrun")),
          ("rank", ("train_grpo.py", "train_ppo.py", "runs_driver.py")), ("reward worker", ("lib.rewards.worker",)),
          ("launch.sh", ("launch.sh",)))  # the first that matches: lib.check's and torchrun's command lines name the
 # script too
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (from /proc's parent ids)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
 
 
 def kind(pid: int) -> str:
@@ -69,7 +53,7 @@ def rss_mib(pid: int) -> float:
 
 def sample(root: int, t0: float, run_dir: str) -> dict:
     """Every live process of the run (its kind and resident MiB), and the steps the run has logged."""
-    procs = [(kind(p), rss_mib(p)) for p in descendants(root)]
+    procs = [(kind(p), rss_mib(p)) for p in process_tree(root)]
     procs = [(k, m) for k, m in procs if k and m > 0]
     by_kind: dict[str, list[float]] = {}
     for k, m in procs:
