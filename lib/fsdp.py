@@ -295,7 +295,7 @@ def iter_full_params_bucketed(model: nn.Module, dtype: torch.dtype | None, bucke
                     tensor = tensor.to(dtype)
                 yield hf_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 continue
-            nbytes = tensor.numel() * (tensor.element_size() if dtype is None else _itemsize(dtype))
+            nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
             if pending and (size + nbytes > bucket_bytes or tensor.device_mesh != pending[0][1].device_mesh
                             or (dtype is None and tensor.dtype != pending[0][1].dtype)):  # one buffer, one dtype
                 yield from _gather_bucket(pending, dtype)
@@ -303,10 +303,6 @@ def iter_full_params_bucketed(model: nn.Module, dtype: torch.dtype | None, bucke
             pending.append((name, tensor))
             size += nbytes
         yield from _gather_bucket(pending, dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _shard_dim(tensor: torch.Tensor) -> int | None:
@@ -343,8 +339,7 @@ def _gather_bucket(pending: list[tuple[str, DTensor]], dtype: torch.dtype | None
         layout.append((name, tensor.shape, most, counts, most * tensor.shape[1:].numel()))
     # this rank's shards side by side, each at the start of its block (the rest of a block: zeros), one copy each
     # (casting to ``dtype`` as it copies)
-    local0 = pending[0][1].to_local()
-    flat = torch.zeros(sum(numel for *_, numel in layout), dtype=dtype, device=local0.device)
+    flat = torch.zeros(sum(numel for *_, numel in layout), dtype=dtype, device=pending[0][1].device)
     offset = 0
     for (_, tensor), (*_, numel) in zip(pending, layout):
         shard = tensor.to_local().reshape(-1)

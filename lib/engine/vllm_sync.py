@@ -103,7 +103,7 @@ class EngineSync:
         self.recording = contextlib.ExitStack()  # the processing wrappers of the record sync
         self.syncing = False  # a sync has sent its first bucket
         self.loading = False  # inside a layerwise reload (from the first loader bucket to finish_load)
-        self.head_reloads = True  # the tied head's layer is in every layerwise reload (not so under a plan)
+        self.head: nn.Module | None = None  # the sampling head, found when the plan is built
         self.embedding: tuple[str, torch.Tensor] | None = None  # (its name, the tensor) of this sync
         self.written: set[str] | None = set()  # the vLLM names one sync wrote (None: its loader does not say)
         self.counts = {"plan": 0, "loader": 0}
@@ -183,8 +183,7 @@ class EngineSync:
                          - self.param_names - {n.replace(".base_layer.", ".") for n, _ in model.named_buffers()})
         if unknown:  # the check below would miss these: a naming rule of ours out of step with torch's
             raise RuntimeError(f"the sync plan names tensors the engine does not: {unknown[:5]}")
-        head = lm_head(model)
-        self.head_reloads = head is not None and head in self.plan.fallback
+        self.head = lm_head(model)
         if self.plan.whole or not self.plan.writes:
             self.state = "off"
             log.warning("weight sync: %s", self.plan.summary())
@@ -237,7 +236,12 @@ class EngineSync:
 
     def _head_loads(self) -> bool:
         """Whether this sync loads a tied head: through the loader, unless the plan writes the head's layer."""
-        return self.tied_head and (self.state in ("record", "off") or (self.state == "ready" and self.head_reloads))
+        return self.tied_head and (self.state in ("record", "off") or (self.state == "ready" and self.head_reloads()))
+
+    def head_reloads(self) -> bool:
+        """The head's layer keeps vLLM's loader under the plan (read from the plan's fallback, which the proof may
+        grow), so each sync reloads it."""
+        return self.head is not None and self.head in self.plan.fallback
 
     def _wrote(self, names: Iterable[str]) -> None:
         if self.written is not None:  # an earlier loader of this sync did not say what it wrote: nothing to check
@@ -252,9 +256,6 @@ class EngineSync:
     def _prove(self) -> None:
         self.plan.prove()
         self.state = "ready" if self.plan.writes else "off"
-        head: list[nn.Module | None] = []
-        self.run(lambda model: head.append(lm_head(model)))
-        self.head_reloads = head[0] is not None and head[0] in self.plan.fallback  # the proof may have added it
         self.metrics["sync/plan_proof_seconds"] = time.perf_counter() - self._proof_t0
         if self.rank == 0:
             log.warning("weight sync: %s", self.plan.summary())
