@@ -142,7 +142,8 @@ def main(argv: list[str]) -> None:
             compute_advantages(run, batch, kl_ctrl, metrics)
             with stage("update", metrics), tower_clock(run.actor.model, metrics):  # its share, with images
                 metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
-                                             run.sizes.mini_batch_per_rank, seed=step, **distill.loss_kwargs(cfg)))
+                                             run.sizes.mini_batch_per_rank, seed=step, truncation=run.truncation,
+                                             **distill.loss_kwargs(cfg)))
         metric_log.log_step(run, step, batch, metrics)
         if not resume.end_of_step(run, step, trainees, kl_ctrl, metrics):  # a stop signal, or bad steps
             break

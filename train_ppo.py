@@ -103,7 +103,8 @@ def main(argv: list[str]) -> None:
                 metrics.update(update_critic(critic, batch, cfg.critic, run.sizes.critic_mini_batch_per_rank, step))
                 if step >= cfg.algorithm.critic_warmup:
                     metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
-                                                 run.sizes.mini_batch_per_rank, seed=step))
+                                                 run.sizes.mini_batch_per_rank, seed=step,
+                                                 truncation=run.truncation))
         metric_log.log_step(run, step, batch, metrics)
         if not resume.end_of_step(run, step, trainees, kl_ctrl, metrics):  # a stop signal, or bad steps
             break

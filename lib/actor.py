@@ -19,7 +19,8 @@ from torch import nn
 from lib import algos
 from lib.config import ActorConfig, BatchingConfig
 from lib.dist import Topology
-from lib.forward import model_rows, response_log_probs, response_top_log_probs
+from lib.forward import KEPT_KEY, model_rows, response_log_probs, response_top_log_probs
+from lib.logprobs import Truncation
 from lib.protocol import DataProto
 from lib.update import (Trainee, accumulation_steps, split_micro, finish_update, gather_sp, loss_scale,
                         step_and_record)
@@ -29,10 +30,15 @@ __all__ = ["Trainee", "compute_log_probs", "compute_top_log_probs", "update_poli
 
 @torch.no_grad()
 def compute_log_probs(model: nn.Module, data: DataProto, batching: BatchingConfig, topo: Topology,
-                      temperature: float = 1.0, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Response log-probs (B, R) (and entropy) for every row of ``data``, in the rows' order."""
-    return _per_row(model_rows(data), batching, topo, lambda m: response_log_probs(
-        model, m, temperature, batching.use_remove_padding, with_entropy, sp=topo))
+                      temperature: float = 1.0, with_entropy: bool = False, truncation: Truncation | None = None
+                      ) -> tuple[torch.Tensor | None, ...]:
+    """Response log-probs (B, R) (and entropy) for every row of ``data``, in the rows' order. ``truncation``:
+    top-k/top-p sampling's kept sets (lib.forward.response_log_probs, measured: a row's missing counts are the rule's
+    from this model's logits); two more (B, R) follow, the counts used and where the sets disagree."""
+    more = (KEPT_KEY,) if truncation is not None and KEPT_KEY in data.batch else ()
+    return _per_row(model_rows(data, *more), batching, topo, lambda m: response_log_probs(
+        model, m, temperature, batching.use_remove_padding, with_entropy, sp=topo, truncation=truncation,
+        measure=True))
 
 
 @torch.no_grad()
@@ -68,12 +74,15 @@ def _gathered(data: DataProto, batching: BatchingConfig, topo: Topology,
 
 def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature: float = 1.0,
                   mini_batch_size_per_rank: int | None = None, seed: int = 0,
-                  teacher_kl: tuple[float, str] | None = None) -> dict[str, float]:
+                  teacher_kl: tuple[float, str] | None = None, truncation: Truncation | None = None
+                  ) -> dict[str, float]:
     """``ppo_epochs`` x mini-batches x micro-batches with gradient accumulation; one lr-schedule step.
     Returns metrics averaged over steps and reduced over the data-parallel ranks. ``teacher_kl`` (coef, estimator):
     on-policy distillation's loss mode (lib/distill), coef x the aggregated KL estimate between the current
     log-probs and the batch's ``teacher_log_probs`` added to the loss; estimator ``topk``: the KL over the teacher's
-    top-k tokens and the rest (``teacher_topk_ids``, ``teacher_topk_log_probs``; lib.algos.partition_kl)."""
+    top-k tokens and the rest (``teacher_topk_ids``, ``teacher_topk_log_probs``; lib.algos.partition_kl).
+    ``truncation``: top-k/top-p sampling; the log-probs and entropy are the kept sets' (the batch's ``rollout_kept``,
+    which the old log-probs' pass completes), the KL terms' other side stays whole (docs/algorithms.md)."""
     topo, model = actor.topo, actor.model
     # old log-probs missing: the policy before this update is the one of the first mini-batch's forward, so
     # that mini-batch uses its own log-probs (detached, ratio 1) and the others get theirs by a no-grad pass
@@ -86,9 +95,9 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
 
     def old_log_probs_after_the_first(minis: list[DataProto]) -> None:
         for mini in minis[1:]:
-            rows = model_rows(mini)
+            rows = model_rows(mini, *([KEPT_KEY, "response_mask"] if truncation is not None else []))
             mini.batch["old_log_probs"] = _gathered(rows, cfg.batching, topo, lambda m: response_log_probs(
-                model, m, temperature, cfg.batching.use_remove_padding, sp=topo))[0]
+                model, m, temperature, cfg.batching.use_remove_padding, sp=topo, truncation=truncation))[0]
 
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
     topk = teacher_kl is not None and teacher_kl[1] == "topk"  # also the student's log-probs at the teacher's ids
@@ -105,8 +114,9 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
         for micro in pieces:
             b = micro.batch
             mask = b["response_mask"].to(torch.float32)
-            logp, entropy = response_log_probs(model, micro, temperature, cfg.batching.use_remove_padding,
-                                               with_entropy=True, sp=topo, at=b["teacher_topk_ids"] if topk else None)
+            logp, entropy, *_ = response_log_probs(model, micro, temperature, cfg.batching.use_remove_padding,
+                                                   with_entropy=True, sp=topo,
+                                                   at=b["teacher_topk_ids"] if topk else None, truncation=truncation)
             if topk:
                 logp, at_teacher_top = logp[..., 0], algos.with_tail(logp[..., 1:])
             old = b["old_log_probs"] if "old_log_probs" in b else logp.detach()

@@ -49,7 +49,11 @@ class RolloutConfig:
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
     top_p: float = 1.0
+    """Nucleus sampling: after the temperature (and top_k), the smallest set of most likely tokens whose mass reaches
+    top_p (vLLM's rule). The trainer's log-probs and entropy of the policy are then the kept set's, renormalised
+    (docs/algorithms.md, "Top-k and top-p"). 1: off."""
     top_k: int = 0
+    """Sample among the top_k most likely tokens (and any tied with the last), as top_p. 0: off."""
     max_response_length: int = 512
     """Generated tokens per response, at most."""
     tp_size: int = 1
@@ -80,8 +84,8 @@ class RolloutConfig:
     """The canary: a step whose rollout/logp_abs_diff (mean |engine - trainer| log-prob of the sampled tokens) exceeds
     this stops the run (exit 3, before that step's checkpoint): the engine samples from another model than the one
     trained. 0: by the engine's dtype, 1e-3 in fp32 (a run whose two sides compute the same model shows ~1e-7) and
-    0.1 in bf16/fp16; < 0: never stop (still logged). Not applied with top_k/top_p filtering, whose log-probs are
-    of the filtered distribution. A resumed run may change it."""
+    0.1 in bf16/fp16; < 0: never stop (still logged). With top_k/top_p both sides are the kept set's log-probs
+    (docs/algorithms.md). A resumed run may change it."""
     routing_replay: bool = False
     """Mixture-of-experts models: rollout routing replay (R3; lib/routing). The engine records the experts each MoE
     layer chose for every token, and the trainer's forwards of the policy (old log-probs, the update, a

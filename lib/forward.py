@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lib import attention, routing, ulysses
-from lib.logprobs import head_log_probs, log_probs_from_logits, top_log_probs
+from lib.logprobs import Truncation, head_log_probs, log_probs_from_logits, top_log_probs
 from lib.models import UNFUSED_HEAD_ATTR
 from lib.protocol import DataProto
 from lib.vision import BANNED_ATTR, BANNED_LOGIT, ban, blank_image, concat_features, two_way, type_ids
@@ -322,19 +322,50 @@ def _to_rows(out: Tensor | None, where: Tensor) -> Tensor | None:
     return rows.index_put(torch.nonzero(where, as_tuple=True), out)
 
 
+KEPT_KEY = "rollout_kept"
+"""(B, R) int32: top-k/top-p sampling's kept set at each response token, as the number of tokens kept (the engine's;
+0 where it gave none: the old log-probs' pass fills in the rule's count from the policy's logits)."""
+
+
 def response_log_probs(model: nn.Module, micro: DataProto, temperature: float = 1.0, packed: bool = True,
-                       with_entropy: bool = False, sp: Any = None, at: Tensor | None = None
-                       ) -> tuple[Tensor, Tensor | None]:
+                       with_entropy: bool = False, sp: Any = None, at: Tensor | None = None,
+                       truncation: Truncation | None = None, measure: bool = False) -> tuple[Tensor | None, ...]:
     """log p(response token) (B, R) float32, and the entropy (B, R) if asked; zero where the response is padding.
     ``sp``: the Topology, to split each packed row over its sequence-parallel group (always packed then).
     ``at`` (B, R, m) token ids: the log-probs are (B, R, 1 + m), the response token's first, then those ids' at the
-    same positions (one forward)."""
+    same positions (one forward).
+
+    ``truncation`` (on): the response token's log-prob and the entropy are those of top-k/top-p sampling's kept set
+    (lib.logprobs), its size at each token from the micro-batch's ``KEPT_KEY``; two more (B, R) outputs follow, float32:
+    the counts used and 1 where the sets disagree. ``measure``: a count of 0 (or no ``KEPT_KEY``) takes the rule's
+    count from this model's logits, and a given one is compared with it; without, every valid token needs a count."""
     labels = micro.batch["responses"]
     if at is not None:
         labels = torch.cat([labels[..., None], at.to(labels.device)], -1)
-    head = _Head(lambda logits, lab: log_probs_from_logits(logits, lab, temperature, with_entropy),
-                 lambda hidden, weight, lab, banned, fill: head_log_probs(hidden, weight, lab, temperature,
-                                                                          with_entropy, banned, fill))
+    if truncation is None or not truncation.on:
+        head = _Head(lambda logits, lab: log_probs_from_logits(logits, lab, temperature, with_entropy),
+                     lambda hidden, weight, lab, banned, fill: head_log_probs(hidden, weight, lab, temperature,
+                                                                              with_entropy, banned, fill))
+        return _response_outputs(model, micro, head, labels, packed, sp)
+    kept = micro.batch.get(KEPT_KEY)
+    if kept is None:
+        kept = torch.zeros_like(micro.batch["responses"])
+    kept = kept.to(labels.device)
+    if not measure and bool((kept[micro.batch["response_mask"].bool()] <= 0).any()):
+        raise ValueError(f"{KEPT_KEY} is missing at a sampled token: the old log-probs' pass (measure=True) fills it")
+    rule = truncation if measure else None
+    flat = at is None  # one label per position: (N,) outputs, not (N, 1)
+    labels = torch.cat([labels if labels.dim() == 3 else labels[..., None], kept[..., None].long()], -1)
+
+    def out(got: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        logp, entropy, counts, disagree = got
+        return (logp[:, 0] if flat else logp), entropy, counts.float(), disagree.float()
+
+    head = _Head(lambda logits, lab: out(log_probs_from_logits(logits, lab[:, :-1], temperature, with_entropy,
+                                                               kept=lab[:, -1], rule=rule)),
+                 lambda hidden, weight, lab, banned, fill: out(head_log_probs(
+                     hidden, weight, lab[:, :-1], temperature, with_entropy, banned, fill, kept=lab[:, -1],
+                     rule=rule)))
     return _response_outputs(model, micro, head, labels, packed, sp)
 
 

@@ -6,12 +6,20 @@ keeps them. Here tokens are processed in chunks: forward keeps only (N,) statist
 each chunk's softmax and writes the gradient in the logits' dtype. ``log_probs_naive`` is the plain
 reference that the tests and bench/bench_algos.py compare against.
 
+With top-k/top-p sampling (``Truncation``) the log-probs and the entropy are those of the distribution the engine
+sampled from: the softmax over the kept tokens only, renormalised. The kept set travels as one count per position
+(``kept``, the engine's, or reconstructed here with the engines' rule, ``kept_mask``); the trainer keeps its own n most
+likely tokens (tokens tied at the boundary share the remaining places, so the normaliser is exact whichever of them
+the engine kept), and the sampled token is always inside.
+
 ``head_log_probs`` goes one step further (the forwards' default, lib.forward): it takes the LM head's input and
 weight, makes each chunk's logits, uses them and drops them, in forward and again in backward, so the (T, V) logits
 tensor and its gradient never exist (at T = 32768 in bf16: 2 x 10 GB); the price is the head's matmul once more.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -50,20 +58,111 @@ def default_chunk_tokens(vocab: int, device: torch.device, fused: bool = False) 
     return max(1, budget // (4 * vocab))
 
 
-def _chunk_forward(z: Tensor, labels: Tensor, temperature: float, with_entropy: bool
-                   ) -> tuple[Tensor, Tensor | None]:
-    """One chunk's log p(labels) (c, m) and entropy (c,) (None unless asked), float32, from its logits z (c, V)."""
+@dataclass(frozen=True)
+class Truncation:
+    """The engines' top-k / top-p filter, applied after the temperature (vLLM's order)."""
+
+    top_k: int = 0
+    """Keep the k highest logits (and every token tied with the k-th). 0: off."""
+    top_p: float = 1.0
+    """Then keep the smallest set of most likely tokens whose mass reaches top_p (1: off)."""
+
+    @property
+    def on(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def kept_mask(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Which tokens the filter keeps, (c, V) bool, from float32 logits already divided by the temperature: vLLM's
+    rule (v1 sampler, apply_top_k_top_p's PyTorch form, in every release we support). Top-k keeps the logits >= the
+    k-th largest. Top-p then sorts the kept logits ascending, takes their softmax's running sum and drops a token
+    while that sum is <= 1 - top_p (in float32, as vLLM's float32 top_p tensor gives it); the largest always stays.
+    The number kept does not depend on how a sort orders tied logits."""
+    vocab = scaled.shape[-1]
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        keep = scaled >= scaled.topk(top_k, dim=-1).values[:, -1:]
+    if top_p < 1.0:
+        low, order = scaled.masked_fill(~keep, float("-inf")).sort(dim=-1)
+        mass = low.softmax(-1).cumsum_(-1)
+        drop = mass <= 1 - torch.tensor(top_p, dtype=torch.float32, device=scaled.device)
+        drop[:, -1] = False
+        keep = keep & ~torch.zeros_like(drop).scatter_(-1, order, drop)
+    return keep
+
+
+def _log_weights(scaled: Tensor, kept: Tensor, label: Tensor) -> tuple[Tensor, Tensor]:
+    """The kept set of each row as log-weights (c, V): 0 for a logit above the ``kept``-th largest, -inf below it,
+    and the tokens tied with it share the places left, log(left / tied) each: the normaliser is the engine's whatever
+    tie it broke. ``label`` (c, 1): the sampled token, put inside where it fell below (then returned True, (c,))."""
+    low = scaled.topk(int(kept.max()), dim=-1).values.gather(-1, (kept - 1).clamp(min=0)[:, None].long())
+    above, tied = scaled > low, scaled == low
+    left = (kept[:, None] - above.sum(-1, keepdim=True)).float() / tied.sum(-1, keepdim=True).clamp(min=1)
+    weight = above.float().add_(tied.float().mul_(left))
+    outside = weight.gather(-1, label) == 0
+    weight.scatter_(-1, label, torch.where(outside, 1.0, weight.gather(-1, label)))
+    return weight.log_(), outside[:, 0]
+
+
+@dataclass
+class _Kept:
+    """One chunk's kept sets: the log-weights (c, V), the counts used (c,) and where the sampled token fell outside
+    the trainer's set, or its rule count differed from the engine's (c,)."""
+    log_weights: Tensor
+    counts: Tensor
+    disagree: Tensor
+
+
+def _kept(scaled: Tensor, labels: Tensor, kept: Tensor, rule: Truncation | None) -> _Kept:
+    """``kept`` (c,): the engine's counts, 0 where it gave none (filled with ``rule``'s counts from these logits);
+    with ``rule`` the rule's counts are also compared with the engine's."""
+    counts = kept.long()
+    differ = torch.zeros_like(counts, dtype=torch.bool)
+    if rule is not None:
+        own = kept_mask(scaled, rule.top_k, rule.top_p).sum(-1)
+        differ = (counts > 0) & (counts != own)
+        counts = torch.where(counts > 0, counts, own)
+    log_weights, outside = _log_weights(scaled, counts, labels[:, :1])
+    return _Kept(log_weights, counts, differ | outside)
+
+
+def _chunk_forward(z: Tensor, labels: Tensor, temperature: float, with_entropy: bool,
+                   kept: _Kept | None = None) -> tuple[Tensor, Tensor | None]:
+    """One chunk's log p(labels) (c, m) and entropy (c,) (None unless asked), float32, from its logits z (c, V).
+    ``kept``: the sampled token's (the first label's) log-prob and the entropy are those of the kept set; the other
+    labels' stay the whole vocabulary's."""
+    if kept is not None:
+        scaled = _scaled(z, temperature)
+        inside = scaled - torch.logsumexp(scaled + kept.log_weights, -1, keepdim=True)  # log p, were the token kept
+        lp = inside.gather(-1, labels[:, :1])
+        if labels.shape[1] > 1:
+            lp = torch.cat([lp, torch.log_softmax(scaled, -1).gather(-1, labels[:, 1:])], -1)
+        return lp, (-torch.linalg.vecdot((inside + kept.log_weights).exp(), inside) if with_entropy else None)
     lsm = _log_softmax(z, temperature)  # one fused pass
     # H = -sum(p * log p), from log p directly (lse - E_p[z] cancels badly when both are large)
     return lsm.gather(-1, labels), (-torch.linalg.vecdot(lsm.exp(), lsm) if with_entropy else None)
 
 
 def _chunk_grad(z: Tensor, labels: Tensor, grad_logp: Tensor, grad_entropy: Tensor | None, entropy: Tensor,
-                temperature: float) -> Tensor:
+                temperature: float, kept: _Kept | None = None) -> Tensor:
     """d loss / d z (c, V) float32 of one chunk, from the gradients of its log-probs (c, m) and, where the loss uses
     it, of its entropy (c,)."""
     # d/dlogits = d/dz / t: fold 1/t into the incoming gradients instead of a pass over the chunk
     gl = grad_logp.float() / temperature  # (c, m)
+    if kept is not None:
+        # the kept set's q = w * p_kept: d logp_label/dz = onehot - q; dH/dz = -q * (log p_kept + H); the other
+        # labels' (whole vocabulary): onehot - p
+        scaled = _scaled(z, temperature)
+        inside = scaled - torch.logsumexp(scaled + kept.log_weights, -1, keepdim=True)
+        q = (inside + kept.log_weights).exp_()
+        g = q.mul(-gl[:, :1])
+        if grad_entropy is not None:
+            ge = grad_entropy[:, None].float() / temperature
+            g.sub_(inside.add_(entropy[:, None]).mul_(q).mul_(ge))
+        del q, inside
+        if labels.shape[1] > 1:
+            g.sub_(torch.softmax(scaled, -1).mul_(gl[:, 1:].sum(-1, keepdim=True)))
+        return g.scatter_add_(-1, labels, gl)
     total = gl.sum(-1, keepdim=True)
     if grad_entropy is not None:
         # d logp_label/dz = onehot - p ; dH/dz = -p * (log p + H)
@@ -78,39 +177,66 @@ def _chunk_grad(z: Tensor, labels: Tensor, grad_logp: Tensor, grad_entropy: Tens
     return g.scatter_add_(-1, labels, gl)
 
 
-def _outputs(n: int, labels: Tensor, with_entropy: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+def _outputs(n: int, labels: Tensor, with_entropy: bool, device: torch.device, truncated: bool = False
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Empty outputs: log-probs, entropy, and with a truncation the counts used and the disagreements."""
     entropy = torch.empty(n, dtype=torch.float32, device=device) if with_entropy else torch.zeros(0, device=device)
-    return torch.empty(labels.shape, dtype=torch.float32, device=device), entropy
+    counts = torch.empty(n if truncated else 0, dtype=torch.long, device=device)
+    return (torch.empty(labels.shape, dtype=torch.float32, device=device), entropy, counts,
+            torch.empty(n if truncated else 0, dtype=torch.bool, device=device))
+
+
+def _chunks(n: int, chunk: int, kept: Tensor | None) -> Iterator[tuple[int, int, Tensor | None]]:
+    for s in range(0, n, chunk):
+        yield s, s + chunk, None if kept is None else kept[s:s + chunk]
+
+
+def _forward_chunk(z: Tensor, s: int, e: int, labels: Tensor, temperature: float, with_entropy: bool,
+                   kept: Tensor | None, rule: Truncation | None, out: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
+    """One chunk's outputs written into ``out`` (_outputs)."""
+    logp, entropy, counts, disagree = out
+    k = None if kept is None else _kept(_scaled(z, temperature), labels[s:e], kept, rule)
+    lp, ent = _chunk_forward(z, labels[s:e], temperature, with_entropy, k)
+    logp[s:e] = lp
+    if with_entropy:
+        entropy[s:e] = ent
+    if k is not None:
+        counts[s:e], disagree[s:e] = k.counts, k.disagree
+
+
+def _saved_kept(z: Tensor, labels: Tensor, counts: Tensor, temperature: float) -> _Kept | None:
+    """Backward's kept sets: forward's counts again (the rule's, where the engine gave none)."""
+    return None if counts.numel() == 0 else _kept(_scaled(z, temperature), labels, counts, None)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool, chunk: int):
-        # logits: (N, V) any float dtype; labels: (N, m) long, m labels per position
-        logp, entropy = _outputs(logits.shape[0], labels, with_entropy, logits.device)
-        for s in range(0, logits.shape[0], chunk):
-            lp, ent = _chunk_forward(logits[s:s + chunk], labels[s:s + chunk], temperature, with_entropy)
-            logp[s:s + chunk] = lp
-            if with_entropy:
-                entropy[s:s + chunk] = ent
-        ctx.save_for_backward(logits, labels, entropy)
+    def forward(ctx, logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool, chunk: int,
+                kept: Tensor | None, rule: Truncation | None):
+        # logits: (N, V) any float dtype; labels: (N, m) long, m labels per position; kept (N,) or None
+        out = _outputs(logits.shape[0], labels, with_entropy, logits.device, kept is not None)
+        for s, e, k in _chunks(logits.shape[0], chunk, kept):
+            _forward_chunk(logits[s:e], s, e, labels, temperature, with_entropy, k, rule, out)
+        ctx.save_for_backward(logits, labels, out[1], out[2])
         ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
+        ctx.mark_non_differentiable(out[2], out[3])
         # an output the loss does not use (the entropy at entropy_coef 0, logged only) comes to backward as None,
         # not as zeros that would cost the entropy's gradient pass over every chunk
         ctx.set_materialize_grads(False)
-        return logp, entropy
+        return out
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
-        logits, labels, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor, _counts: Any, _disagree: Any):
+        logits, labels, entropy, counts = ctx.saved_tensors
         grad = torch.empty_like(logits)
         grad_logp, grad_entropy = _incoming(grad_logp, grad_entropy, labels, ctx.with_entropy)
         for s in range(0, logits.shape[0], ctx.chunk):
             e = s + ctx.chunk
             grad[s:e] = _chunk_grad(logits[s:e], labels[s:e], grad_logp[s:e],
                                     None if grad_entropy is None else grad_entropy[s:e], entropy[s:e],
-                                    ctx.temperature)
-        return grad, None, None, None, None
+                                    ctx.temperature, _saved_kept(logits[s:e], labels[s:e], counts[s:e],
+                                                                 ctx.temperature))
+        return grad, None, None, None, None, None, None
 
 
 def _incoming(grad_logp: Tensor | None, grad_entropy: Tensor | None, labels: Tensor, with_entropy: bool
@@ -134,24 +260,22 @@ class _FusedHeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float, with_entropy: bool,
-                chunk: int, banned: Tensor | None, ban_value: float):
-        # hidden: (N, H); weight: (V, H), the head's; labels: (N, m)
-        logp, entropy = _outputs(hidden.shape[0], labels, with_entropy, hidden.device)
-        for s in range(0, hidden.shape[0], chunk):
-            z = _head_chunk(hidden[s:s + chunk], weight, banned, ban_value)
-            lp, ent = _chunk_forward(z, labels[s:s + chunk], temperature, with_entropy)
-            logp[s:s + chunk] = lp
-            if with_entropy:
-                entropy[s:s + chunk] = ent
+                chunk: int, banned: Tensor | None, ban_value: float, kept: Tensor | None, rule: Truncation | None):
+        # hidden: (N, H); weight: (V, H), the head's; labels: (N, m); kept (N,) or None
+        out = _outputs(hidden.shape[0], labels, with_entropy, hidden.device, kept is not None)
+        for s, e, k in _chunks(hidden.shape[0], chunk, kept):
+            z = _head_chunk(hidden[s:e], weight, banned, ban_value)
+            _forward_chunk(z, s, e, labels, temperature, with_entropy, k, rule, out)
             del z
-        ctx.save_for_backward(hidden, weight, labels, entropy, banned)
+        ctx.save_for_backward(hidden, weight, labels, out[1], banned, out[2])
         ctx.temperature, ctx.with_entropy, ctx.chunk, ctx.ban_value = temperature, with_entropy, chunk, ban_value
+        ctx.mark_non_differentiable(out[2], out[3])
         ctx.set_materialize_grads(False)
-        return logp, entropy
+        return out
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
-        hidden, weight, labels, entropy, banned = ctx.saved_tensors
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor, _counts: Any, _disagree: Any):
+        hidden, weight, labels, entropy, banned, counts = ctx.saved_tensors
         grad_logp, grad_entropy = _incoming(grad_logp, grad_entropy, labels, ctx.with_entropy)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # the weight's gradient sums over every chunk: in float32 at least, cast once at the end
@@ -162,7 +286,7 @@ class _FusedHeadLogProbs(torch.autograd.Function):
             e = s + ctx.chunk
             z = _head_chunk(hidden[s:e], weight, banned, ctx.ban_value)
             g = _chunk_grad(z, labels[s:e], grad_logp[s:e], None if grad_entropy is None else grad_entropy[s:e],
-                            entropy[s:e], ctx.temperature)
+                            entropy[s:e], ctx.temperature, _saved_kept(z, labels[s:e], counts[s:e], ctx.temperature))
             del z
             if banned is not None:  # the filled columns take no gradient (as index_fill's backward gives them)
                 g.index_fill_(-1, banned, 0.0)
@@ -176,34 +300,50 @@ class _FusedHeadLogProbs(torch.autograd.Function):
                     grad_weight += (g.t() @ hidden[s:e]).to(acc)
             del g
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def head_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0,
                    with_entropy: bool = False, banned: Tensor | None = None, ban_value: float = 0.0,
-                   chunk_tokens: int | None = None) -> tuple[Tensor, Tensor | None]:
+                   chunk_tokens: int | None = None, kept: Tensor | None = None, rule: Truncation | None = None
+                   ) -> tuple[Tensor | None, ...]:
     """``log_probs_from_logits(hidden @ weight.T, ...)`` (the ``banned`` columns of the logits set to ``ban_value``)
     without making the logits: the LM head fused with the chunked log-prob (and entropy), its matmul redone per chunk
-    in backward. hidden (N, H); weight (V, H); labels (N,) or (N, m). Differentiable in hidden and weight."""
+    in backward. hidden (N, H); weight (V, H); labels (N,) or (N, m). Differentiable in hidden and weight.
+    ``kept``, ``rule``: as log_probs_from_logits."""
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], hidden.device, fused=True)
     flat_labels = labels if labels.dim() == 2 else labels[:, None]
-    logp, entropy = _FusedHeadLogProbs.apply(hidden, weight, flat_labels, float(temperature), with_entropy, chunk,
-                                             banned, float(ban_value))
-    return logp.view(labels.shape), (entropy if with_entropy else None)
+    logp, entropy, counts, disagree = _FusedHeadLogProbs.apply(hidden, weight, flat_labels, float(temperature),
+                                                               with_entropy, chunk, banned, float(ban_value),
+                                                               _flat_kept(kept), rule)
+    out = (logp.view(labels.shape), (entropy if with_entropy else None))
+    return out if kept is None else (*out, counts, disagree)
+
+
+def _flat_kept(kept: Tensor | None) -> Tensor | None:
+    return None if kept is None else kept.reshape(-1).long()
 
 
 def log_probs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                          chunk_tokens: int | None = None) -> tuple[Tensor, Tensor | None]:
+                          chunk_tokens: int | None = None, kept: Tensor | None = None,
+                          rule: Truncation | None = None) -> tuple[Tensor | None, ...]:
     """log p(label) under softmax(logits / temperature), and the entropy if asked; float32, shape of labels.
 
     logits: (..., V); labels: (...) long, or (..., m): m labels at each position (the entropy is then (...)).
-    Differentiable in logits (both outputs)."""
+    Differentiable in logits (both outputs).
+
+    ``kept`` (...) ints: top-k/top-p sampling's kept set at each position, as the number of tokens kept (0: the
+    engine gave none, ``rule``'s count from these logits is taken). The log-prob of the first label and the entropy
+    are then the kept set's (module docstring); two more outputs follow, (...) each: the counts used and where the
+    sampled token fell outside the set or ``rule``'s count differs from the engine's."""
     shape, lead = labels.shape, logits.shape[:-1]
     flat_logits = logits.reshape(-1, logits.shape[-1])
     chunk = chunk_tokens or default_chunk_tokens(flat_logits.shape[-1], flat_logits.device)
     flat_labels = labels.reshape(-1, labels.shape[-1] if labels.dim() == logits.dim() else 1)
-    logp, entropy = _ChunkedLogProbs.apply(flat_logits, flat_labels, float(temperature), with_entropy, chunk)
-    return logp.view(shape), (entropy.view(lead) if with_entropy else None)
+    logp, entropy, counts, disagree = _ChunkedLogProbs.apply(flat_logits, flat_labels, float(temperature),
+                                                             with_entropy, chunk, _flat_kept(kept), rule)
+    out = (logp.view(shape), (entropy.view(lead) if with_entropy else None))
+    return out if kept is None else (*out, counts.view(lead), disagree.view(lead))
 
 
 @torch.no_grad()
@@ -231,9 +371,26 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
         return log_probs_from_logits(logits, labels, temperature, with_entropy=True)[1]
 
 
-def log_probs_naive(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """The plain reference: a full float32 log-softmax. (log-probs, entropy)"""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+def log_probs_naive(logits: Tensor, labels: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+                    ) -> tuple[Tensor, Tensor]:
+    """The plain reference: a full float32 log-softmax. (log-probs, entropy). With ``top_k``/``top_p``: each row's
+    logits sorted, the k highest kept, then the shortest head of the sort whose mass reaches top_p, the rest set to
+    -inf and the softmax renormalised over what is left."""
+    scaled = logits.float() / temperature
+    if top_k or top_p < 1:
+        flat = scaled.reshape(-1, scaled.shape[-1])
+        high, order = flat.sort(-1, descending=True)
+        cut = torch.full_like(high, float("-inf"))
+        for row in range(flat.shape[0]):
+            keep = high.shape[-1]
+            if 0 < top_k < keep:  # the k highest, and every token tied with the k-th
+                keep = int((high[row] >= high[row, top_k - 1]).sum())
+            if top_p < 1:  # then a token stays while the mass before it is below top_p
+                probs = torch.softmax(high[row, :keep], -1)
+                keep = int(((probs.cumsum(-1) - probs) < top_p).sum())
+            cut[row, :keep] = high[row, :keep]
+        scaled = torch.zeros_like(flat).scatter_(-1, order, cut).view(scaled.shape)
+    logp_all = torch.log_softmax(scaled, dim=-1)
     logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy = -torch.nan_to_num(logp_all.exp() * logp_all).sum(-1)  # a cut token: 0 x -inf counts 0
     return logp, entropy

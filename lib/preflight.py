@@ -238,17 +238,6 @@ def _value_problems(cfg: Config) -> list[str]:
         (rw.num_workers < 1, f"reward.num_workers={rw.num_workers} must be >= 1 (worker processes per rank)"),
         (bool(set(t.logger) - set(LOGGERS)), f"trainer.logger has unknown name(s) {sorted(set(t.logger) - set(LOGGERS))}; "
                                              f"use any of {list(LOGGERS)}"),
-        # the engines report the log-probs of the filtered distribution they sample from, the trainer those of
-        # the temperature-scaled one: with filtering, the weights compare two different distributions
-        (al.rollout_correction != "off" and (r.top_k > 0 or r.top_p < 1),
-         f"algorithm.rollout_correction={al.rollout_correction} with rollout.top_k={r.top_k} / top_p={r.top_p}: "
-         f"the engine's log-probs are of the top-k/top-p-filtered distribution and the trainer's are not, so the "
-         f"weights would measure the filter, not a train/rollout mismatch; turn filtering off (top_k 0, top_p 1) "
-         f"or rollout_correction off"),
-        (al.bypass_mode and (r.top_k > 0 or r.top_p < 1),
-         f"algorithm.bypass_mode with rollout.top_k={r.top_k} / top_p={r.top_p}: the engine's log-probs are of the "
-         f"top-k/top-p-filtered distribution, so the PPO ratio would compare it with the unfiltered policy; turn "
-         f"filtering off (top_k 0, top_p 1) or bypass_mode off"),
         (al.bypass_mode and al.rollout_correction != "off",
          f"algorithm.bypass_mode with rollout_correction={al.rollout_correction}: bypass makes the old log-probs the "
          f"engine's, so the correction weights would all be 1; use one of the two"),
@@ -411,9 +400,10 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
                 problems.append(str(e))
     if problems:
         raise ValueError("the configuration cannot run:\n  - " + "\n  - ".join(problems))
-    # routing replay measures its flip rate in the old log-probs' own (no-grad) pass
+    # routing replay measures its flip rate in the old log-probs' own (no-grad) pass; top-k/top-p sampling completes
+    # the kept sets there
     old_in_update = (a.ppo_epochs == 1 and not cfg.algorithm.use_kl_in_reward and not cfg.distill.teacher
                      and cfg.algorithm.rollout_correction == "off" and not cfg.algorithm.bypass_mode
-                     and not r.routing_replay)
+                     and not r.routing_replay and r.top_k == 0 and r.top_p == 1)
     return Sizes(world_size, dp, t.train_batch_size // world_size, t.train_batch_size // world_size * r.n,
                  sizes["actor"], sizes["critic"], old_in_update)

@@ -113,7 +113,7 @@ def save(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl) -> str:
 def logp_diff_limit(run: Run) -> float | None:
     """The canary's bound for this run (rollout.logp_diff_limit), or None where it does not act."""
     r = run.cfg.rollout
-    if r.logp_diff_limit < 0 or r.top_k > 0 or r.top_p < 1:
+    if r.logp_diff_limit < 0:
         return None
     if r.logp_diff_limit > 0:
         return r.logp_diff_limit

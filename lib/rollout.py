@@ -13,6 +13,7 @@ from lib import algos, routing
 from lib.actor import compute_log_probs
 from lib.data import collate
 from lib.dist import sum_over_ranks
+from lib.forward import KEPT_KEY
 from lib.fsdp import move_optimizer
 from lib.lora import adapters_off
 from lib.protocol import DataProto
@@ -73,10 +74,17 @@ def policy_log_probs(run: Run, batch: DataProto) -> None:
     cfg, topo, t = run.cfg, run.topo, run.cfg.rollout.temperature
     if cfg.algorithm.bypass_mode:
         batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-    elif not run.sizes.old_in_update:
+    # top-k/top-p sampling: the pass runs with bypass and ppo_epochs 1 too, completing the kept sets the update reads
+    if run.truncation is not None or not (cfg.algorithm.bypass_mode or run.sizes.old_in_update):
         routing.take_flips(run.actor.model)
         with stage("old_log_probs", run.carried_metrics):
-            batch.batch["old_log_probs"], _ = compute_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t)
+            old, *kept = compute_log_probs(run.actor.model, batch, cfg.actor.batching, topo, t,
+                                           truncation=run.truncation)
+        if not cfg.algorithm.bypass_mode:
+            batch.batch["old_log_probs"] = old
+        if run.truncation is not None:
+            batch.batch[KEPT_KEY] = kept[1].to(torch.int32)
+            run.carried_metrics.update(kept_metrics(kept[1], kept[2], batch.batch["response_mask"]))
         if cfg.rollout.routing_replay:
             run.carried_metrics["routing/flip_rate"] = flip_rate(run)
     if run.ref is not None:
@@ -84,6 +92,17 @@ def policy_log_probs(run: Run, batch: DataProto) -> None:
         with stage("ref_log_probs", run.carried_metrics), \
                 adapters_off(run.ref) if run.ref is run.actor.model else contextlib.nullcontext():
             batch.batch["ref_log_prob"], _ = compute_log_probs(run.ref, batch, cfg.actor.batching, topo, t)
+
+
+def kept_metrics(kept: torch.Tensor, disagree: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Top-k/top-p sampling's kept sets over the sampled tokens of every rank: their mean size
+    (``rollout/kept_tokens``) and the share of tokens where the engine's set and the trainer's differ
+    (``rollout/filter_disagreement``: the sampled token outside the trainer's set, or the engine's count not the
+    one the rule gives on the trainer's logits)."""
+    m = mask.to(torch.float64)
+    sums = sum_over_ranks()(torch.stack([(kept.to(m.dtype) * m).sum(), (disagree.to(m.dtype) * m).sum(), m.sum()]))
+    return {"rollout/kept_tokens": float(sums[0] / sums[2].clamp(min=1)),
+            "rollout/filter_disagreement": float(sums[1] / sums[2].clamp(min=1))}
 
 
 def flip_rate(run: Run) -> float:

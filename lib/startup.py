@@ -33,6 +33,7 @@ from lib.dist import Topology, init_topology
 from lib.engine import RolloutEngine, SamplingConfig, plan_kv_cache
 from lib.engine.hf import HFEngine
 from lib.engine.vllm import VLLMEngine, strip_expandable_segments
+from lib.logprobs import Truncation
 from lib.fsdp import build_sharded_model, fp32_compute, offload_model
 from lib.runfolder import check_run_folder, run_dir
 from lib.runlog import RunLogger, excepthook_rank
@@ -94,6 +95,14 @@ class Run:
     def kind(self) -> str:
         """The policy's model kind (lib.models.KINDS)."""
         return "vision_lm" if self.vision else "causal_lm"
+
+    @property
+    def truncation(self) -> Truncation | None:
+        """Top-k/top-p sampling's filter (rollout.top_k, top_p; lib.logprobs.Truncation): the policy's log-probs and
+        entropy are taken over the kept tokens. None: the engine samples the whole temperature-scaled vocabulary."""
+        r = self.cfg.rollout
+        t = Truncation(r.top_k, r.top_p)
+        return t if t.on else None
 
 
 def start(cfg: Config, need_critic: bool = False) -> Run:

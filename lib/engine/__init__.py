@@ -49,6 +49,11 @@ class SamplingConfig:
     """Base seed; each data-parallel rollout group derives its own from it."""
 
 
+def filtering(sp: SamplingConfig) -> bool:
+    """Whether ``sp`` samples from a top-k/top-p-truncated distribution (not greedy, with a filter on)."""
+    return sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
+
+
 def stop_ids(eos_ids: list[int], sp: SamplingConfig) -> list[int]:
     """Every id that ends a response: the model's eos ids and the sampling config's extra stop ids."""
     return sorted(set(eos_ids) | set(sp.stop_token_ids))
@@ -95,15 +100,18 @@ class Turn:
     """Their log-probs (see the module docstring)."""
     stopped: bool
     """Ended on a stop token; else cut by the request's token cap."""
+    kept: list[int] | None = None
+    """With top-k/top-p sampling, the kept set's size at each sampled token, where the engine reports it."""
 
 
-def turns_from(responses: list[list[int]], logps: list[list[float]], caps: list[int], stop: set[int]) -> list[Turn]:
+def turns_from(responses: list[list[int]], logps: list[list[float]], caps: list[int], stop: set[int],
+               kept: list[list[int]] | None = None) -> list[Turn]:
     """Each request's ids cut to its own cap (a batch samples up to the largest; sampling is causal, so the cut
-    equals stopping there), and whether it ended on a stop token."""
+    equals stopping there), and whether it ended on a stop token; ``kept``: the kept sets' sizes, cut alike."""
     out = []
-    for ids, lp, cap in zip(responses, logps, caps):
+    for i, (ids, lp, cap) in enumerate(zip(responses, logps, caps)):
         ids, lp = ids[:cap], lp[:cap]
-        out.append(Turn(ids, lp, bool(ids) and ids[-1] in stop))
+        out.append(Turn(ids, lp, bool(ids) and ids[-1] in stop, None if kept is None else kept[i][:cap]))
     return out
 
 
@@ -177,13 +185,16 @@ def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positi
                  responses: list[list[int]], log_probs: list[list[float]] | None, pad_id: int,
                  response_width: int | None = None,
                  sampled_masks: list[list[int]] | None = None,
-                 prompt_rope: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 prompt_rope: torch.Tensor | None = None, kept: list[list[int]] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """The rollout fields from left-padded prompts and each row's generated ids (eos included).
 
     responses (B, R) right-padded with pad_id; response_mask 1 on generated tokens (``sampled_masks``: 1 on the
     tokens sampled, 0 on the observations between a multi-turn row's turns); input_ids = prompts +
     responses; attention_mask likewise; position_ids continue each prompt's last position through R
-    (padding too, as the reference does); rollout_log_probs (B, R) with 0 on padding. ``prompt_rope`` (B, 3, P): a
+    (padding too, as the reference does); rollout_log_probs (B, R) with 0 on padding; ``kept`` (top-k/top-p
+    sampling: the kept set's size at each token, 0 where the engine gave none) as ``rollout_kept`` (B, R) int32, 4
+    bytes a token (lib.forward.KEPT_KEY). ``prompt_rope`` (B, 3, P): a
     vision-language prompt's 3-D rope rows; the response continues from their largest value on all three
     (lib/vision/rope.py), as ``rope_position_ids`` (B, 3, P + R)."""
     # prompts, prompt_mask, prompt_positions: (B, P)
@@ -194,6 +205,7 @@ def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positi
     mask = torch.zeros(batch, width, dtype=torch.long)
     logp = torch.zeros(batch, width, dtype=torch.float32)
     sampled = torch.zeros(batch, width, dtype=torch.float32)
+    counts = torch.zeros(batch, width, dtype=torch.int32)
     for i, ids in enumerate(responses):
         n = min(len(ids), width)
         out[i, :n] = torch.tensor(ids[:n], dtype=torch.long)
@@ -202,6 +214,8 @@ def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positi
             sampled[i, :n] = torch.tensor(sampled_masks[i][:n], dtype=torch.float32)
         if log_probs is not None:
             logp[i, :n] = torch.tensor(log_probs[i][:n], dtype=torch.float32)
+        if kept is not None:
+            counts[i, :n] = torch.tensor(kept[i][:n], dtype=torch.int32)
     response_mask = (sampled if sampled_masks is not None else mask.to(torch.float32)).to(device)
     out, mask, logp = out.to(device), mask.to(device), logp.to(device)
     last = prompt_positions[:, -1:]
@@ -211,6 +225,8 @@ def build_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_positi
               "position_ids": torch.cat([prompt_positions, positions], 1)}
     if log_probs is not None:
         fields["rollout_log_probs"] = logp
+    if kept is not None:
+        fields["rollout_kept"] = counts.to(device)
     if prompt_rope is not None:
         fields["rope_position_ids"] = torch.cat([prompt_rope, continue_positions(prompt_rope, width)], 2)
     return fields

@@ -22,8 +22,9 @@ from lib import routing
 from lib.data import left_pad
 from lib.engine import awake
 from lib.engine.kv import reserve
-from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, rollout_columns,
-                        stop_ids, turns_from)
+from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, filtering,
+                        rollout_columns, stop_ids, turns_from)
+from lib.logprobs import kept_mask
 from lib.lora import base_name, check_engine_load, inject, is_adapter_param, peft_name
 from lib.models import padded_attention, persistent_buffers, retie, tied_aliases
 from lib.protocol import DataProto
@@ -52,19 +53,9 @@ def copyable(cache: Any) -> bool:
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) all but the top-k tokens, then all outside the smallest set with mass >= top_p."""
-    # logits: (B, V) already divided by the temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    """-inf at all but the tokens top-k, then top-p keep (vLLM's rule, lib.logprobs.kept_mask); ``logits`` (B, V)
+    float32, already divided by the temperature."""
+    return logits.masked_fill(~kept_mask(logits, top_k, top_p), float("-inf"))
 
 
 class HFEngine:
@@ -244,14 +235,14 @@ class HFEngine:
         rope = data.batch.get("rope_position_ids")
         images = data.non_tensor_batch.get("multi_modal")
         record = self.routing is not None and not validate
-        responses, logprob_lists, routes = self._generate_chunks(
+        responses, logprob_lists, kept, routes = self._generate_chunks(
             ids, mask, pos, sp, self._generator(sp.seed, validate, key), self.stop_ids(validate), rope, images, record)
         self.calls[validate] += 1
         data = expand_samples(data, sp.n)
         rope = data.batch.get("rope_position_ids")
         fields = build_output(data.batch["input_ids"].to(self.device), data.batch["attention_mask"].to(self.device),
                               data.batch["position_ids"].to(self.device), responses, logprob_lists, self.pad_id,
-                              prompt_rope=None if rope is None else rope.to(self.device))
+                              prompt_rope=None if rope is None else rope.to(self.device), kept=kept)
         if record:
             fields[routing.KEY] = routes[:, :fields["input_ids"].shape[1]]
         elapsed = time.perf_counter() - t0
@@ -286,9 +277,9 @@ class HFEngine:
                 turns = continue_positions(m.rope, len(p) - m.prompt_len)
                 rope[i, :, width - len(p):] = torch.cat([m.rope, turns], -1)
         stop = self.stop_ids(validate)
-        responses, logps, _ = self._generate_chunks(ids, mask, pos, one, self._generator(sp.seed, validate, key), stop,
-                                                    rope, images)
-        return turns_from(responses, logps, max_tokens, set(stop))
+        responses, logps, kept, _ = self._generate_chunks(ids, mask, pos, one, self._generator(sp.seed, validate, key),
+                                                          stop, rope, images)
+        return turns_from(responses, logps, max_tokens, set(stop), kept)
 
     def any_active(self, active: bool) -> bool:
         """Whether this rank still has requests (each rank generates alone)."""
@@ -297,28 +288,31 @@ class HFEngine:
     def _generate_chunks(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
                          gen: torch.Generator, stop_ids: list[int], rope: torch.Tensor | None = None,
                          images: Any = None, record: bool = False
-                         ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
+                         ) -> tuple[list[list[int]], list[list[float]], list[list[int]] | None, torch.Tensor | None]:
         """Left-padded prompts in chunks of at most ``batch_tokens`` prompt + response tokens (n samples each).
         ``rope`` (B, 3, P) and ``images`` (per row, its image features or None): a vision-language prompt's.
-        ``record``: also the routes (B * n, P + max new tokens, MoE layers, k) (lib/routing), else None."""
+        Returns the responses, their log-probs, with top-k/top-p sampling the kept set's size at each token (else
+        None), and with ``record`` the routes (B * n, P + max new tokens, MoE layers, k) (lib/routing), else None."""
         stop = torch.tensor(stop_ids, device=self.device)
         per_chunk = max(1, self.batch_tokens // ((ids.shape[1] + sp.max_new_tokens) * sp.n))
-        responses, logps, routes = [], [], []
+        responses, logps, kept, routes = [], [], [], []
         for start in range(0, ids.shape[0], per_chunk):
             rows = slice(start, start + per_chunk)
-            r, lp, rt = self._generate_chunk(ids[rows], mask[rows], pos[rows], sp, gen, stop,
-                                             None if rope is None else rope[rows].to(self.device),
-                                             None if images is None else images[rows], record)
+            r, lp, k, rt = self._generate_chunk(ids[rows], mask[rows], pos[rows], sp, gen, stop,
+                                                None if rope is None else rope[rows].to(self.device),
+                                                None if images is None else images[rows], record)
             responses += r
             logps += lp
+            kept += k
             routes.append(rt)
-        return responses, logps, torch.cat(routes) if record and routes else None
+        return responses, logps, kept if filtering(sp) else None, torch.cat(routes) if record and routes else None
 
     def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
                         gen: torch.Generator, stop: torch.Tensor, rope: torch.Tensor | None = None,
                         images: Any = None, record: bool = False
-                        ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
-        """Prompts (b, P) -> b * n responses (eos included) and their log-probs, samples of a prompt adjacent.
+                        ) -> tuple[list[list[int]], list[list[float]], list[list[int]], torch.Tensor | None]:
+        """Prompts (b, P) -> b * n responses (eos included), their log-probs and kept sets' sizes, samples of a prompt
+        adjacent.
         A vision-language prompt's images go in with the prefill, its rope rows beside the text positions.
         ``record``: the routers' choices too, (b * n, P + max new tokens, MoE layers, k), -1 where none."""
         with routing.recording(self.model) if record else contextlib.nullcontext() as recorded:
@@ -331,9 +325,9 @@ class HFEngine:
 
     def _sample_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, sp: SamplingConfig,
                       gen: torch.Generator, stop: torch.Tensor, rope: torch.Tensor | None, images: Any
-                      ) -> tuple[int, bool, int, tuple[list[list[int]], list[list[float]]]]:
+                      ) -> tuple[int, bool, int, tuple[list[list[int]], list[list[float]], list[list[int]]]]:
         """_generate_chunk's sampling: (the first column kept, whether a prompt's cache was copied to its samples,
-        the prefill's rows, (responses, log-probs))."""
+        the prefill's rows, (responses, log-probs, kept sets' sizes: the vocabulary's without top-k/top-p))."""
         keep = mask.bool().any(0)  # columns where every prompt of the chunk is padding carry nothing
         first = int(keep.float().argmax()) if bool(keep.any()) else 0
         ids, mask, pos = ids[:, first:], mask[:, first:], pos[:, first:]
@@ -357,7 +351,7 @@ class HFEngine:
             logits, mask, pos = (x.repeat_interleave(sp.n, 0) for x in (logits, mask, pos))
             rope = None if rope is None else rope.repeat_interleave(sp.n, 0)
         batch = logits.shape[0]
-        out_tokens, out_logp = [], []
+        out_tokens, out_logp, out_kept = [], [], []
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         step_pos, full_mask = pos[:, -1:], mask
         for step in range(sp.max_new_tokens):
@@ -371,6 +365,7 @@ class HFEngine:
                 logits = ban(logits, self.banned).float()
             if sp.temperature > 0:
                 scaled = filter_logits(logits / sp.temperature, sp.top_k, sp.top_p)
+                out_kept.append(torch.isfinite(scaled).sum(-1))
                 token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen).squeeze(-1)
             else:
                 scaled = logits
@@ -386,13 +381,15 @@ class HFEngine:
                 break
         tokens = torch.stack(out_tokens, 1).cpu() if out_tokens else torch.zeros(batch, 0, dtype=torch.long)
         logps = torch.stack(out_logp, 1).cpu() if out_logp else torch.zeros(batch, 0)
-        responses, logprob_lists = [], []
+        kept = torch.stack(out_kept, 1).cpu() if out_kept else torch.zeros(batch, tokens.shape[1], dtype=torch.long)
+        responses, logprob_lists, kept_lists = [], [], []
         stop_set = set(stop.tolist())
-        for row, lp in zip(tokens.tolist(), logps.tolist()):
+        for row, lp, k in zip(tokens.tolist(), logps.tolist(), kept.tolist()):
             end = next((j + 1 for j, t in enumerate(row) if t in stop_set), len(row))
             responses.append(row[:end])
             logprob_lists.append(lp[:end])
-        return first, copy, prefill_rows, (responses, logprob_lists)
+            kept_lists.append(k[:end])
+        return first, copy, prefill_rows, (responses, logprob_lists, kept_lists)
 
 
 def cache_keyword(model: Any) -> str:

@@ -43,21 +43,24 @@ class Episode:
     response: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)  # top-k/top-p: the kept set's size at each token (0: none given)
     inputs: list[list[int]] = field(default_factory=list)  # the engine's input at each turn
     turns: int = 0
     tool_calls: int = 0
     last_turn: list[int] = field(default_factory=list)  # the ids of its last turn: what the scorer judges
     finish: str = ""
 
-    def sampled(self, ids: list[int], logps: list[float]) -> None:
+    def sampled(self, ids: list[int], logps: list[float], kept: list[int] | None = None) -> None:
         self.response += ids
         self.mask += [1] * len(ids)
         self.logps += logps
+        self.kept += kept if kept is not None else [0] * len(ids)
 
     def observed(self, ids: list[int]) -> None:
         self.response += ids
         self.mask += [0] * len(ids)
         self.logps += [0.0] * len(ids)
+        self.kept += [0] * len(ids)
 
 
 class MultiTurn:
@@ -131,7 +134,8 @@ class MultiTurn:
         fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
                               [e.response for e in episodes], [e.logps for e in episodes],
                               self.tokenizer.pad_token_id, sampled_masks=[e.mask for e in episodes],
-                              prompt_rope=data.batch.get("rope_position_ids"))
+                              prompt_rope=data.batch.get("rope_position_ids"),
+                              kept=[e.kept for e in episodes] if any(map(any, (e.kept for e in episodes))) else None)
         obj = lambda v: np.array(v + [None], dtype=object)[:-1]  # noqa: E731
         non_tensor = dict(rollout_columns(data), solution_str=obj(self.tokenizer.batch_decode([e.last_turn for e in episodes],
                                                                      skip_special_tokens=True)),
@@ -168,7 +172,7 @@ class MultiTurn:
     def _sampled(self, e: Episode, out: Any, calls: list[tuple], counts: dict) -> list | None:
         """Take a turn the engine sampled: the episode ends here (None), or goes on with the observation planned
         (the stop text, then error messages and indices of the calls appended to ``calls``)."""
-        e.sampled(out.ids, out.logps)
+        e.sampled(out.ids, out.logps, out.kept)
         e.turns += 1
         e.last_turn = out.ids
         if not out.stopped:
