@@ -211,8 +211,6 @@ def test_one_gradient_reduction_a_step_on_a_torch_without_its_api_is_refused(mon
     ({"algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.target_kl": 0.0}, "kl_ctrl.target_kl=0.0 must be > 0"),
     ({"reward.timeout_s": 0.0}, "reward.timeout_s=0.0 must be > 0"),
     ({"trainer.logger": ["console", "tensorbord"]}, "unknown name(s) ['tensorbord']"),
-    ({"algorithm.rollout_correction": "token", "rollout.top_k": 5}, "turn filtering off (top_k 0, top_p 1)"),
-    ({"algorithm.bypass_mode": True, "rollout.top_p": 0.9}, "turn filtering off (top_k 0, top_p 1) or bypass_mode off"),
     ({"algorithm.bypass_mode": True, "algorithm.rollout_correction": "token"}, "use one of the two"),
     ({"critic.fsdp.shard_size": 1}, "the critic is sharded on the actor's mesh"),
     ({"critic.fsdp.param_offload": True}, "critic.fsdp.param_offload / optimizer_offload are not supported"),

@@ -41,10 +41,11 @@ from lib.engine import awake
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, prompt_images,
                         request_seeds, rollout_columns, stop_ids, turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
-from lib.engine.vllm_adapter import (SHM_DIR, SHM_PREFIX, count_lora_modules, cpu_prefill_kwargs, image_kwargs,
-                                     layerwise_reload, logprobs_mode_kwargs, lora_kwargs, quiet_rotary_reload_warning,
-                                     refresh_fused_gates, remove_stale_shm, routes_kwargs, run_on_model,
-                                     sampled_logprobs, sampling_params, shutdown, unique_cpu_shm_names)
+from lib.engine.vllm_adapter import (SHM_DIR, SHM_PREFIX, count_lora_modules, cpu_prefill_kwargs, exact_filter_rule,
+                                     image_kwargs, layerwise_reload, logprobs_mode_kwargs, lora_kwargs,
+                                     quiet_rotary_reload_warning, refresh_fused_gates, remove_stale_shm, routes_kwargs,
+                                     run_on_model, sampled_logprobs, sampling_params, shutdown,
+                                     unique_cpu_shm_names)
 from lib.engine.vllm_sync import EngineSync
 from lib.lora import check_engine_load, save_adapter
 from lib.protocol import DataProto
@@ -118,6 +119,7 @@ class VLLMEngine:
         if self.device.type == "cpu":
             unique_cpu_shm_names(topo)
         quiet_rotary_reload_warning()
+        exact_filter_rule(self.device, sampling)
         with rng_kept_apart(self.device):  # vLLM seeds the global generators at start-up
             self.llm = LLM(model=model_path, tensor_parallel_size=topo.rollout_tp_size,
                            distributed_executor_backend="external_launcher", enable_sleep_mode=self.sleep_mode,

@@ -41,6 +41,21 @@ def logprobs_mode_kwargs() -> dict:
     return {"logprobs_mode": "processed_logprobs"}
 
 
+def exact_filter_rule(device: torch.device, sp: SamplingConfig) -> None:
+    """Top-k/top-p sampling on CUDA through vLLM's sort-based rule (``apply_top_k_top_p_pytorch``, what its CPU
+    build always runs), the rule the trainer rebuilds the kept sets with (lib.logprobs.kept_mask). Its Triton kernel
+    (0.25 from 8 rows a step, 0.32 always) bisects a probability threshold in at most 18 halvings: with a long tail its
+    top-p set is off by up to thousands of tokens, a set no trainer can rebuild. The kernel is chosen by the module's
+    ``HAS_TRITON`` at every call (0.25 and 0.32, both model runners), so the engine sets it off in its own process
+    (external_launcher: the worker is this process). 0.32's ``return_sampling_mask`` (the kept ids, CUDA's model
+    runner V2 only) is not used: it refuses greedy requests (validation) and top-k 0."""
+    if device.type != "cuda" or sp.temperature <= 0 or (sp.top_k <= 0 and sp.top_p >= 1.0):
+        return
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    topk_topp_sampler.HAS_TRITON = False
+
+
 def cpu_prefill_kwargs(device: torch.device, max_model_len: int) -> dict:
     """CPU: whole prompts per prefill. A prompt split over scheduler steps (chunked prefill, once a call's prompts
     pass max_num_batched_tokens: a multi-turn turn's long inputs, or many prompts) makes the runner rewind the
