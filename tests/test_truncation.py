@@ -212,3 +212,70 @@ def test_runs_with_top_k_and_top_p_train_the_distribution_they_sample(filtered_r
     if name.startswith("correction"):  # the weights measure a train/rollout mismatch, none here: not the filter's
         assert all(abs(r["rollout_is_mean"] - 1) < 1e-4 and r["rollout_is_frac_clipped"] == 0 for r in rows), rows
     assert filtered_runs[1].returncode == 0, filtered_runs[1].stdout[-3000:] + filtered_runs[1].stderr[-5000:]
+
+
+# ---- vLLM (its CPU build: the vllm marker's pass): the rule, and GRPO with the engine in every filter
+
+@pytest.mark.vllm
+def test_the_trainers_rule_is_vllms(monkeypatch):
+    """lib.logprobs.kept_mask keeps what vLLM's sort-based apply_top_k_top_p keeps (its CPU build always, CUDA once
+    lib.engine.vllm_adapter.exact_filter_rule turned its Triton kernel off): random, bf16-valued (ties everywhere)
+    and hand-made tied logits, 8 rows and more (where 0.25 would take the kernel), each filter."""
+    pytest.importorskip("vllm")
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from lib.engine.vllm_adapter import exact_filter_rule
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(16, 2048, generator=g) * 3, (torch.randn(16, 2048, generator=g) * 3).bfloat16().float(),
+             torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -1.0, -2.0, 0.5]] * 8)]
+    for logits in cases:
+        for name, (top_k, top_p) in FILTERS.items():
+            k = torch.full((logits.shape[0],), min(top_k or logits.shape[1], 2 if logits.shape[1] == 8 else 10**9))
+            kk = k if top_k else None
+            pp = torch.full((logits.shape[0],), top_p, dtype=torch.float32) if top_p < 1 else None
+            theirs = torch.isfinite(topk_topp_sampler.apply_top_k_top_p_pytorch(logits.clone(), kk, pp))
+            ours = kept_mask(logits, int(kk[0]) if kk is not None else 0, top_p)
+            assert torch.equal(ours.sum(-1), theirs.sum(-1)), name  # tied logits split by sort order: same count
+    monkeypatch.setattr(topk_topp_sampler, "HAS_TRITON", True)
+    exact_filter_rule(torch.device("cpu"), SamplingConfig(top_p=0.9))
+    assert topk_topp_sampler.HAS_TRITON  # the CPU build has no kernel to turn off
+    exact_filter_rule(torch.device("cuda"), SamplingConfig(top_p=1.0))
+    assert topk_topp_sampler.HAS_TRITON  # no filter: vLLM's own choice
+    exact_filter_rule(torch.device("cuda"), SamplingConfig(top_p=0.9))
+    assert not topk_topp_sampler.HAS_TRITON
+
+
+def _vllm_policy(folder) -> str:
+    """A zoo Qwen2 (tied, GQA, 2048 ids, chat template, two eos ids) with the head size vLLM's CPU attention takes
+    (32), its embedding scaled so that its distributions range from peaked to flat (top-p 0.9 keeps 1 to ~950
+    tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    config = zoo.config("qwen2_tied")
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 32
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(6.0)
+    return zoo._save(model, str(folder))
+
+
+@pytest.mark.vllm
+def test_grpo_with_vllm_trains_the_distribution_it_sampled(tmp_path):
+    """Two GRPO steps on 2 ranks with vLLM's CPU build for each filter: the trainer rebuilds the kept sets with
+    vLLM's rule and the canary stays at fp32's floor (vLLM's processed log-probs against the trainer's truncated
+    ones), no sampled token outside the rebuilt set."""
+    pytest.importorskip("vllm")
+    model = _vllm_policy(tmp_path / "model")
+    plan = [(name, "train_grpo.py", [*zoo.grpo_args(model, str(tmp_path), name, str(tmp_path)), "--rollout.engine",
+                                     "vllm", "--rollout.enforce_eager", "--rollout.temperature", str(TEMPERATURE),
+                                     *(["--rollout.top_k", str(k)] if k else []), "--rollout.top_p", str(p)])
+            for name, (k, p) in FILTERS.items()]
+    launched = tmp_path, launch_runs(plan, tmp_path)
+    for name, (top_k, _) in FILTERS.items():
+        rows = run_rows(launched, name, steps=2)
+        for r in rows:
+            assert r["rollout/logp_abs_diff"] < CANARY, (name, r)
+            assert r["rollout/filter_disagreement"] == 0.0 and 1 <= r["rollout/kept_tokens"] <= (top_k or VOCAB), r
+    assert launched[1].returncode == 0, launched[1].stdout[-3000:] + launched[1].stderr[-5000:]
