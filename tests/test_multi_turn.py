@@ -411,6 +411,7 @@ TOOL_RUNS = {  # name: (script, flags beyond the tool preset's)
     "dapo_rc": ("train_grpo.py", ["--algorithm.filter_groups", "--algorithm.rollout_correction", "token",
                                   "--algorithm.rollout_correction_mode", "mask"]),
     "ppo": ("train_ppo.py", []),
+    "grpo_top_p": ("train_grpo.py", ["--rollout.top_p", "0.9"]),  # the turns' kept sets through the episodes
 }
 
 
@@ -439,6 +440,8 @@ def test_tool_preset_end_to_end(tool_runs, name):
         assert r["multi_turn/tool_calls_mean"] > 0.5 and r["multi_turn/turns_mean"] > 1.5, r
         assert r["multi_turn/observation_tokens_mean"] > 10
         assert r["rollout/logp_abs_diff"] < 1e-5
+        if name.endswith("top_p"):
+            assert r["rollout/filter_disagreement"] == 0 and r["rollout/kept_tokens"] >= 1, r
         if TOOL_RUNS[name][0] == "train_ppo.py":
             assert r["critic/vf_loss"] > 0
     assert any("val/score_mean" in r for r in rows)

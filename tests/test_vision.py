@@ -543,7 +543,8 @@ def two_step_runs(tmp_path_factory, shared_assets_dir, vision_root):
     data = write_parquet(geo3k_rows(4), str(root / "geo3k.parquet"))
     plan = [("preset", [*PRESET, *STEPS_2]), ("preset_sp", [*PRESET, *STEPS_2, "--trainer.sp_size", "2"]),
             ("preset_lora", [*PRESET, *STEPS_2, "--actor.lora.rank", "8", "--actor.optim.lr", "0.05",
-                             "--trainer.save_every", "2"])]
+                             "--trainer.save_every", "2"]),
+            ("preset_top_p", [*PRESET, *STEPS_2, "--rollout.top_p", "0.9", "--rollout.top_k", "5"])]
     plan += [(name, ["--actor.model.path", zoo.build_vision(name, vision_root), "--data.train_files", data,
                      "--data.max_prompt_length", "400", "--rollout.n", "2", "--trainer.train_batch_size", "2",
                      "--actor.mini_batch_size", "4", "--reward.custom_fn",
@@ -552,6 +553,15 @@ def two_step_runs(tmp_path_factory, shared_assets_dir, vision_root):
     out = launch_runs([(name, "train_grpo.py", [*args, "--trainer.output_root", str(root), "--trainer.run_name", name])
                        for name, args in plan], root)
     return root, out
+
+
+def test_top_p_sampling_with_images_trains_the_distribution_it_sampled(two_step_runs):
+    """The preset with top-p and top-k: the image rows' log-probs are the kept sets' on both sides (the canary at
+    fp32's floor), the engine's sets are the trainer's."""
+    rows = run_rows(two_step_runs, "preset_top_p", steps=2)
+    for r in rows:
+        assert r["rollout/logp_abs_diff"] < 1e-5 and r["rollout/filter_disagreement"] == 0, r
+        assert 1 <= r["rollout/kept_tokens"] <= 5, r
 
 
 def test_the_visual_preset_trains_the_model_that_samples_and_exports_it(two_step_runs):
