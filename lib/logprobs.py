@@ -19,7 +19,9 @@ tensor and its gradient never exist (at T = 32768 in bf16: 2 x 10 GB); the price
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,7 +48,7 @@ def _softmax(chunk: Tensor, temperature: float) -> Tensor:
     return torch.softmax(_scaled(chunk, temperature), dim=-1)
 
 
-def default_chunk_tokens(vocab: int, device: torch.device, fused: bool = False) -> int:
+def default_chunk_tokens(vocab: int, device: torch.device, fused: bool = False, truncated: bool = False) -> int:
     """Tokens per chunk: ~0.3 GB of float32 logits on GPU (large kernels), ~16 MB on CPU, where the allocator
     returns big blocks to the OS and every fresh one costs page faults (measured: 2x slower at 512 tokens). The fused
     head reads its whole weight for every chunk, four times: ~256 MB on CPU (measured at 1024 tokens, vocab 32768,
@@ -55,7 +57,8 @@ def default_chunk_tokens(vocab: int, device: torch.device, fused: bool = False) 
         budget = 512 * 151936 * 4
     else:
         budget = 256 * 2**20 if fused else 16 * 2**20
-    return max(1, budget // (4 * vocab))
+    # a top-k/top-p chunk holds ~3x the float32 logits (the rule's sort and its indices, the kept-set weights)
+    return max(1, budget // (4 * vocab * (3 if truncated else 1)))
 
 
 @dataclass(frozen=True)
@@ -94,13 +97,18 @@ def kept_mask(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
 def _log_weights(scaled: Tensor, kept: Tensor, label: Tensor) -> tuple[Tensor, Tensor]:
     """The kept set of each row as log-weights (c, V): 0 for a logit above the ``kept``-th largest, -inf below it,
     and the tokens tied with it share the places left, log(left / tied) each: the normaliser is the engine's whatever
-    tie it broke. ``label`` (c, 1): the sampled token, put inside where it fell below (then returned True, (c,))."""
-    low = scaled.topk(int(kept.max()), dim=-1).values.gather(-1, (kept - 1).clamp(min=0)[:, None].long())
+    tie it broke. ``label`` (c, 1): the sampled token, which the engine kept: a tied one takes a whole place (the
+    others share the rest), one below the set is put inside (then returned True, (c,))."""
+    kept = kept.clamp(1, scaled.shape[-1])
+    low = scaled.topk(int(kept.max()), dim=-1).values.gather(-1, (kept - 1)[:, None].long())
     above, tied = scaled > low, scaled == low
-    left = (kept[:, None] - above.sum(-1, keepdim=True)).float() / tied.sum(-1, keepdim=True).clamp(min=1)
-    weight = above.float().add_(tied.float().mul_(left))
-    outside = weight.gather(-1, label) == 0
-    weight.scatter_(-1, label, torch.where(outside, 1.0, weight.gather(-1, label)))
+    ties = tied.sum(-1, keepdim=True)
+    left = (kept[:, None] - above.sum(-1, keepdim=True)).float()
+    label_tied = tied.gather(-1, label)
+    share = torch.where(label_tied, (left - 1) / (ties - 1).clamp(min=1), left / ties.clamp(min=1))
+    weight = above.float().add_(tied.float().mul_(share))
+    outside = scaled.gather(-1, label) < low
+    weight.scatter_(-1, label, torch.where(outside | label_tied, 1.0, weight.gather(-1, label)))
     return weight.log_(), outside[:, 0]
 
 
@@ -195,8 +203,10 @@ def _forward_chunk(z: Tensor, s: int, e: int, labels: Tensor, temperature: float
                    kept: Tensor | None, rule: Truncation | None, out: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
     """One chunk's outputs written into ``out`` (_outputs)."""
     logp, entropy, counts, disagree = out
-    k = None if kept is None else _kept(_scaled(z, temperature), labels[s:e], kept, rule)
-    lp, ent = _chunk_forward(z, labels[s:e], temperature, with_entropy, k)
+    scaled = None if kept is None else _scaled(z, temperature)
+    k = None if kept is None else _kept(scaled, labels[s:e], kept, rule)
+    lp, ent = _chunk_forward(z if scaled is None else scaled, labels[s:e], temperature if k is None else 1.0,
+                             with_entropy, k)
     logp[s:e] = lp
     if with_entropy:
         entropy[s:e] = ent
@@ -311,7 +321,7 @@ def head_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: 
     without making the logits: the LM head fused with the chunked log-prob (and entropy), its matmul redone per chunk
     in backward. hidden (N, H); weight (V, H); labels (N,) or (N, m). Differentiable in hidden and weight.
     ``kept``, ``rule``: as log_probs_from_logits."""
-    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], hidden.device, fused=True)
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], hidden.device, True, kept is not None)
     flat_labels = labels if labels.dim() == 2 else labels[:, None]
     logp, entropy, counts, disagree = _FusedHeadLogProbs.apply(hidden, weight, flat_labels, float(temperature),
                                                                with_entropy, chunk, banned, float(ban_value),
@@ -338,7 +348,7 @@ def log_probs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1
     sampled token fell outside the set or ``rule``'s count differs from the engine's."""
     shape, lead = labels.shape, logits.shape[:-1]
     flat_logits = logits.reshape(-1, logits.shape[-1])
-    chunk = chunk_tokens or default_chunk_tokens(flat_logits.shape[-1], flat_logits.device)
+    chunk = chunk_tokens or default_chunk_tokens(flat_logits.shape[-1], flat_logits.device, truncated=kept is not None)
     flat_labels = labels.reshape(-1, labels.shape[-1] if labels.dim() == logits.dim() else 1)
     logp, entropy, counts, disagree = _ChunkedLogProbs.apply(flat_logits, flat_labels, float(temperature),
                                                              with_entropy, chunk, _flat_kept(kept), rule)

@@ -28,11 +28,16 @@ CANARY = 1e-5
 """fp32 on both sides measures ~2e-7; the whole vocabulary's log-prob of the same tokens is off by > 1e-2."""
 
 
-def _masked_reference(logits: torch.Tensor, labels: torch.Tensor, temperature: float, top_k: int, top_p: float):
-    """Differentiable reference: the tokens outside log_probs_naive's kept set at -1e30 (autograd's gradients)."""
-    scaled = logits / temperature
-    keep = kept_mask(scaled.detach(), top_k, top_p)
-    lsm = torch.log_softmax(scaled.masked_fill(~keep, -1e30), -1)
+def _naive_keep(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """log_probs_naive's kept set of each row (c, V): the tokens whose log-prob it gives finite."""
+    vocab = logits.shape[-1]
+    return torch.stack([torch.isfinite(log_probs_naive(row.expand(vocab, -1), torch.arange(vocab), 1.0, top_k,
+                                                       top_p)[0]) for row in logits])
+
+
+def _masked_reference(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor):
+    """Autograd's reference: log-softmax with the tokens outside ``keep`` at -1e30; (log-probs, entropy)."""
+    lsm = torch.log_softmax(logits.masked_fill(~keep, -1e30), -1)
     return lsm.gather(-1, labels[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
 
 
@@ -47,10 +52,11 @@ def test_truncated_log_probs_match_a_plain_reference_on_ties_and_the_boundary():
     ties = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -1.0, -2.0, 0.5]])
     assert kept_mask(ties, 2, 1.0).sum().item() == 4  # the k-th value's ties all stay
     g = torch.Generator().manual_seed(0)
-    sharp = torch.randn(64, 512, generator=g) * 4
+    sharp = torch.randn(16, 256, generator=g) * 4
     for logits, (top_k, top_p) in [(boundary, (0, 0.79)), (boundary, (0, 0.81)), (ties, (2, 1.0)), (ties, (2, 0.95)),
                                    (sharp, (0, 0.9)), (sharp, (20, 1.0)), (sharp, (20, 0.9))]:
-        keep = kept_mask(logits, top_k, top_p)
+        keep = _naive_keep(logits, top_k, top_p)
+        assert torch.equal(kept_mask(logits, top_k, top_p), keep)
         counts = keep.sum(-1)
         labels = torch.multinomial(keep.float(), 1, generator=g)[:, 0]
         ref, ref_entropy = log_probs_naive(logits, labels, 1.0, top_k, top_p)
@@ -64,24 +70,54 @@ def test_truncated_log_probs_match_a_plain_reference_on_ties_and_the_boundary():
         w, w2 = torch.randn(len(labels), generator=g), torch.randn(len(labels), generator=g)
         (logp * w + entropy * w2).sum().backward()
         plain = logits.clone().requires_grad_()
-        a, b = _masked_reference(plain, labels, 1.0, top_k, top_p)
+        a, b = _masked_reference(plain, labels, keep)
         (a * w + b * w2).sum().backward()
         torch.testing.assert_close(leaf.grad, plain.grad, atol=1e-6, rtol=1e-5)
-        # fused with the head: the same numbers and the weight's gradient
+        # fused with the head: the same numbers and both inputs' gradients
         hidden = torch.eye(logits.shape[0], logits.shape[0]).requires_grad_()
         weight = logits.t().contiguous().requires_grad_()  # hidden @ weight.T = logits
         fused = head_log_probs(hidden, weight, labels, 1.0, True, kept=counts, chunk_tokens=5)
         torch.testing.assert_close(fused[0], ref, atol=1e-6, rtol=0)
+        torch.testing.assert_close(fused[1], ref_entropy, atol=1e-6, rtol=0)
         (fused[0] * w + fused[1] * w2).sum().backward()
         torch.testing.assert_close(weight.grad.t(), plain.grad, atol=1e-6, rtol=1e-5)
-    # an engine that kept 2 of the ties (count 2 on [3, 1, 1, 1, ...]): the normaliser is e^3 + e^1, whichever
-    label = torch.tensor([2])
-    logp = log_probs_from_logits(ties, label, kept=torch.tensor([2]))[0]
-    torch.testing.assert_close(logp, torch.tensor([1.0 - torch.logsumexp(torch.tensor([3.0, 1.0]), 0)]), atol=1e-6,
-                               rtol=0)
+        torch.testing.assert_close(hidden.grad, plain.grad @ logits.t(), atol=1e-4, rtol=1e-4)  # sums of 256
+    # an engine that kept 2 of the ties (count 2 on [3, 1, 1, 1, ...], its sample the tie at index 2): the normaliser
+    # is e^3 + e^1 whichever it kept, and the gradient that of the set it sampled from, {0, 2}
+    leaf = ties.clone().requires_grad_()
+    logp, entropy = log_probs_from_logits(leaf, torch.tensor([2]), 1.0, True, kept=torch.tensor([2]))[:2]
+    exact = torch.zeros_like(ties, dtype=torch.bool)
+    exact[0, [0, 2]] = True
+    plain = ties.clone().requires_grad_()
+    a, b = _masked_reference(plain, torch.tensor([2]), exact)
+    torch.testing.assert_close((logp, entropy), (a, b), atol=1e-6, rtol=0)
+    (logp + 0.5 * entropy).sum().backward()
+    (a + 0.5 * b).sum().backward()
+    torch.testing.assert_close(leaf.grad, plain.grad, atol=1e-6, rtol=0)
     # a sampled token below the set the count gives: inside all the same, and said
     out = log_probs_from_logits(ties, torch.tensor([5]), kept=torch.tensor([1]), rule=None)
     assert torch.isfinite(out[0]).all() and out[3].all()
+
+
+def test_more_labels_beside_the_sampled_token_stay_whole_vocabulary():
+    """The distillation top-k path asks for the student's log-probs at the teacher's ids beside the sampled token's:
+    the sampled token's (and the entropy) are the kept set's, the others the whole vocabulary's, and the gradient
+    of all of them is autograd's."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 300, generator=g) * 4
+    keep = kept_mask(logits, 20, 0.9)
+    labels = torch.cat([torch.multinomial(keep.float(), 1, generator=g), torch.randint(0, 300, (16, 3), generator=g)],
+                       -1)
+    leaf = logits.clone().requires_grad_()
+    logp, entropy = log_probs_from_logits(leaf, labels, 1.0, True, kept=keep.sum(-1), chunk_tokens=5)[:2]
+    plain = logits.clone().requires_grad_()
+    first, ref_entropy = _masked_reference(plain, labels[:, 0], keep)
+    rest = torch.log_softmax(plain, -1).gather(-1, labels[:, 1:])
+    torch.testing.assert_close(logp, torch.cat([first[:, None], rest], -1), atol=1e-6, rtol=0)
+    w = torch.randn(16, 4, generator=g)
+    ((logp * w).sum() + entropy.sum()).backward()
+    ((torch.cat([first[:, None], rest], -1) * w).sum() + ref_entropy.sum()).backward()
+    torch.testing.assert_close(leaf.grad, plain.grad, atol=1e-6, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -163,14 +199,27 @@ def test_the_kept_sets_cost_four_bytes_a_token(policy):
 
 
 def test_the_update_reads_the_sets_it_was_given(policy):
-    """The update's forward uses the batch's counts, and refuses a sampled token without one (the old log-probs'
-    pass fills them) rather than train another distribution."""
+    """The update's forward takes the batch's counts: another count at a token gives that set's log-prob (the token's
+    logit against the log-sum-exp of the policy's n largest); a sampled token without a count is refused (the old
+    log-probs' pass fills them) rather than another distribution trained."""
     out = _rollout(policy, 20, 0.9)
-    out.batch[KEPT_KEY][0, 0] = 0
+    b, truncation = out.batch, Truncation(20, 0.9)
+    row, col = [int(i[0]) for i in torch.nonzero(b["response_mask"] > 0, as_tuple=True)]
+    with torch.no_grad():
+        logits = policy(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                        position_ids=b["position_ids"]).logits[row, -b["responses"].shape[1] - 1 + col] / TEMPERATURE
+    token = int(b["responses"][row, col])
+    for n in (int(b[KEPT_KEY][row, col]), 50):
+        b[KEPT_KEY][row, col] = n
+        n = max(n, int((logits >= logits[token]).sum()))  # the sampled token inside
+        with torch.no_grad():
+            logp = response_log_probs(policy, out, TEMPERATURE, truncation=truncation)[0][row, col]
+        assert abs(float(logp) - float(logits[token] - logits.topk(n).values.logsumexp(0))) < 1e-5, n
+    b[KEPT_KEY][row, col] = 0
     with pytest.raises(ValueError, match="old log-probs' pass"):
-        response_log_probs(policy, out, TEMPERATURE, truncation=Truncation(20, 0.9))
-    filled = response_log_probs(policy, out, TEMPERATURE, truncation=Truncation(20, 0.9), measure=True)[2]
-    assert filled[0, 0] > 0  # the rule's count, from the policy's logits
+        response_log_probs(policy, out, TEMPERATURE, truncation=truncation)
+    filled = response_log_probs(policy, out, TEMPERATURE, truncation=truncation, measure=True)[2]
+    assert filled[row, col] > 0  # the rule's count, from the policy's logits
 
 
 # ---- GRPO and PPO as users run them: train_grpo.py / train_ppo.py on 2 ranks, a zoo model (vocabulary 2048)
@@ -209,6 +258,9 @@ def test_runs_with_top_k_and_top_p_train_the_distribution_they_sample(filtered_r
         top_k = 20 if "top_k" in name or "both" in name else 0
         assert 1 <= r["rollout/kept_tokens"] <= (top_k or VOCAB), r
         assert r["actor/grad_norm"] > 0, r
+        # one mini-batch: the update's first forward is the old pass's policy, under the same sets (whole
+        # vocabulary log-probs against the truncated old ones would give a KL of ~0.1 here)
+        assert abs(r["actor/ppo_kl"]) < 1e-6 and r["actor/pg_clipfrac"] == 0, r
     if name.startswith("correction"):  # the weights measure a train/rollout mismatch, none here: not the filter's
         assert all(abs(r["rollout_is_mean"] - 1) < 1e-4 and r["rollout_is_frac_clipped"] == 0 for r in rows), rows
     assert filtered_runs[1].returncode == 0, filtered_runs[1].stdout[-3000:] + filtered_runs[1].stderr[-5000:]
@@ -263,17 +315,21 @@ def _vllm_policy(folder) -> str:
 
 @pytest.mark.vllm
 def test_grpo_with_vllm_trains_the_distribution_it_sampled(tmp_path):
-    """Two GRPO steps on 2 ranks with vLLM's CPU build for each filter: the trainer rebuilds the kept sets with
-    vLLM's rule and the canary stays at fp32's floor (vLLM's processed log-probs against the trainer's truncated
-    ones), no sampled token outside the rebuilt set."""
+    """Two GRPO steps on 2 ranks with vLLM's CPU build for each filter (packed; and FSDP over both ranks with SP 2
+    and padded): the trainer rebuilds the kept sets with vLLM's rule and the canary stays at fp32's floor (vLLM's
+    processed log-probs against the trainer's truncated ones), no sampled token outside the rebuilt set."""
     pytest.importorskip("vllm")
     model = _vllm_policy(tmp_path / "model")
+    runs = {name: (k, p, []) for name, (k, p) in FILTERS.items()}  # packed, the replica on each rank
+    runs["fsdp_sp2_both"] = (*FILTERS["both"], ["--actor.fsdp.shard_size", "0", "--trainer.sp_size", "2"])
+    runs["fsdp_padded_both"] = (*FILTERS["both"], ["--actor.fsdp.shard_size", "0",
+                                                   "--actor.batching.no-use-remove-padding"])
     plan = [(name, "train_grpo.py", [*zoo.grpo_args(model, str(tmp_path), name, str(tmp_path)), "--rollout.engine",
                                      "vllm", "--rollout.enforce_eager", "--rollout.temperature", str(TEMPERATURE),
-                                     *(["--rollout.top_k", str(k)] if k else []), "--rollout.top_p", str(p)])
-            for name, (k, p) in FILTERS.items()]
+                                     *(["--rollout.top_k", str(k)] if k else []), "--rollout.top_p", str(p), *flags])
+            for name, (k, p, flags) in runs.items()]
     launched = tmp_path, launch_runs(plan, tmp_path)
-    for name, (top_k, _) in FILTERS.items():
+    for name, (top_k, _, _) in runs.items():
         rows = run_rows(launched, name, steps=2)
         for r in rows:
             assert r["rollout/logp_abs_diff"] < CANARY, (name, r)
