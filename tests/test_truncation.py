@@ -234,7 +234,8 @@ RUNS = {  # name: (script, flags)
     "bypass_top_p": ("train_grpo.py", ["--algorithm.bypass_mode", "--rollout.top_p", "0.9"]),
     "correction_top_k": ("train_grpo.py", ["--algorithm.rollout_correction", "token", "--rollout.top_k", "20"]),
     "lora_top_p": ("train_grpo.py", ["--actor.lora.rank", "8", "--rollout.top_p", "0.9"]),
-    "ppo_both": ("train_ppo.py", ["--critic.mini_batch_size", "8", "--algorithm.critic_warmup", "0", "--rollout.top_k", "20", "--rollout.top_p", "0.9"]),
+    "ppo_both": ("train_ppo.py", ["--critic.mini_batch_size", "8", "--algorithm.critic_warmup", "0",
+                                  "--rollout.top_k", "20", "--rollout.top_p", "0.9"]),
 }
 
 
@@ -315,15 +316,14 @@ def _vllm_policy(folder) -> str:
 
 @pytest.mark.vllm
 def test_grpo_with_vllm_trains_the_distribution_it_sampled(tmp_path):
-    """Two GRPO steps on 2 ranks with vLLM's CPU build for each filter (packed; and FSDP over both ranks with SP 2
-    and padded): the trainer rebuilds the kept sets with vLLM's rule and the canary stays at fp32's floor (vLLM's
-    processed log-probs against the trainer's truncated ones), no sampled token outside the rebuilt set."""
+    """Two GRPO steps on 2 ranks with vLLM's CPU build for each filter (packed; and FSDP over both ranks with SP 2;
+    the trainer's other paths are the engine's alike, tested above with the HF engine): the trainer rebuilds the
+    kept sets with vLLM's rule and the canary stays at fp32's floor (vLLM's processed log-probs against the
+    trainer's truncated ones), no sampled token outside the rebuilt set."""
     pytest.importorskip("vllm")
     model = _vllm_policy(tmp_path / "model")
     runs = {name: (k, p, []) for name, (k, p) in FILTERS.items()}  # packed, the replica on each rank
     runs["fsdp_sp2_both"] = (*FILTERS["both"], ["--actor.fsdp.shard_size", "0", "--trainer.sp_size", "2"])
-    runs["fsdp_padded_both"] = (*FILTERS["both"], ["--actor.fsdp.shard_size", "0",
-                                                   "--actor.batching.no-use-remove-padding"])
     plan = [(name, "train_grpo.py", [*zoo.grpo_args(model, str(tmp_path), name, str(tmp_path)), "--rollout.engine",
                                      "vllm", "--rollout.enforce_eager", "--rollout.temperature", str(TEMPERATURE),
                                      *(["--rollout.top_k", str(k)] if k else []), "--rollout.top_p", str(p), *flags])
