@@ -28,7 +28,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from lib import algos, algos_ref  # noqa: E402
-from lib.logprobs import head_log_probs, log_probs_from_logits  # noqa: E402
+from lib.logprobs import head_log_probs, kept_mask, log_probs_from_logits  # noqa: E402
 
 
 def bench_advantages(batch: int, n: int) -> None:
@@ -164,6 +164,46 @@ def bench_head(tokens: int, hidden: int, vocab: int, device: str) -> None:
               f"{f['ms'] / a['ms']:>12.2f}")
 
 
+FILTERS = {"top_k 20": (20, 1.0), "top_p 0.9": (0, 0.9), "both": (20, 0.9)}
+
+
+def _run_filter_variant(variant: str, tokens: int, hidden: int, vocab: int, dtype: str, device: str) -> dict:
+    """The fused head with the entropy, forward and backward, plain or over a filter's kept sets (the engine's
+    counts given, as the update gets them; docs/algorithms.md "Top-k and top-p sampling")."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    h = torch.randn(tokens, hidden, device=device).to(dt).requires_grad_(True)
+    w = (torch.randn(vocab, hidden, device=device) * 4 / hidden ** 0.5).to(dt).requires_grad_(True)
+    kept = None
+    if variant != "plain":
+        with torch.no_grad():
+            kept = torch.cat([kept_mask((h[s:s + 256] @ w.T).float(), *FILTERS[variant]).sum(-1)
+                              for s in range(0, tokens, 256)])
+    labels = torch.randint(0, vocab, (tokens,), device=device) if kept is None else torch.zeros(
+        tokens, dtype=torch.long, device=device)  # the top token: inside every set
+
+    def run() -> None:
+        logp, entropy, *_ = head_log_probs(h, w, labels, 1.0, True, kept=kept)
+        (logp.sum() + 0.01 * entropy.sum()).backward()
+        h.grad = w.grad = None
+
+    out = _measure(run, device)
+    out["kept"] = 0.0 if kept is None else float(kept.float().mean())
+    return out
+
+
+def bench_filters(tokens: int, hidden: int, vocab: int, device: str) -> None:
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    print(f"\nfused head over top-k/top-p kept sets vs the whole vocabulary, fwd+bwd with entropy: {tokens} tokens x "
+          f"hidden {hidden} -> vocab {vocab}, {dtype}, {device}; best-of-3 time")
+    print(f"{'filter':<12}{'kept mean':>11}{'plain ms':>10}{'kept-set ms':>13}{'time ratio':>12}{'mem ratio':>11}")
+    plain = _variant("_run_filter_variant", device, "plain", tokens, hidden, vocab, dtype, device)
+    for name in FILTERS:
+        f = _variant("_run_filter_variant", device, name, tokens, hidden, vocab, dtype, device)
+        print(f"{name:<12}{f['kept']:>11.0f}{plain['ms']:>10.1f}{f['ms']:>13.1f}{f['ms'] / plain['ms']:>12.2f}"
+              f"{f['peak_extra_bytes'] / max(plain['peak_extra_bytes'], 1):>11.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=16384)
@@ -173,7 +213,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--head-tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=1536)
-    ap.add_argument("--only", choices=["advantages", "logprobs", "head"], default=None)
+    ap.add_argument("--only", choices=["advantages", "logprobs", "head", "filters"], default=None)
     args = ap.parse_args()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if args.only in (None, "advantages"):
@@ -182,6 +222,8 @@ def main() -> None:
         bench_logprobs(args.tokens, args.vocab, device)
     if args.only in (None, "head"):
         bench_head(args.head_tokens, args.hidden, args.vocab, device)
+    if args.only in (None, "filters"):
+        bench_filters(args.head_tokens, args.hidden, args.vocab, device)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def default_chunk_tokens(vocab: int, device: torch.device, fused: bool = False, 
         budget = 512 * 151936 * 4
     else:
         budget = 256 * 2**20 if fused else 16 * 2**20
-    # a top-k/top-p chunk holds ~3x the float32 logits (the rule's sort and its indices, the kept-set weights)
+    # a top-k/top-p chunk holds ~3x the float32 logits (the rule's sort and its indices, the kept sets' weights)
     return max(1, budget // (4 * vocab * (3 if truncated else 1)))
 
 
@@ -94,75 +94,112 @@ def kept_mask(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
     return keep
 
 
-def _log_weights(scaled: Tensor, kept: Tensor, label: Tensor) -> tuple[Tensor, Tensor]:
-    """The kept set of each row as log-weights (c, V): 0 for a logit above the ``kept``-th largest, -inf below it,
-    and the tokens tied with it share the places left, log(left / tied) each: the normaliser is the engine's whatever
-    tie it broke. ``label`` (c, 1): the sampled token, which the engine kept: a tied one takes a whole place (the
-    others share the rest), one below the set is put inside (then returned True, (c,))."""
-    kept = kept.clamp(1, scaled.shape[-1])
-    low = scaled.topk(int(kept.max()), dim=-1).values.gather(-1, (kept - 1)[:, None].long())
-    above, tied = scaled > low, scaled == low
-    ties = tied.sum(-1, keepdim=True)
-    left = (kept[:, None] - above.sum(-1, keepdim=True)).float()
-    label_tied = tied.gather(-1, label)
-    share = torch.where(label_tied, (left - 1) / (ties - 1).clamp(min=1), left / ties.clamp(min=1))
-    weight = above.float().add_(tied.float().mul_(share))
-    outside = scaled.gather(-1, label) < low
-    weight.scatter_(-1, label, torch.where(outside | label_tied, 1.0, weight.gather(-1, label)))
-    return weight.log_(), outside[:, 0]
-
-
 @dataclass
 class _Kept:
-    """One chunk's kept sets: the log-weights (c, V), the counts used (c,) and where the sampled token fell outside
-    the trainer's set, or its rule count differed from the engine's (c,)."""
-    log_weights: Tensor
+    """One chunk's kept sets, per row (c, 1) each: ``low``, the ``counts``-th largest scaled logit; ``left``, the
+    places it leaves to the tokens tied with it (``ties`` of them: they share them, log-weight log(left / ties)
+    each, so the normaliser is the engine's whatever tie it broke); ``log_z``, the set's log normaliser. The
+    sampled token (the first label), which the engine kept, takes a whole place when tied (the other ties share the
+    rest) and is put inside when below ``low`` (``outside``). ``counts`` (c,) the sizes used, ``disagree`` (c,)
+    where the sampled token fell outside or the rule's count differed from the engine's."""
+    low: Tensor
+    left: Tensor
+    ties: Tensor
+    log_z: Tensor
     counts: Tensor
     disagree: Tensor
 
+    def stats(self) -> Tensor:
+        """(c, 4): what backward needs again (``_saved_kept``)."""
+        return torch.cat([self.low, self.left, self.ties, self.log_z], -1)
 
-def _kept(scaled: Tensor, labels: Tensor, kept: Tensor, rule: Truncation | None) -> _Kept:
-    """``kept`` (c,): the engine's counts, 0 where it gave none (filled with ``rule``'s counts from these logits);
-    with ``rule`` the rule's counts are also compared with the engine's."""
+    def weights(self, scaled: Tensor, label: Tensor) -> Tensor:
+        """(c, V) float32: 1 above ``low``, the tied tokens' shares, 0 below; the sampled token 1."""
+        label_tied = scaled.gather(-1, label) == self.low
+        share = torch.where(label_tied, (self.left - 1) / (self.ties - 1).clamp(min=1),
+                            self.left / self.ties.clamp(min=1))
+        weight = (scaled >= self.low).float()
+        if bool((share != 1).any()):  # ties sharing fewer places than they are (bf16-valued logits, mostly)
+            weight = torch.where(scaled == self.low, share, weight)
+        return weight.scatter_(-1, label, 1.0)
+
+
+def _kept(scaled: Tensor, labels: Tensor, kept: Tensor, rule: Truncation | None
+          ) -> tuple[_Kept, Tensor, Tensor, Tensor]:
+    """The kept sets of a chunk's rows from its scaled logits (c, V). ``kept`` (c,): the engine's counts, 0 where it
+    gave none (filled with ``rule``'s counts from these logits); with ``rule`` the rule's counts are also compared
+    with the engine's. Also returns what the forward makes the entropy from: the rows' scaled - max (c, V), its exp
+    cut to the tokens above ``low`` (c, V), and the max (c, 1)."""
     counts = kept.long()
     differ = torch.zeros_like(counts, dtype=torch.bool)
     if rule is not None:
         own = kept_mask(scaled, rule.top_k, rule.top_p).sum(-1)
         differ = (counts > 0) & (counts != own)
         counts = torch.where(counts > 0, counts, own)
-    log_weights, outside = _log_weights(scaled, counts, labels[:, :1])
-    return _Kept(log_weights, counts, differ | outside)
+    counts = counts.clamp(1, scaled.shape[-1])
+    high = scaled.topk(int(counts.max()), dim=-1).values
+    top, low = high[:, :1], high.gather(-1, (counts - 1)[:, None])
+    above = scaled > low
+    n_above = above.sum(-1, keepdim=True)
+    ties = (scaled >= low).sum(-1, keepdim=True) - n_above
+    left = (counts[:, None] - n_above).float()
+    shifted = scaled - top
+    exp = shifted.exp().masked_fill_(~above, 0.0)
+    label = scaled.gather(-1, labels[:, :1])
+    outside = label < low
+    # the normaliser: the tokens above, the places left at low, and a sampled token below them put inside
+    z = exp.sum(-1, keepdim=True) + left * (low - top).exp() + outside * (label - top).exp()
+    k = _Kept(low, left, ties.float(), top + z.log(), counts, differ | outside[:, 0])
+    return k, shifted, exp, top
+
+
+def _saved_kept(z: Tensor, stats: Tensor, temperature: float) -> tuple[Tensor, _Kept] | None:
+    """Backward's scaled logits and kept sets (forward's ``_Kept.stats``), or None without a truncation."""
+    if stats.numel() == 0:
+        return None
+    low, left, ties, log_z = stats.split(1, -1)
+    empty = torch.zeros(0, device=z.device)
+    return _scaled(z, temperature), _Kept(low, left, ties, log_z, empty, empty)
 
 
 def _chunk_forward(z: Tensor, labels: Tensor, temperature: float, with_entropy: bool,
-                   kept: _Kept | None = None) -> tuple[Tensor, Tensor | None]:
+                   kept: tuple[_Kept, Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """One chunk's log p(labels) (c, m) and entropy (c,) (None unless asked), float32, from its logits z (c, V).
-    ``kept``: the sampled token's (the first label's) log-prob and the entropy are those of the kept set; the other
-    labels' stay the whole vocabulary's."""
+    ``kept`` (``_kept``'s, ``z`` then the scaled logits): the sampled token's (the first label's) log-prob and the
+    entropy are those of the kept set; the other labels' stay the whole vocabulary's."""
     if kept is not None:
-        scaled = _scaled(z, temperature)
-        inside = scaled - torch.logsumexp(scaled + kept.log_weights, -1, keepdim=True)  # log p, were the token kept
-        lp = inside.gather(-1, labels[:, :1])
+        k, shifted, exp, top = kept
+        lp = z.gather(-1, labels[:, :1]) - k.log_z
         if labels.shape[1] > 1:
-            lp = torch.cat([lp, torch.log_softmax(scaled, -1).gather(-1, labels[:, 1:])], -1)
-        return lp, (-torch.linalg.vecdot((inside + kept.log_weights).exp(), inside) if with_entropy else None)
+            lp = torch.cat([lp, torch.log_softmax(z, -1).gather(-1, labels[:, 1:])], -1)
+        if not with_entropy:
+            return lp, None
+        # H = -sum_j w_j p_j log p_j, p_j = exp(z_j - log_z): the tokens above low, the places at low, an outside
+        # label; every term taken relative to the row's max (no large values that cancel)
+        label = z.gather(-1, labels[:, :1])
+        outside = label < k.low
+        norm = (k.log_z - top).exp()  # sum of w * exp(z - top)
+        total = torch.linalg.vecdot(exp, shifted)[:, None] - (k.log_z - top) * exp.sum(-1, keepdim=True)
+        total = total + k.left * (k.low - top).exp() * (k.low - k.log_z)
+        total = total + outside * (label - top).exp() * (label - k.log_z)
+        return lp, -(total / norm)[:, 0]
     lsm = _log_softmax(z, temperature)  # one fused pass
     # H = -sum(p * log p), from log p directly (lse - E_p[z] cancels badly when both are large)
     return lsm.gather(-1, labels), (-torch.linalg.vecdot(lsm.exp(), lsm) if with_entropy else None)
 
 
 def _chunk_grad(z: Tensor, labels: Tensor, grad_logp: Tensor, grad_entropy: Tensor | None, entropy: Tensor,
-                temperature: float, kept: _Kept | None = None) -> Tensor:
+                temperature: float, kept: tuple[Tensor, _Kept] | None = None) -> Tensor:
     """d loss / d z (c, V) float32 of one chunk, from the gradients of its log-probs (c, m) and, where the loss uses
-    it, of its entropy (c,)."""
+    it, of its entropy (c,). ``kept``: (the scaled logits, the kept sets) of a truncation (``_saved_kept``)."""
     # d/dlogits = d/dz / t: fold 1/t into the incoming gradients instead of a pass over the chunk
     gl = grad_logp.float() / temperature  # (c, m)
     if kept is not None:
-        # the kept set's q = w * p_kept: d logp_label/dz = onehot - q; dH/dz = -q * (log p_kept + H); the other
-        # labels' (whole vocabulary): onehot - p
-        scaled = _scaled(z, temperature)
-        inside = scaled - torch.logsumexp(scaled + kept.log_weights, -1, keepdim=True)
-        q = (inside + kept.log_weights).exp_()
+        # the kept set's q = w * p: d logp_label/dz = onehot - q; dH/dz = -q * (log p + H); the other labels'
+        # (whole vocabulary): onehot - softmax
+        scaled, k = kept
+        inside = scaled - k.log_z  # log p, were the token kept
+        q = inside.exp().mul_(k.weights(scaled, labels[:, :1]))
         g = q.mul(-gl[:, :1])
         if grad_entropy is not None:
             ge = grad_entropy[:, None].float() / temperature
@@ -186,12 +223,14 @@ def _chunk_grad(z: Tensor, labels: Tensor, grad_logp: Tensor, grad_entropy: Tens
 
 
 def _outputs(n: int, labels: Tensor, with_entropy: bool, device: torch.device, truncated: bool = False
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Empty outputs: log-probs, entropy, and with a truncation the counts used and the disagreements."""
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Empty outputs: log-probs, entropy, and with a truncation the counts used, the disagreements and the kept
+    sets' statistics for backward (``_Kept.stats``)."""
     entropy = torch.empty(n, dtype=torch.float32, device=device) if with_entropy else torch.zeros(0, device=device)
-    counts = torch.empty(n if truncated else 0, dtype=torch.long, device=device)
-    return (torch.empty(labels.shape, dtype=torch.float32, device=device), entropy, counts,
-            torch.empty(n if truncated else 0, dtype=torch.bool, device=device))
+    rows = n if truncated else 0
+    return (torch.empty(labels.shape, dtype=torch.float32, device=device), entropy,
+            torch.empty(rows, dtype=torch.long, device=device), torch.empty(rows, dtype=torch.bool, device=device),
+            torch.empty((rows, 4), dtype=torch.float32, device=device))
 
 
 def _chunks(n: int, chunk: int, kept: Tensor | None) -> Iterator[tuple[int, int, Tensor | None]]:
@@ -200,23 +239,19 @@ def _chunks(n: int, chunk: int, kept: Tensor | None) -> Iterator[tuple[int, int,
 
 
 def _forward_chunk(z: Tensor, s: int, e: int, labels: Tensor, temperature: float, with_entropy: bool,
-                   kept: Tensor | None, rule: Truncation | None, out: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
+                   kept: Tensor | None, rule: Truncation | None, out: tuple[Tensor, ...]) -> None:
     """One chunk's outputs written into ``out`` (_outputs)."""
-    logp, entropy, counts, disagree = out
-    scaled = None if kept is None else _scaled(z, temperature)
-    k = None if kept is None else _kept(scaled, labels[s:e], kept, rule)
-    lp, ent = _chunk_forward(z if scaled is None else scaled, labels[s:e], temperature if k is None else 1.0,
-                             with_entropy, k)
+    logp, entropy, counts, disagree, stats = out
+    k = None
+    if kept is not None:
+        z = _scaled(z, temperature)
+        k, temperature = _kept(z, labels[s:e], kept, rule), 1.0
+    lp, ent = _chunk_forward(z, labels[s:e], temperature, with_entropy, k)
     logp[s:e] = lp
     if with_entropy:
         entropy[s:e] = ent
     if k is not None:
-        counts[s:e], disagree[s:e] = k.counts, k.disagree
-
-
-def _saved_kept(z: Tensor, labels: Tensor, counts: Tensor, temperature: float) -> _Kept | None:
-    """Backward's kept sets: forward's counts again (the rule's, where the engine gave none)."""
-    return None if counts.numel() == 0 else _kept(_scaled(z, temperature), labels, counts, None)
+        counts[s:e], disagree[s:e], stats[s:e] = k[0].counts, k[0].disagree, k[0].stats()
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -227,25 +262,24 @@ class _ChunkedLogProbs(torch.autograd.Function):
         out = _outputs(logits.shape[0], labels, with_entropy, logits.device, kept is not None)
         for s, e, k in _chunks(logits.shape[0], chunk, kept):
             _forward_chunk(logits[s:e], s, e, labels, temperature, with_entropy, k, rule, out)
-        ctx.save_for_backward(logits, labels, out[1], out[2])
+        ctx.save_for_backward(logits, labels, out[1], out[4])
         ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
         ctx.mark_non_differentiable(out[2], out[3])
         # an output the loss does not use (the entropy at entropy_coef 0, logged only) comes to backward as None,
         # not as zeros that would cost the entropy's gradient pass over every chunk
         ctx.set_materialize_grads(False)
-        return out
+        return out[:4]
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor, _counts: Any, _disagree: Any):
-        logits, labels, entropy, counts = ctx.saved_tensors
+        logits, labels, entropy, stats = ctx.saved_tensors
         grad = torch.empty_like(logits)
         grad_logp, grad_entropy = _incoming(grad_logp, grad_entropy, labels, ctx.with_entropy)
         for s in range(0, logits.shape[0], ctx.chunk):
             e = s + ctx.chunk
             grad[s:e] = _chunk_grad(logits[s:e], labels[s:e], grad_logp[s:e],
                                     None if grad_entropy is None else grad_entropy[s:e], entropy[s:e],
-                                    ctx.temperature, _saved_kept(logits[s:e], labels[s:e], counts[s:e],
-                                                                 ctx.temperature))
+                                    ctx.temperature, _saved_kept(logits[s:e], stats[s:e], ctx.temperature))
         return grad, None, None, None, None, None, None
 
 
@@ -277,15 +311,15 @@ class _FusedHeadLogProbs(torch.autograd.Function):
             z = _head_chunk(hidden[s:e], weight, banned, ban_value)
             _forward_chunk(z, s, e, labels, temperature, with_entropy, k, rule, out)
             del z
-        ctx.save_for_backward(hidden, weight, labels, out[1], banned, out[2])
+        ctx.save_for_backward(hidden, weight, labels, out[1], banned, out[4])
         ctx.temperature, ctx.with_entropy, ctx.chunk, ctx.ban_value = temperature, with_entropy, chunk, ban_value
         ctx.mark_non_differentiable(out[2], out[3])
         ctx.set_materialize_grads(False)
-        return out
+        return out[:4]
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor, _counts: Any, _disagree: Any):
-        hidden, weight, labels, entropy, banned, counts = ctx.saved_tensors
+        hidden, weight, labels, entropy, banned, stats = ctx.saved_tensors
         grad_logp, grad_entropy = _incoming(grad_logp, grad_entropy, labels, ctx.with_entropy)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # the weight's gradient sums over every chunk: in float32 at least, cast once at the end
@@ -296,7 +330,7 @@ class _FusedHeadLogProbs(torch.autograd.Function):
             e = s + ctx.chunk
             z = _head_chunk(hidden[s:e], weight, banned, ctx.ban_value)
             g = _chunk_grad(z, labels[s:e], grad_logp[s:e], None if grad_entropy is None else grad_entropy[s:e],
-                            entropy[s:e], ctx.temperature, _saved_kept(z, labels[s:e], counts[s:e], ctx.temperature))
+                            entropy[s:e], ctx.temperature, _saved_kept(z, stats[s:e], ctx.temperature))
             del z
             if banned is not None:  # the filled columns take no gradient (as index_fill's backward gives them)
                 g.index_fill_(-1, banned, 0.0)
