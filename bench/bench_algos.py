@@ -1,7 +1,7 @@
 """Vectorized RL math vs the plain references, printed as ratios measured in the same run.
 
     python bench/bench_algos.py [--batch 16384] [--n 16] [--vocab 151936] [--tokens 4096] [--device auto]
-                                [--head-tokens 4096] [--hidden 1536]
+                                [--head-tokens 4096] [--hidden 1536] [--only advantages|logprobs|head|filters]
 
 1. GRPO and RLOO advantages at B sequences in groups of n: ms for lib/algos.py vs lib/algos_ref.py.
 2. Token log-probs (+ entropy) from logits (tokens x vocab): peak extra memory and time of the chunked
@@ -10,6 +10,8 @@
 3. The LM head and the log-probs from hidden states (head tokens x hidden, a vocab x hidden head), forward and
    backward into both: the head's logits then the chunked log-probs (lib.logprobs.log_probs_from_logits, what a
    forward with fused_head off does) vs the fused head (lib.logprobs.head_log_probs); memory and time as in 2.
+4. The fused head with the entropy over top-k/top-p kept sets (the counts given, as the update takes them) vs the
+   same over the whole vocabulary, per filter (``--only filters``); time and memory as in 2.
 """
 
 from __future__ import annotations
