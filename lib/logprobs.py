@@ -125,11 +125,12 @@ class _Kept:
 
 
 def _kept(scaled: Tensor, labels: Tensor, kept: Tensor, rule: Truncation | None
-          ) -> tuple[_Kept, Tensor, Tensor, Tensor]:
+          ) -> tuple[_Kept, Tensor, Tensor, Tensor, Tensor]:
     """The kept sets of a chunk's rows from its scaled logits (c, V). ``kept`` (c,): the engine's counts, 0 where it
     gave none (filled with ``rule``'s counts from these logits); with ``rule`` the rule's counts are also compared
-    with the engine's. Also returns what the forward makes the entropy from: the rows' scaled - max (c, V), its exp
-    cut to the tokens above ``low`` (c, V), and the max (c, 1)."""
+    with the engine's. Also returns what the forward makes the log-prob and the entropy from: the rows' scaled - max
+    (c, V), its exp cut to the tokens above ``low`` (c, V), the max (c, 1) and the sampled token's scaled logit
+    (c, 1)."""
     counts = kept.long()
     differ = torch.zeros_like(counts, dtype=torch.bool)
     if rule is not None:
@@ -150,7 +151,7 @@ def _kept(scaled: Tensor, labels: Tensor, kept: Tensor, rule: Truncation | None
     # the normaliser: the tokens above, the places left at low, and a sampled token below them put inside
     z = exp.sum(-1, keepdim=True) + left * (low - top).exp() + outside * (label - top).exp()
     k = _Kept(low, left, ties.float(), top + z.log(), counts, differ | outside[:, 0])
-    return k, shifted, exp, top
+    return k, shifted, exp, top, label
 
 
 def _saved_kept(z: Tensor, stats: Tensor, temperature: float) -> tuple[Tensor, _Kept] | None:
@@ -163,20 +164,19 @@ def _saved_kept(z: Tensor, stats: Tensor, temperature: float) -> tuple[Tensor, _
 
 
 def _chunk_forward(z: Tensor, labels: Tensor, temperature: float, with_entropy: bool,
-                   kept: tuple[_Kept, Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+                   kept: tuple[_Kept, Tensor, Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """One chunk's log p(labels) (c, m) and entropy (c,) (None unless asked), float32, from its logits z (c, V).
     ``kept`` (``_kept``'s, ``z`` then the scaled logits): the sampled token's (the first label's) log-prob and the
     entropy are those of the kept set; the other labels' stay the whole vocabulary's."""
     if kept is not None:
-        k, shifted, exp, top = kept
-        lp = z.gather(-1, labels[:, :1]) - k.log_z
+        k, shifted, exp, top, label = kept
+        lp = label - k.log_z
         if labels.shape[1] > 1:
             lp = torch.cat([lp, torch.log_softmax(z, -1).gather(-1, labels[:, 1:])], -1)
         if not with_entropy:
             return lp, None
         # H = -sum_j w_j p_j log p_j, p_j = exp(z_j - log_z): the tokens above low, the places at low, an outside
         # label; every term taken relative to the row's max (no large values that cancel)
-        label = z.gather(-1, labels[:, :1])
         outside = label < k.low
         norm = (k.log_z - top).exp()  # sum of w * exp(z - top)
         total = torch.linalg.vecdot(exp, shifted)[:, None] - (k.log_z - top) * exp.sum(-1, keepdim=True)

@@ -352,6 +352,7 @@ class HFEngine:
             rope = None if rope is None else rope.repeat_interleave(sp.n, 0)
         batch = logits.shape[0]
         out_tokens, out_logp, out_kept = [], [], []
+        cut = filtering(sp)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         step_pos, full_mask = pos[:, -1:], mask
         for step in range(sp.max_new_tokens):
@@ -364,8 +365,10 @@ class HFEngine:
                                     logits_to_keep=1, **{self.cache_arg: cache}).logits[:, -1]
                 logits = ban(logits, self.banned).float()
             if sp.temperature > 0:
-                scaled = filter_logits(logits / sp.temperature, sp.top_k, sp.top_p)
-                out_kept.append(torch.isfinite(scaled).sum(-1))
+                scaled = logits / sp.temperature
+                if cut:  # the filter and its kept sets' sizes only where it keeps less than everything
+                    scaled = filter_logits(scaled, sp.top_k, sp.top_p)
+                    out_kept.append(torch.isfinite(scaled).sum(-1))
                 token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen).squeeze(-1)
             else:
                 scaled = logits
