@@ -14,7 +14,7 @@ import sys
 
 from lib import config, preflight
 from lib.runfolder import run_dir
-from lib.startup import check_inputs, resolve_toy
+from lib.startup import check_inputs, resolve_generated, resolve_toy
 
 SCRIPTS = {"train_grpo.py": ("tiny_cpu_grpo", False), "train_ppo.py": ("tiny_cpu_ppo", True)}
 """Script -> (its default preset, whether it trains a critic)."""
@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
     cfg = config.parse(args, default_preset=preset, prog=os.path.basename(script))  # a command-line error: tyro's message, exit 2
     try:
         resolve_toy(cfg)
+        resolve_generated(cfg)
         preflight.resolve(cfg, need_critic)
         path = run_dir(cfg.trainer.output_root, cfg.trainer.run_name, config.to_dict(cfg), script)
         check_inputs(cfg, world_size, need_critic, path)

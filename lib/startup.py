@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lib import budget, distill, exits, export, judges, lora, multi_turn, routing, selfcheck, toy
+from lib.envs import reasoning_gym as rg_data
 from lib.judges import toy as judge_toy
 from lib.config import Config, to_dict
 from lib.data import PromptSet, Sampler, expand_files, load_prompts
@@ -43,7 +44,7 @@ from lib.multi_turn.render import ObservationRenderer
 from lib.multi_turn.tools import is_environment, load_tools, schemas
 from lib.optim import build_optimizer
 from lib.preflight import Sizes, picks_vllm, resolve, validate
-from lib.rewards import RULES, check_truth_source, load_custom
+from lib.rewards import RULE_SOURCES, check_truth_source, load_custom
 from lib.rewards.scorer import RewardModel, Scorer
 from lib.vision import FAMILIES, family, has_vision, placeholder_ids
 from lib.vision import problem as vision_problem
@@ -122,6 +123,13 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     excepthook_rank(topo.rank)
     torch.manual_seed(cfg.trainer.seed)
     resolve_toy(cfg, topo)
+    try:
+        resolve_generated(cfg, topo)
+    except ValueError as e:  # a task library's name or settings: one message, before anything loads
+        if topo.is_main:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        exits.leave(exits.REFUSED)
     resolved = resolve(cfg, need_critic)
     obj = [run_dir(cfg.trainer.output_root, cfg.trainer.run_name, to_dict(cfg), sys.argv[0])]
     dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
@@ -227,7 +235,7 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, pro
         judge.check_context(d.max_prompt_length, cfg.rollout.max_response_length)
     # an RM or a judge alone scores any row; pure distillation's rows need no reward function
     any_row = cfg.reward.custom_fn or cfg.reward.reward_model or (judge is not None and not cfg.judge.rule_weight)
-    known = None if any_row or (distill.enabled(cfg) and not cfg.distill.task_reward) else set(RULES)
+    known = None if any_row or (distill.enabled(cfg) and not cfg.distill.task_reward) else RULE_SOURCES
     tool_schemas = None
     if multi_turn.enabled(cfg):
         tool_schemas = schemas(load_tools(cfg.multi_turn.tools), cfg.multi_turn.tools)
@@ -256,11 +264,11 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, pro
                          f"and the data has no images: its language model trains text-only, which the vLLM engine "
                          f"does not take; use --rollout.engine hf")
     def scorable(prompts: PromptSet) -> bool:
-        return bool(any_row) or all(source in RULES for source in prompts.data_source)
+        return bool(any_row) or all(source in RULE_SOURCES for source in prompts.data_source)
 
     if val is not None and not scorable(val):
         raise ValueError(f"data.val_files: validation scores its rows, and some have no rule scorer (known: "
-                         f"{sorted(RULES)}); set --reward.custom_fn, give them a data_source, or set "
+                         f"{sorted(RULE_SOURCES)}); set --reward.custom_fn, give them a data_source, or set "
                          f"--trainer.val_every 0")
     return Inputs(sizes, start_step, tokenizer, train, val, sampler, images, scorable(train), judge)
 
@@ -339,6 +347,30 @@ def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:
             cfg.judge.template = cfg.judge.template or paths["template"]
         cfg.data.train_files = [paths["train"] if f == name else f for f in cfg.data.train_files]
         cfg.data.val_files = [paths["val"] if f == name else f for f in cfg.data.val_files]
+
+
+def resolve_generated(cfg: Config, topo: Topology | None = None) -> None:
+    """Data files made from a task library's name (``reasoning_gym:...``, lib/envs/reasoning_gym.py): rank 0 writes
+    them once under the output root and every rank reads the paths (``topo`` None: a single process, lib/check.py).
+    A bad name or setting raises ValueError on every rank."""
+    d = cfg.data
+    names = [f for f in d.train_files + d.val_files if rg_data.is_spec(f)]
+    if not names:
+        return
+    problem = [""]
+    if topo is None or topo.is_main:
+        try:
+            for name in names:
+                rg_data.build(name, cfg.trainer.output_root)
+        except ValueError as e:
+            problem = [str(e)]
+    if topo is not None:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ValueError(problem[0])
+    paths = {name: rg_data.build(name, cfg.trainer.output_root) for name in names}  # written: just the paths
+    d.train_files = [paths.get(f, f) for f in d.train_files]
+    d.val_files = [paths.get(f, f) for f in d.val_files]
 
 
 def build_models(run: Run, with_ref: bool) -> None:

@@ -216,6 +216,10 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      "multi_turn.format='xml'; use one of"),
     ("tools-schema", "train_grpo.py", "--multi_turn.tools {reward}:score", "cannot be read from its signature and "
      "docstring"),
+    ("rg-task", "train_grpo.py", "--data.train_files reasoning_gym:no_such_task",
+     "reasoning_gym has no task ['no_such_task']"),
+    ("rg-setting", "train_grpo.py", "--data.val_files reasoning_gym:leg_counting:leg_counting.bogus=1",
+     "reasoning_gym task leg_counting refuses the settings"),
     ("resume-off", "train_grpo.py", "--trainer.run_name existing --trainer.no-resume", "trainer.resume is off"),
     ("changed-config", "train_grpo.py", "--trainer.run_name other", "actor.optim.lr: 0.5 -> 0.001"),
 ]

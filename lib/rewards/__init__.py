@@ -20,7 +20,7 @@ import numbers
 import os
 from typing import Any, Callable
 
-from lib.rewards import builtin
+from lib.rewards import builtin, reasoning_gym
 
 ScoreFn = Callable[..., Any]
 
@@ -31,6 +31,18 @@ RULES: dict[str, ScoreFn] = {
     "hiyouga/geometry3k": builtin.math_answer,
     "toy": builtin.toy,
 }
+
+
+
+class Sources(frozenset):
+    """The data sources a rule scores: RULES' names, and ``reasoning_gym/<task>`` for every task of reasoning-gym
+    (lib/rewards/reasoning_gym.py)."""
+
+    def __contains__(self, source: object) -> bool:
+        return frozenset.__contains__(self, source) or reasoning_gym.is_source(source)
+
+
+RULE_SOURCES = Sources([*RULES, f"{reasoning_gym.SOURCE_PREFIX}<task>"])
 
 FAILURE_KINDS = ("errors", "invalid", "exits", "crashes", "timeouts")
 """How a sample's scoring can fail: the scorer raised; returned no usable score; called sys.exit; killed its
@@ -104,7 +116,9 @@ def check_truth_source(fn: ScoreFn, spec: str, truths: Any, columns: Any) -> Non
 def rule_for(data_source: Any) -> ScoreFn:
     if data_source in RULES:
         return RULES[data_source]
-    raise ValueError(f"no scorer for data_source {data_source!r}; known: {sorted(RULES)}, or set "
+    if reasoning_gym.is_source(data_source):
+        return reasoning_gym.score
+    raise ValueError(f"no scorer for data_source {data_source!r}; known: {sorted(RULE_SOURCES)}, or set "
                      f"--reward.custom_fn path/to/file.py:function")
 
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification
 
 from lib.models import load_tokenizer
 from lib.protocol import DataProto
-from lib.rewards import FAILURE_KINDS, RULES, load_custom, result_of
+from lib.rewards import FAILURE_KINDS, RULE_SOURCES, load_custom, result_of
 from lib.rewards.pool import RewardPool
 
 
@@ -67,7 +67,7 @@ class Scorer:
         # with a reward model and no custom function, a row without a rule scorer or a ground truth gets the RM's
         # score alone
         ruled = [i for i, (src, _, truth, _, _) in enumerate(samples) if self.reward_model is None or self.custom
-                 or (src in RULES and truth is not None)]
+                 or (src in RULE_SOURCES and truth is not None)]
         results = [(0.0, {}, None, "", "")] * n
         if "env_reward" in data.non_tensor_batch:  # multi-turn environments score their own episodes
             results = [result_of(value) if not kind else (0.0, {}, None, kind, f"the environment's {message}")
