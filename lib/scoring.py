@@ -34,10 +34,36 @@ def score(run: Run, batch: DataProto) -> dict[str, float]:
         metrics["reward/overlong_penalty"] = float(penalty.mean())
     batch.batch["token_level_scores"] = scores
     batch.non_tensor_batch["scores"] = np.array(per_row + [None], dtype=object)[:-1]
+    if "env_score" in batch.non_tensor_batch:
+        env_failures(run, batch)
     if scored.unscored is not None:
         estimator = run.cfg.algorithm.adv_estimator
-        metrics.update(mask_unscored(batch, scored.unscored, 2 if estimator in GROUP_ESTIMATORS else 1))
+        masked = mask_unscored(batch, scored.unscored, 2 if estimator in GROUP_ESTIMATORS else 1)
+        if run.scorer.judge is None:  # an environment's failed episodes alone
+            masked = {k.replace("judge/", "env/", 1): v for k, v in masked.items()}
+        metrics.update(masked)
     return metrics
+
+
+def env_failures(run: Run, batch: DataProto) -> None:
+    """An environment's failed episodes over all ranks: the first message of each kind printed once a run (rank 0);
+    a rollout where more than env.max_failed_share of them failed stops the run with the last error."""
+    mine = [(kind, message) for _, kind, message in batch.non_tensor_batch["env_score"] if kind]
+    parts: list = [None] * run.topo.world_size
+    # world: a few counts and strings a rank, so that every rank stops together
+    dist.all_gather_object(parts, (len(mine), len(batch), dict(mine[::-1]), mine[-1] if mine else None))
+    failed, total = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    for part in parts:
+        for kind, message in part[2].items():
+            if f"env/{kind}" not in run.reported_failures:
+                run.reported_failures.add(f"env/{kind}")
+                run.logger.print(f"warning: env/failed_{kind}: {message} (the episode is masked from the update; "
+                                 f"later ones are only counted)")
+    share = failed / max(total, 1)
+    if share > run.cfg.env.max_failed_share:
+        last = next(p[3] for p in reversed(parts) if p[3] is not None)
+        raise RuntimeError(f"{failed} of {total} environment episodes failed this rollout (over "
+                           f"env.max_failed_share={run.cfg.env.max_failed_share:g}); the last: {last[0]}: {last[1]}")
 
 
 MASKED = "score_masked"

@@ -16,6 +16,7 @@ Batch keys, by the stage that writes them:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import sys
@@ -25,8 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import budget, distill, exits, export, judges, lora, multi_turn, routing, selfcheck, toy
+from lib import budget, distill, envs, exits, export, judges, lora, multi_turn, routing, selfcheck, toy
+from lib.envs import openenv
 from lib.envs import reasoning_gym as rg_data
+from lib.envs.loop import EnvRollout
 from lib.judges import toy as judge_toy
 from lib.config import Config, to_dict
 from lib.data import PromptSet, Sampler, expand_files, load_prompts
@@ -73,8 +76,10 @@ class Run:
     """The KL reference; the actor's own model (its LoRA adapter switched off) with actor.lora.reference base."""
     lora: Any = None
     """lib.lora.Sync of a LoRA policy (None: full fine-tuning)."""
-    multi_turn: MultiTurn | None = None
-    """Multi-turn rollouts with tools (None: one turn)."""
+    multi_turn: MultiTurn | EnvRollout | None = None
+    """Multi-turn rollouts: with tools (lib/multi_turn), or an environment's episodes (lib/envs). None: one turn."""
+    env_server: openenv.LocalServer | None = None
+    """The OpenEnv server this rank started (env.app)."""
     data_position: int = 0
     """Prompt batches drawn from the data stream so far (one per step; more with dynamic sampling). Checkpointed."""
     bad_steps: int = 0
@@ -177,16 +182,49 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         rm = RewardModel(cfg.reward.reward_model, topo.device, tokenizer, cfg.reward.rm_micro_batch_size,
                          cfg.reward.rm_offload)
         logger.print(rm.describe())
+    env_server, env_url = start_env(cfg, topo, path)
     scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers, inputs.judge,
-                    (cfg.judge.rule_weight, cfg.judge.weight))
+                    (cfg.judge.rule_weight, cfg.judge.weight),
+                    (cfg.env.rule_weight, cfg.env.weight) if envs.enabled(cfg) else None)
     if inputs.judge is not None:
         if isinstance(inputs.judge, judges.LocalJudge):
             inputs.judge.start(topo.device, cfg.rollout.hf_batch_tokens, cfg.trainer.seed)
         logger.print(f"{inputs.judge.describe()}; reward = {cfg.judge.weight:g} x judge + {cfg.judge.rule_weight:g} x "
                      f"rule; unscored samples masked")
     tools = MultiTurn(cfg.multi_turn, tokenizer, cfg.rollout.max_response_length) if multi_turn.enabled(cfg) else None
+    if env_url:
+        tools = EnvRollout(cfg.env, env_url, tokenizer, cfg.rollout.max_response_length, cfg.data.max_prompt_length)
+        logger.print(f"environment: OpenEnv at {env_url}{' (started by each rank: ' + cfg.env.app + ')' if env_server else ''}; "
+                     f"{cfg.env.max_in_flight} requests in flight a rank; reward = {cfg.env.weight:g} x return + "
+                     f"{cfg.env.rule_weight:g} x rule; failed episodes masked")
     return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer, multi_turn=tools,
+               env_server=env_server,
                vision=vision, scored=inputs.scored)
+
+
+def start_env(cfg: Config, topo: Topology, path: str) -> tuple[openenv.LocalServer | None, str]:
+    """The environment server's URL: env.url, or the server each rank starts for env.app (its output in the run
+    folder's env_server/). A server that does not start stops every rank with its message, once."""
+    if not cfg.env.app:
+        return None, cfg.env.url
+    server, problem = None, ""
+    try:
+        server = openenv.LocalServer(cfg.env.app, os.path.join(path, "env_server", f"rank{topo.rank}.log"),
+                                     max(60.0, cfg.env.timeout_s))
+        atexit.register(server.close)
+    except ValueError as e:
+        problem = str(e)
+    problems: list = [None] * topo.world_size
+    dist.all_gather_object(problems, problem)  # world: every rank's server is up, or all stop together
+    problem = next((p for p in problems if p), "")
+    if problem:
+        if server is not None:
+            server.close()
+        if topo.is_main:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        exits.leave(exits.REFUSED)
+    return server, server.url
 
 
 @dataclass
@@ -233,8 +271,16 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, pro
     if judge is not None and (probe or not judge.remote):
         judge.probe()  # a refused key or an endpoint that cannot be reached: one error, before any model loads
         judge.check_context(d.max_prompt_length, cfg.rollout.max_response_length)
-    # an RM or a judge alone scores any row; pure distillation's rows need no reward function
-    any_row = cfg.reward.custom_fn or cfg.reward.reward_model or (judge is not None and not cfg.judge.rule_weight)
+    if envs.enabled(cfg):
+        if cfg.env.url and probe:  # a server that cannot be reached: one error, before any model loads
+            openenv.probe(cfg.env.url, cfg.env.timeout_s, cfg.env.max_retries + 1, cfg.env.backoff_s)
+        ObservationRenderer(tokenizer, role=cfg.env.observation_role)  # a template that cannot render them
+        if cfg.reward.custom_fn and not cfg.env.rule_weight:
+            raise ValueError(f"--reward.custom_fn {cfg.reward.custom_fn} with an environment whose return is the "
+                             f"whole reward (env.rule_weight 0): set env.rule_weight to weigh it in, or drop it")
+    # an RM, a judge or an environment alone scores any row; pure distillation's rows need no reward function
+    any_row = cfg.reward.custom_fn or cfg.reward.reward_model or (judge is not None and not cfg.judge.rule_weight) \
+        or (envs.enabled(cfg) and not cfg.env.rule_weight)
     known = None if any_row or (distill.enabled(cfg) and not cfg.distill.task_reward) else RULE_SOURCES
     tool_schemas = None
     if multi_turn.enabled(cfg):
@@ -256,6 +302,9 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, pro
     sampler = Sampler(len(train), cfg.trainer.train_batch_size, cfg.trainer.seed, d.shuffle)
     images = train.images is not None or (val is not None and val.images is not None)
     if images:
+        if envs.enabled(cfg):
+            raise ValueError("an environment's episodes with image prompts are not built yet: train on text rows, or "
+                             "without env")
         check_vision_modes(cfg, train, val, need_critic)
     elif has_vision(model_config) and uses_vllm(cfg):
         # vLLM builds the whole class, vision tower included, and text rows train the language model alone: the
@@ -616,6 +665,8 @@ def finish(run: Run) -> None:
     run.scorer.close()
     if run.multi_turn is not None:
         run.multi_turn.close()
+    if run.env_server is not None:
+        run.env_server.close()
     run.engine.close()  # vLLM tears its groups down (and the default one) now, not in an atexit hook
     if dist.is_initialized():
         dist.destroy_process_group()

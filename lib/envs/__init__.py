@@ -1,6 +1,69 @@
 """Environments and task libraries from the ecosystem, trained in the same SPMD loop (no controller: each rank runs
-its own samples' episodes).
+its own samples' episodes, as it runs their tool calls).
 
+- ``openenv.py``: an OpenEnv server's sessions (``--env.url``), or a server the run starts on each rank
+  (``--env.app``);
+- ``loop.py``: the rollout against it, one episode per sample, token in, token out; failures masked, never scored 0;
 - ``reasoning_gym.py``: reasoning-gym's procedural tasks as prompt data (``--data.train_files reasoning_gym:TASK``),
   scored by the library's own answer check (lib/rewards/reasoning_gym.py).
 """
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from lib.envs.openenv import INSTALL, websockets_client, ws_url
+
+
+def enabled(cfg: Any) -> bool:
+    """``cfg``: the whole Config."""
+    return bool(cfg.env.url or cfg.env.app)
+
+
+def config_problems(cfg: Any) -> list[str]:
+    """What keeps the env section's values from running (each naming the fix); nothing when it is off."""
+    e = cfg.env
+    if not enabled(cfg):
+        return []
+    problems = []
+    if e.url and e.app:
+        problems.append(f"env.url={e.url!r} and env.app={e.app!r} both name an environment server; keep one (url: a "
+                        f"server that runs, app: one the run starts on each rank)")
+    if e.url:
+        try:
+            ws_url(e.url)
+        except ValueError as err:
+            problems.append(str(err))
+    if cfg.multi_turn.tools:
+        problems.append("env and multi_turn.tools both drive the turns of an episode; keep one (an environment with "
+                        "tools serves them itself)")
+    for name, low in (("max_turns", 1), ("max_in_flight", 1), ("max_retries", 0), ("max_tokens_per_turn", 0)):
+        if getattr(e, name) < low:
+            problems.append(f"env.{name}={getattr(e, name)} must be >= {low}")
+    for name in ("timeout_s", "deadline_s"):
+        if getattr(e, name) <= 0:
+            problems.append(f"env.{name}={getattr(e, name)} must be > 0")
+    if e.backoff_s < 0:
+        problems.append(f"env.backoff_s={e.backoff_s} must be >= 0")
+    if not 0 <= e.max_failed_share <= 1:
+        problems.append(f"env.max_failed_share={e.max_failed_share} must be between 0 and 1")
+    for name in ("weight", "rule_weight"):
+        if getattr(e, name) < 0:
+            problems.append(f"env.{name}={getattr(e, name)} is negative: that trains the policy against that score")
+    if e.action_fields:
+        try:
+            fixed = json.loads(e.action_fields)
+        except ValueError:
+            fixed = None
+        if not isinstance(fixed, dict):
+            problems.append(f"env.action_fields={e.action_fields!r} must be a JSON object, e.g. "
+                            f"'{{\"tool_name\": \"answer\"}}'")
+    if not cfg.data.apply_chat_template:
+        problems.append("an environment's observations are rendered with the chat template: turn "
+                        "data.apply_chat_template on")
+    try:
+        websockets_client()
+    except ValueError:
+        problems.append(f"env.url / env.app need the websockets package, which is not installed: {INSTALL}")
+    return problems

@@ -26,18 +26,23 @@ PROBE = "SPMDRL-TOOL-OUTPUT"
 
 
 class ObservationRenderer:
-    def __init__(self, tokenizer: Any, chat_template: str | None = None):
+    def __init__(self, tokenizer: Any, chat_template: str | None = None, role: str = "tool"):
+        """``role``: the observations' (tool: tool answers; user: an environment's next message, lib/envs)."""
         self.tokenizer = tokenizer
         self.template = chat_template  # None: the tokenizer's own
         self._base = [{"role": "user", "content": "SPMDRL-USER"}, {"role": "assistant", "content": SENTINEL}]
         self.with_calls = False
-        probe = [tool_message("f", PROBE)]
+        probe = [tool_message("f", PROBE) if role == "tool" else {"role": role, "content": PROBE}]
         try:  # tool messages after the assistant's content, where they show (Gemma-4's show only after a call)
             self.tail = self._after_sentinel(self._apply(self._base, False))
             if PROBE in self.observation_text(probe, ""):
                 return
         except Exception:  # noqa: BLE001 - jinja's TemplateError, raise_exception in the template, or no sentinel
             pass
+        if role != "tool":
+            raise ValueError(f"the chat template does not render a {role} message after an assistant turn as given: "
+                             f"an environment's observations cannot be rendered with it; give the model folder a "
+                             f"template that does, or set env.observation_role tool")
         self.with_calls, self.tail = True, ""  # else after an assistant tool call
         try:
             shown = PROBE in self.observation_text(probe, "")  # its ValueErrors name what this way lacks

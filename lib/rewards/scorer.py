@@ -27,7 +27,7 @@ class Scored:
     answers: list[Any]  # the extracted answer per row, None where the scorer gave none
     texts: list[str]  # the decoded responses that were scored
     messages: dict[str, str]
-    unscored: list[bool] | None = None  # with a judge: the rows it could not score (masked from the update)
+    unscored: list[bool] | None = None  # with a judge or an environment: the rows left unscored (masked)
     rule_scores: list[float] | None = None  # with a judge: the rule / custom / RM scores alone, before it
 
 
@@ -41,11 +41,14 @@ def last_sampled(mask: torch.Tensor) -> torch.Tensor:
 
 class Scorer:
     def __init__(self, tokenizer: Any, custom: str = "", timeout_s: float = 10.0, reward_model: Any = None,
-                 num_workers: int = 2, judge: Any = None, judge_weights: tuple[float, float] = (0.0, 1.0)):
+                 num_workers: int = 2, judge: Any = None, judge_weights: tuple[float, float] = (0.0, 1.0),
+                 env_weights: tuple[float, float] | None = None):
         """``judge`` (lib/judges): an LLM judge scores every row too; the score is rule x ``judge_weights[0]`` +
-        judge x ``judge_weights[1]``, and a row the judge could not score is flagged in ``Scored.unscored``."""
+        judge x ``judge_weights[1]``, and a row the judge could not score is flagged in ``Scored.unscored``.
+        ``env_weights`` (rule, environment): rows that carry an environment's ``env_score`` (lib/envs) score rule x
+        the first + the episode's return x the second; a failed episode is flagged in ``Scored.unscored``."""
         self.tokenizer, self.custom = tokenizer, custom
-        self.judge, self.judge_weights = judge, judge_weights
+        self.judge, self.judge_weights, self.env_weights = judge, judge_weights, env_weights
         if custom:
             load_custom(custom)  # a bad file or name is a config error, raised here, before any worker starts
         self.pool = RewardPool(custom, timeout_s, num_workers)
@@ -69,7 +72,12 @@ class Scorer:
         ruled = [i for i, (src, _, truth, _, _) in enumerate(samples) if self.reward_model is None or self.custom
                  or (src in RULE_SOURCES and truth is not None)]
         results = [(0.0, {}, None, "", "")] * n
-        if "env_reward" in data.non_tensor_batch:  # multi-turn environments score their own episodes
+        env = None
+        if "env_score" in data.non_tensor_batch and self.env_weights is not None:  # an environment's episodes
+            env = list(data.non_tensor_batch["env_score"])
+            if not self.env_weights[0]:
+                ruled = []
+        elif "env_reward" in data.non_tensor_batch:  # multi-turn environments score their own episodes
             results = [result_of(value) if not kind else (0.0, {}, None, kind, f"the environment's {message}")
                        for value, kind, message in data.non_tensor_batch["env_reward"]]
             ruled = []
@@ -90,9 +98,17 @@ class Scorer:
             scores = [s + r for s, r in zip(scores, rm)]
             sums["rm_score"] = rm
         unscored, judged, rule = None, {}, None
+        if env is not None:
+            w_rule, w_env = self.env_weights
+            scores = [w_rule * s + w_env * value for s, (value, _, _) in zip(scores, env)]
+            unscored = [bool(kind) for _, kind, _ in env]
+            played = [value for value, kind, _ in env if not kind]
+            if played:
+                sums["env_return"] = played
         if self.judge is not None:
             rule = scores
-            scores, unscored, judged = self._judge(data, texts, truths.tolist(), scores)
+            scores, unjudged, judged = self._judge(data, texts, truths.tolist(), scores)
+            unscored = unjudged if unscored is None else [a or b for a, b in zip(unscored, unjudged)]
         token_scores = torch.zeros(mask.shape, dtype=torch.float32)
         m = mask.cpu()  # scores are placed on CPU, then follow the batch's device
         rows = torch.nonzero(m.sum(-1) > 0).flatten()
