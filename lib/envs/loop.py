@@ -1,7 +1,8 @@
 """The rollout against an OpenEnv environment: every sample is one episode, on this rank, in the same turn-by-turn
 loop as multi-turn tools (one batched generate per turn over the rank's active episodes), token in, token out.
 
-An episode: a session on the server, reset with the row's ``extra_info.env_reset`` (a dict of the environment's
+An episode: a session on the server (a connection with its own environment instance, kept open after the episode
+for a later one, whose reset starts it anew), reset with the row's ``extra_info.env_reset`` (a dict of the environment's
 reset arguments; ``seed`` defaults to the row's ``extra_info.index`` where the row has one), so the n samples of a
 prompt play the same task. A non-empty reset observation ends the prompt as a user message (the prompt is the row's
 messages and it, rendered again with the chat template). Each turn's text (its stop token left out) is the action's
@@ -24,6 +25,7 @@ import json
 import math
 import numbers
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -92,9 +94,18 @@ class EnvRollout:
         self.width = prompt_width
         self.renderer = ObservationRenderer(tokenizer, role=cfg.observation_role)
         self.fixed = json.loads(cfg.action_fields) if cfg.action_fields else {}
+        self.idle: list[Session] = []  # open sessions between episodes: the next episode resets one
+        self.lock = threading.Lock()
 
     def close(self) -> None:
-        pass
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for session in idle:
+            session.close()
+
+    def _take(self) -> Session | None:
+        with self.lock:
+            return self.idle.pop() if self.idle else None
 
     # ---- one rollout
 
@@ -148,10 +159,15 @@ class EnvRollout:
                 for e, out in zip(active, outs):
                     self._after_step(e, plays[e.index], results.get(e.index), out, counts)
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            # a played episode's session serves the next one (a reset starts it anew); a failed one's is closed
             for p in plays:
-                if p.session is not None:
-                    p.session.close()
+                if p.session is not None and p.failure is None:
+                    with self.lock:
+                        self.idle.append(p.session)
+            for p in plays:
+                if p.session is not None and p.failure is not None:
+                    pool.submit(p.session.close)
+            pool.shutdown(wait=False, cancel_futures=True)
         for e, p in zip(episodes, plays):
             e.finish = "failed" if p.failure is not None else (e.finish or "max_turns")
             final = e.prompt + e.response
@@ -215,19 +231,24 @@ class EnvRollout:
         return results
 
     def _open(self, play: Play) -> None:
-        """A session and its reset: a connection, a refusal for capacity or a time-out retried with backoff."""
+        """A session (an idle one, else a new connection) and its reset: a connection, a refusal for capacity or a
+        time-out retried with backoff; an idle session the server dropped is replaced, not counted as a try."""
         c = self.cfg
-        for attempt in range(c.max_retries + 1):
-            if attempt:
-                time.sleep(c.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
-            session = None
+        attempt = 0
+        while True:
+            session = self._take()
+            idle = session is not None
             try:
-                session = Session(self.url, c.timeout_s)
+                session = session or Session(self.url, c.timeout_s)
                 first = session.send("reset", play.reset)
             except EnvFailure as err:
                 if session is not None:
                     session.close()
+                if idle and err.kind == "connect":
+                    continue
                 if err.kind in ("connect", "capacity", "timeout") and attempt < c.max_retries:
+                    attempt += 1
+                    time.sleep(c.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
                     continue
                 raise
             play.session, play.first, play.done = session, first, first.done
