@@ -111,3 +111,161 @@ def test_reasoning_gym_trains_and_validates_per_task(env_runs):
         assert r["reward/errors"] == 0 and r["reward/invalid"] == 0, r
     for task in ("leg_counting", "basic_arithmetic"):
         assert f"val/reasoning_gym/{task}/mean@1" in val[-1], val[-1]
+
+
+# ---- OpenEnv: an episode's tokens, rewards and failures, against servers written with openenv-core
+
+openenv_server = pytest.importorskip("openenv.core.env_server", reason="the envs-test extra (test.sh adds it)")
+APPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs", "toy_openenv.py")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The test apps, each served by a child process as env.app serves it on a rank."""
+    from lib.envs.openenv import LocalServer
+
+    logs = tmp_path_factory.mktemp("env_logs")
+    started = {name: LocalServer(f"{APPS}:{name}", str(logs / f"{name}.log")) for name in ("tool_app", "flaky_app",
+                                                                                         "toy_app")}
+    yield {name: s.url for name, s in started.items()}
+    for s in started.values():
+        s.close()
+    for name in started:  # a server that logged a traceback failed somewhere the loop did not see
+        assert "Traceback" not in open(logs / f"{name}.log").read(), open(logs / f"{name}.log").read()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(tmp_path_factory):
+    from lib import toy
+
+    return toy.build_tool_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+def env_rollout(tokenizer, url, rows, tmp_path, script, n=1, **cfg):
+    """One rollout of ``rows`` against the server at ``url``, the turns scripted (tests/test_multi_turn.py's
+    ScriptedEngine: {user content: [turn text, ...]})."""
+    import numpy as np
+
+    from lib.config_env import EnvConfig
+    from lib.data import collate, load_prompts
+    from lib.envs.loop import EnvRollout
+    from tests.test_multi_turn import ScriptedEngine
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ps = load_prompts([str(path)], tokenizer, 32, known_sources=None)
+    data = collate(ps, np.arange(len(ps)), 32, tokenizer.pad_token_id)
+    roller = EnvRollout(EnvConfig(url=url, **{"max_turns": 4, **cfg}), url, tokenizer, 200, 32)
+    engine = ScriptedEngine(tokenizer, script, n=n)
+    try:
+        return roller.rollout(engine, data), engine, roller
+    finally:
+        roller.close()
+
+
+def env_row(content, **reset):
+    return {"prompt": [{"role": "user", "content": content}], "data_source": "toy_env",
+            "extra_info": {"index": 0, "env_reset": reset}}
+
+
+def test_an_episode_is_token_in_token_out_with_the_environments_observations(servers, tool_tokenizer, tmp_path):
+    """The toy tool task as an OpenEnv environment: the turn with the lookup call, the environment's answer rendered
+    as a tool message (response_mask 0), the answer; the return is the environment's score of it. A second prompt
+    answers at once and scores what the toy rule gives."""
+    from lib import toy
+    from lib.multi_turn.render import ObservationRenderer, tool_message
+    from lib.rewards.builtin import toy as toy_rule
+
+    tok = tool_tokenizer
+    right, wrong = "1234", "5678"
+    answer = toy.example(toy.tool_digits(right))[1]
+    call = toy.tool_call_text(right)
+    script = {right: [call, answer], wrong: ["9,9,"]}
+    out, engine, _ = env_rollout(tok, servers["tool_app"], [env_row(right, key=right), env_row(wrong, key=wrong)],
+                                 tmp_path, script, observation_role="tool")
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    end = [tok.convert_tokens_to_ids("<|im_end|>")]
+    obs = ObservationRenderer(tok).observation_ids([tool_message("environment", toy.lookup(right))], "<|im_end|>")
+    expected = enc(call) + end + obs + enc(answer) + end
+    width = out.batch["responses"].shape[1]
+    assert out.batch["responses"][0, :len(expected)].tolist() == expected
+    assert out.batch["response_mask"][0, :len(expected)].tolist() == [1] * (len(enc(call)) + 1) + [0] * len(obs) + \
+        [1] * (len(enc(answer)) + 1)
+    assert out.batch["response_mask"][0, len(expected):].sum() == 0 and width >= len(expected)
+    scores = out.non_tensor_batch["env_score"]
+    assert scores[0] == (1.0, "", "") and scores[1] == (toy_rule("9,9,", toy.example(toy.tool_digits(wrong))[1])
+                                                        ["score"], "", "")
+    assert list(out.non_tensor_batch["num_turns"]) == [2, 1]
+    m = out.meta_info["multi_turn"]
+    assert m["env/finish_done"] == 1.0 and m["env/episodes"] == 2 and m["env/turns_mean"] == 1.5
+
+
+def test_a_reset_observation_ends_the_prompt(servers, tool_tokenizer, tmp_path):
+    """An environment that shows its task at reset: the prompt is the row's messages and the observation as a user
+    message, rendered with the chat template; the engine's input is that prompt."""
+    tok = tool_tokenizer
+    rows = [{"prompt": [{"role": "system", "content": "reverse"}], "data_source": "toy_env",
+             "extra_info": {"index": 0, "env_reset": {"show": "1,2,3,"}}}]
+    out, engine, _ = env_rollout(tok, servers["toy_app"], rows, tmp_path, {"1,2,3,": ["3,2,1,"]})
+    prompt = tok(tok.apply_chat_template([{"role": "system", "content": "reverse"}, {"role": "user",
+                                                                                    "content": "1,2,3,"}],
+                                         add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    assert engine.seen[0][0] == prompt
+    ids, mask = out.batch["prompts"][0], out.batch["attention_mask"][0, :out.batch["prompts"].shape[1]]
+    assert ids[mask.bool()].tolist() == prompt
+    assert out.non_tensor_batch["env_score"][0] == (1.0, "", "")
+
+
+def test_failed_episodes_are_masked_and_counted_never_scored_zero(servers, tool_tokenizer, tmp_path):
+    """Each failure costs its episode only: a reset or step that raises on the server, a step past env.timeout_s,
+    a reward that is not a number; a too-long observation ends its episode (counted, scored). The scorer flags the
+    failed rows unscored (masked from the update), whatever their value."""
+    from lib.rewards.scorer import Scorer
+
+    tok = tool_tokenizer
+    kinds = ["", "reset", "step", "hang", "nan", "long"]
+    rows = [env_row(f"{i}{k}", fail=k, answer="1,") for i, k in enumerate(kinds)]
+    script = {f"{i}{k}": ["1,", "1,"] for i, k in enumerate(kinds)}
+    out, _, _ = env_rollout(tok, servers["flaky_app"], rows, tmp_path, script, timeout_s=2.0, max_retries=1,
+                            backoff_s=0.01)
+    got = [(s[1], s[0]) for s in out.non_tensor_batch["env_score"]]
+    # OpenEnv's JSON carries a NaN reward as null, which is its "no reward" (reward_value refuses what arrives)
+    assert got == [("", 1.0), ("reset", 0.0), ("step", 0.0), ("timeout", 0.0), ("", 0.0), ("", 0.5)], got
+    assert "reset failed on purpose" in out.non_tensor_batch["env_score"][1][2]
+    m = out.meta_info["multi_turn"]
+    assert (m["env/failed_reset"], m["env/failed_step"], m["env/failed_timeout"]) == (1, 1, 1)
+    assert m["env/observation_too_long"] == 1 and m["env/finish_budget"] == pytest.approx(1 / 6)
+    scorer = Scorer(tok, env_weights=(0.0, 2.0), num_workers=1)
+    try:
+        scored = scorer(out)
+    finally:
+        scorer.close()
+    assert scored.unscored == [False, True, True, True, False, False]
+    assert scored.scores[0] == 2.0 and scored.scores[5] == 1.0
+
+
+def test_a_reward_that_is_not_a_finite_number_fails_its_episode():
+    from lib.envs.loop import reward_value
+    from lib.envs.openenv import EnvFailure
+
+    assert reward_value(None) == 0.0 and reward_value(True) == 1.0 and reward_value(2) == 2.0
+    for bad in (float("nan"), float("inf"), "1.0", [1]):
+        with pytest.raises(EnvFailure, match="not a finite number") as e:
+            reward_value(bad)
+        assert e.value.kind == "reward"
+
+
+def test_the_deadline_fails_what_still_waits(servers, tool_tokenizer, tmp_path):
+    tok = tool_tokenizer
+    rows = [env_row("0", answer="1,"), env_row("1hang", fail="hang", answer="1,")]
+    out, _, _ = env_rollout(tok, servers["flaky_app"], rows, tmp_path, {"0": ["1,"], "1hang": ["1,"]},
+                            timeout_s=60.0, deadline_s=1.5)
+    assert [s[1] for s in out.non_tensor_batch["env_score"]] == ["", "deadline"]
+
+
+def test_a_server_that_cannot_be_reached_is_one_clear_error():
+    from lib.envs.openenv import free_port, probe
+
+    with pytest.raises(ValueError, match="cannot be reached .* 2 tries"):
+        probe(f"http://127.0.0.1:{free_port()}", 1.0, 2, 0.01)

@@ -8,8 +8,10 @@ prompt play the same task. A non-empty reset observation ends the prompt as a us
 messages and it, rendered again with the chat template). Each turn's text (its stop token left out) is the action's
 ``env.action_field``; the step's observation, rendered with the chat template as the next message (role
 ``env.observation_role``; ``response_mask`` 0), follows the turn, until the environment says done, ``env.max_turns``
-actions, or the token budget (``rollout.max_response_length``): an observation that would leave no room for one more
-sampled token ends the episode there (finish ``budget``, counted in env/observation_too_long). The episode's return,
+actions, a turn cut by its cap (``env.max_tokens_per_turn``, or the budget; the cut turn is still the action), or the
+token budget (``rollout.max_response_length``): an observation that would leave no room for one more sampled token
+ends the episode there (finish ``budget``, counted in env/observation_too_long). So a one-step environment judges a
+response cut at the length limit as single-turn scoring does. The episode's return,
 the sum of its steps' rewards, is the sample's score.
 
 Episodes step concurrently (``env.max_in_flight`` requests at once, each under ``env.timeout_s``; connection and
@@ -45,7 +47,9 @@ FAILURES = ("connect", "capacity", "reset", "step", "timeout", "deadline", "rewa
 """How an episode can fail: no connection; the server's sessions were full (after the retries); its reset or step
 raised on the server; a reset or step took over env.timeout_s; the rollout's deadline passed while it waited; a reward
 that is not a finite number; an observation without the field env.observation_field names."""
-FINISH = ("done", "max_turns", "budget", "failed")
+FINISH = ("done", "max_turns", "length", "budget", "failed")
+"""How an episode ends: the environment said done; env.max_turns actions; a turn cut by env.max_tokens_per_turn (sent
+as it is); the token budget (a turn cut by it, or an observation that does not fit); a failure."""
 SUMMED = tuple(f"env/failed_{k}" for k in FAILURES) + ("env/episodes", "env/observation_too_long")
 """The counts among the metrics (summed over ranks and rounds)."""
 
@@ -305,10 +309,10 @@ class EnvRollout:
         if e.turns >= self.cfg.max_turns:
             e.finish = "max_turns"
             return
-        if len(e.response) >= self.budget:
-            e.finish = "budget"
+        if not out.stopped:  # cut by its cap: the environment judged it as it is, and the episode ends there
+            e.finish = "budget" if len(e.response) >= self.budget else "length"
             return
-        stop_text = self.tokenizer.decode(out.ids[-1:], skip_special_tokens=False) if out.stopped else ""
+        stop_text = self.tokenizer.decode(out.ids[-1:], skip_special_tokens=False)
         message = tool_message("environment", text) if self.cfg.observation_role == "tool" else \
             {"role": "user", "content": text}
         obs_ids = self.renderer.observation_ids([message], stop_text)

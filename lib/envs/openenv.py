@@ -72,7 +72,7 @@ class Session:
         local = host in ("127.0.0.1", "localhost", "::1")
         try:
             self.ws = websockets_client().connect(url, open_timeout=timeout_s, max_size=None, compression=None,
-                                                  **({"proxy": None} if local else {}))
+                                                  **({"proxy": None} if local else {})).__enter__()
         except TimeoutError:
             raise EnvFailure("timeout", f"connecting to {url} took over {timeout_s:g} s") from None
         except (OSError, Exception) as e:  # noqa: BLE001 - refused, reset, a handshake the server rejected
