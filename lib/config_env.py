@@ -23,14 +23,19 @@ class EnvConfig:
     action_fields: str = ""
     """More action fields, fixed, as a JSON object (e.g. {"tool_name": "answer"})."""
     observation_field: str = ""
-    """The observation's field shown to the model. "": its only text field; an observation with several is
-    shown as JSON."""
+    """The observation's fields shown to the model, comma-separated (several: joined by a blank line). "": its only
+    text field; an observation with several is shown as JSON."""
     observation_role: Literal["user", "tool"] = "user"
     """The chat role an observation is rendered with (tool: as multi-turn tool answers are)."""
     max_turns: int = 4
     """Actions per episode, at most."""
     max_tokens_per_turn: int = 0
     """Sampled tokens per turn, at most. 0: no cap below the episode's budget (rollout.max_response_length)."""
+    max_sessions: int = 0
+    """Episodes a rank plays at once, each holding a session on the server (its environment instance) from reset to
+    end; more are played in waves. 0: all of the rank's at once. An OpenEnv server takes one session unless its app
+    was made with max_concurrent_envs (and the environment declares SUPPORTS_CONCURRENT_SESSIONS): set this to that
+    number (divided by the ranks that share the server)."""
     max_in_flight: int = 16
     """Environment requests in flight at once, per rank (episodes step concurrently)."""
     timeout_s: float = 60.0

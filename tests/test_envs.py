@@ -126,7 +126,7 @@ def servers(tmp_path_factory):
 
     logs = tmp_path_factory.mktemp("env_logs")
     started = {name: LocalServer(f"{APPS}:{name}", str(logs / f"{name}.log")) for name in ("tool_app", "flaky_app",
-                                                                                         "toy_app")}
+                                                                                         "toy_app", "single_app")}
     yield {name: s.url for name, s in started.items()}
     for s in started.values():
         s.close()
@@ -254,6 +254,21 @@ def test_a_reward_that_is_not_a_finite_number_fails_its_episode():
         with pytest.raises(EnvFailure, match="not a finite number") as e:
             reward_value(bad)
         assert e.value.kind == "reward"
+
+
+def test_a_server_of_one_session_plays_its_episodes_in_waves(servers, tool_tokenizer, tmp_path):
+    """openenv-core's default server holds one session: all of a rank's episodes at once fail for capacity (after
+    their retries), counted; env.max_sessions 1 plays them one after another on the one session."""
+    rows = [env_row(str(i), answer="1,") for i in range(3)]
+    script = {str(i): ["1,"] for i in range(3)}
+    out, _, _ = env_rollout(tool_tokenizer, servers["single_app"], rows, tmp_path, script, max_retries=1,
+                            backoff_s=0.01)
+    kinds = [s[1] for s in out.non_tensor_batch["env_score"]]
+    assert sorted(kinds) == ["", "capacity", "capacity"], kinds
+    assert "CAPACITY" in next(s[2] for s in out.non_tensor_batch["env_score"] if s[1]).upper()
+    out, engine, _ = env_rollout(tool_tokenizer, servers["single_app"], rows, tmp_path, script, max_sessions=1)
+    assert list(out.non_tensor_batch["env_score"]) == [(1.0, "", "")] * 3
+    assert out.meta_info["multi_turn"]["env/rows_per_turn_mean"] == 1.0  # one episode a generate
 
 
 def test_the_deadline_fails_what_still_waits(servers, tool_tokenizer, tmp_path):

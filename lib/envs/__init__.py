@@ -38,7 +38,8 @@ def config_problems(cfg: Any) -> list[str]:
     if cfg.multi_turn.tools:
         problems.append("env and multi_turn.tools both drive the turns of an episode; keep one (an environment with "
                         "tools serves them itself)")
-    for name, low in (("max_turns", 1), ("max_in_flight", 1), ("max_retries", 0), ("max_tokens_per_turn", 0)):
+    for name, low in (("max_turns", 1), ("max_in_flight", 1), ("max_retries", 0), ("max_tokens_per_turn", 0),
+                      ("max_sessions", 0)):
         if getattr(e, name) < low:
             problems.append(f"env.{name}={getattr(e, name)} must be >= {low}")
     for name in ("timeout_s", "deadline_s"):

@@ -66,14 +66,18 @@ class Play:
     done: bool = False
 
 
-def observation_text(observation: dict, name: str) -> str:
-    """The text shown of an observation: field ``name``; "" for none: its only text field, or all of it as JSON."""
-    if name:
-        if name not in observation:
-            raise EnvFailure("observation", f"the observation has no field {name!r} (env.observation_field); it has "
-                                            f"{sorted(observation)}")
-        value = observation[name]
-        return value if isinstance(value, str) else json.dumps(value)
+def observation_text(observation: dict, names: str) -> str:
+    """The text shown of an observation: the fields ``names`` (comma-separated; several joined by a blank line);
+    "": its only text field, or all of it as JSON."""
+    if names:
+        parts = []
+        for name in names.split(","):
+            if name not in observation:
+                raise EnvFailure("observation", f"the observation has no field {name!r} (env.observation_field); it "
+                                                f"has {sorted(observation)}")
+            value = observation[name]
+            parts.append(value if isinstance(value, str) else json.dumps(value))
+        return "\n\n".join(p for p in parts if p)
     texts = [v for v in observation.values() if isinstance(v, str)]
     if len(texts) == 1:
         return texts[0]
@@ -126,52 +130,18 @@ class EnvRollout:
         plays = [Play(self._reset_args(nt, i)) for i in range(n)]
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.deadline_s
-        counts = {"too_long": 0}
-        env_s, gen_s, sampled, turn_rows = 0.0, 0.0, 0, []
+        tally = {"too_long": 0, "env_s": 0.0, "gen_s": 0.0, "sampled": 0, "turn_rows": [], "prompts_changed": False}
+        size = self.cfg.max_sessions or n
+        waves = [list(range(start, min(n, start + size))) for start in range(0, n, size)]
         pool = ThreadPoolExecutor(self.cfg.max_in_flight, thread_name_prefix="env")
         try:
-            t_env = time.perf_counter()
-            self._each(pool, deadline, plays, range(n), lambda i: self._open(plays[i]))
-            env_s += time.perf_counter() - t_env
-            prompts_changed = False
-            for i, (e, p) in enumerate(zip(episodes, plays)):
-                if p.failure is None:
-                    changed = self._prompt(e, p, nt, i)
-                    prompts_changed |= changed
-            for turn in range(self.cfg.max_turns):
-                active = [e for e, p in zip(episodes, plays) if not e.finish and p.failure is None]
-                if not engine.any_active(bool(active)):  # a vLLM TP group goes on while any of its ranks has episodes
-                    break
-                caps = [min(self.cfg.max_tokens_per_turn or self.budget, self.budget - len(e.response)) for e in active]
-                inputs = [e.prompt + e.response for e in active]
-                t_gen = time.perf_counter()
-                outs = engine.generate_ids(inputs, caps, validate, (key, turn))
-                gen_s += time.perf_counter() - t_gen
-                turn_rows.append(len(active))
-                actions = {}
-                for e, ids_in, out in zip(active, inputs, outs):
-                    e.inputs.append(ids_in)
-                    sampled += len(out.ids)
-                    e.sampled(out.ids, out.logps, out.kept)
-                    e.turns += 1
-                    e.last_turn = out.ids
-                    actions[e.index] = self._action(out)
-                t_env = time.perf_counter()
-                results = self._each(pool, deadline, plays, list(actions),
-                                     lambda i: plays[i].session.send("step", actions[i]))
-                env_s += time.perf_counter() - t_env
-                for e, out in zip(active, outs):
-                    self._after_step(e, plays[e.index], results.get(e.index), out, counts)
+            for w, wave in enumerate(waves):  # one wave: a single one keeps the turns' sampling keys (key, turn)
+                wave_key = key if len(waves) == 1 else (key, "wave", w)
+                self._play([episodes[i] for i in wave], plays, nt, engine, validate, wave_key, pool, deadline, tally)
         finally:
-            # a played episode's session serves the next one (a reset starts it anew); a failed one's is closed
-            for p in plays:
-                if p.session is not None and p.failure is None:
-                    with self.lock:
-                        self.idle.append(p.session)
-            for p in plays:
-                if p.session is not None and p.failure is not None:
-                    pool.submit(p.session.close)
             pool.shutdown(wait=False, cancel_futures=True)
+        env_s, gen_s, sampled, turn_rows = tally["env_s"], tally["gen_s"], tally["sampled"], tally["turn_rows"]
+        prompts_changed = tally["prompts_changed"]
         for e, p in zip(episodes, plays):
             e.finish = "failed" if p.failure is not None else (e.finish or "max_turns")
             final = e.prompt + e.response
@@ -196,12 +166,59 @@ class EnvRollout:
                                                                        skip_special_tokens=True)),
                           num_turns=obj([e.turns for e in episodes]), env_score=obj(scores))
         elapsed = time.perf_counter() - t0
-        metrics = self._metrics(episodes, plays, counts, sampled, turn_rows)
+        metrics = self._metrics(episodes, plays, tally, sampled, turn_rows)
         metrics.update({"timing/env_generate_s": gen_s, "timing/env_wait_s": env_s,
                         "perf/env_episodes_per_s": n / max(elapsed, 1e-9)})
         meta = {"generate_s": elapsed, "generated_tokens": sampled, "tokens_per_s": sampled / max(elapsed, 1e-9),
                 "multi_turn": metrics}
         return DataProto.from_dict(fields, non_tensor, {**data.meta_info, **meta})
+
+    def _play(self, episodes: list[Episode], plays: list[Play], nt: dict, engine: RolloutEngine, validate: bool,
+              key: Any, pool: ThreadPoolExecutor, deadline: float, tally: dict) -> None:
+        """One wave of episodes, start to end: their sessions and resets, then one batched generate per turn over the
+        active ones and their steps. Their sessions are then idle for the next wave (a failed one's closed)."""
+        mine = [e.index for e in episodes]
+        try:
+            t_env = time.perf_counter()
+            self._each(pool, deadline, plays, mine, lambda i: self._open(plays[i]))
+            tally["env_s"] += time.perf_counter() - t_env
+            for e in episodes:
+                if plays[e.index].failure is None:
+                    tally["prompts_changed"] |= self._prompt(e, plays[e.index], nt, e.index)
+            for turn in range(self.cfg.max_turns):
+                active = [e for e in episodes if not e.finish and plays[e.index].failure is None]
+                if not engine.any_active(bool(active)):  # a vLLM TP group goes on while any of its ranks has episodes
+                    break
+                caps = [min(self.cfg.max_tokens_per_turn or self.budget, self.budget - len(e.response)) for e in active]
+                inputs = [e.prompt + e.response for e in active]
+                t_gen = time.perf_counter()
+                outs = engine.generate_ids(inputs, caps, validate, (key, turn))
+                tally["gen_s"] += time.perf_counter() - t_gen
+                tally["turn_rows"].append(len(active))
+                actions = {}
+                for e, ids_in, out in zip(active, inputs, outs):
+                    e.inputs.append(ids_in)
+                    tally["sampled"] += len(out.ids)
+                    e.sampled(out.ids, out.logps, out.kept)
+                    e.turns += 1
+                    e.last_turn = out.ids
+                    actions[e.index] = self._action(out)
+                t_env = time.perf_counter()
+                results = self._each(pool, deadline, plays, list(actions),
+                                     lambda i: plays[i].session.send("step", actions[i]))
+                tally["env_s"] += time.perf_counter() - t_env
+                for e, out in zip(active, outs):
+                    self._after_step(e, plays[e.index], results.get(e.index), out, tally)
+        finally:
+            # a played episode's session serves the next one (a reset starts it anew); a failed one's is closed
+            for i in mine:
+                p = plays[i]
+                if p.session is not None and p.failure is None:
+                    with self.lock:
+                        self.idle.append(p.session)
+                elif p.session is not None:
+                    pool.submit(p.session.close)
+                p.session = None
 
     # ---- the pieces
 
@@ -292,7 +309,7 @@ class EnvRollout:
                 text = text[:-len(stop_text)]
         return {**self.fixed, self.cfg.action_field: text}
 
-    def _after_step(self, e: Episode, play: Play, result: Result | None, out: Any, counts: dict) -> None:
+    def _after_step(self, e: Episode, play: Play, result: Result | None, out: Any, tally: dict) -> None:
         """Take a step's answer: the reward, then the episode ends (done, max_turns, budget) or goes on with the
         observation rendered after the turn."""
         if play.failure is not None or result is None:
@@ -318,7 +335,7 @@ class EnvRollout:
         obs_ids = self.renderer.observation_ids([message], stop_text)
         if len(e.response) + len(obs_ids) >= self.budget:
             e.finish = "budget"
-            counts["too_long"] += 1
+            tally["too_long"] += 1
         else:
             e.observed(obs_ids)
 

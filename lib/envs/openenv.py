@@ -81,6 +81,9 @@ class Session:
     def send(self, kind: str, data: dict) -> Result:
         try:
             self.ws.send(json.dumps({"type": kind, "data": data}))
+        except Exception:  # noqa: BLE001 - closed by the server: what it said before closing is read below
+            pass
+        try:
             raw = self.ws.recv(timeout=self.timeout_s)
         except TimeoutError:
             raise EnvFailure("timeout", f"{kind} got no answer within {self.timeout_s:g} s") from None

@@ -101,3 +101,4 @@ class FlakyEnv(ToyEnv):
 toy_app = create_app(ToyEnv, TextAction, TextObservation, max_concurrent_envs=256)
 tool_app = create_app(ToolEnv, TextAction, TextObservation, max_concurrent_envs=256)
 flaky_app = create_app(FlakyEnv, TextAction, TextObservation, max_concurrent_envs=256)
+single_app = create_app(ToyEnv, TextAction, TextObservation)  # openenv-core's default: one session at a time
