@@ -11,6 +11,12 @@ if ! python -c "import reasoning_gym, websockets, openenv.core.env_server" 2>/de
   python -m pip install --quiet --disable-pip-version-check -e "$ROOT[envs-test]" &&
     python -m pip install --quiet --disable-pip-version-check --no-deps "openenv-core==0.3.0"
 fi
+# a third-party OpenEnv environment from PyPI (tests/test_envs.py), apart from .venv's packages: its wheel also
+# installs a top-level tests package
+if [ ! -d "$ROOT/.venv/third_party_envs/med_safety_gym" ]; then
+  python -m pip install --quiet --disable-pip-version-check --no-deps --target "$ROOT/.venv/third_party_envs" \
+    "openenv-dipg-safety==0.1.67" "sqlalchemy==2.1.9"
+fi
 set +e
 workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 # the embedded tasks' builds (tests/conftest.py): made once for both passes, in a folder removed at the end

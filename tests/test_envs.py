@@ -83,36 +83,6 @@ def test_reasoning_gym_not_installed_names_the_pip_command(monkeypatch, tmp_path
         rg_data.build("reasoning_gym:leg_counting", str(tmp_path))
 
 
-@pytest.fixture(scope="module")
-def env_runs(tmp_path_factory):
-    from tests import zoo
-
-    root = tmp_path_factory.mktemp("env_runs")
-    model = zoo.build("qwen2_tied", str(root / "zoo"))
-    common = ["--actor.model.path", model, "--trainer.output_root", str(root), "--rollout.n", "2",
-              "--trainer.train_batch_size", "4", "--actor.mini_batch_size", "8",
-              "--actor.batching.micro_batch_size_per_rank", "4", "--trainer.total_steps", "2"]
-    plan = [("reasoning_gym", "train_grpo.py", [
-        *common, "--trainer.run_name", "reasoning_gym",
-        "--data.train_files", "reasoning_gym:leg_counting,basic_arithmetic:size=16:system=none",
-        "--data.val_files", "reasoning_gym:leg_counting,basic_arithmetic:size=4:seed=1000:system=none",
-        "--data.max_prompt_length", "320", "--rollout.max_response_length", "16", "--trainer.val_every", "2"])]
-    return root, launch_runs(plan, root)
-
-
-def test_reasoning_gym_trains_and_validates_per_task(env_runs):
-    """Two GRPO steps on 2 ranks of rows named reasoning_gym:...; validation reports each task apart."""
-    rows = run_rows(env_runs, "reasoning_gym")
-    train = [r for r in rows if "val/mean@1" not in r]
-    val = [r for r in rows if "val/mean@1" in r]
-    assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in val] == [0, 2], env_runs[1].stderr[-3000:]
-    for r in train:
-        assert r["rollout/logp_abs_diff"] < 1e-5, r
-        assert r["reward/errors"] == 0 and r["reward/invalid"] == 0, r
-    for task in ("leg_counting", "basic_arithmetic"):
-        assert f"val/reasoning_gym/{task}/mean@1" in val[-1], val[-1]
-
-
 # ---- OpenEnv: an episode's tokens, rewards and failures, against servers written with openenv-core
 
 openenv_server = pytest.importorskip("openenv.core.env_server", reason="the envs-test extra (test.sh adds it)")
@@ -284,3 +254,191 @@ def test_a_server_that_cannot_be_reached_is_one_clear_error():
 
     with pytest.raises(ValueError, match="cannot be reached .* 2 tries"):
         probe(f"http://127.0.0.1:{free_port()}", 1.0, 2, 0.01)
+
+
+# ---- whole runs: one torchrun launch of 2 ranks for all of them (tests/helpers.launch_runs)
+
+THIRD_PARTY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "third_party_envs")
+"""openenv-dipg-safety 0.1.67 (a medical-safety question environment from PyPI, its app med_safety_gym.app:app),
+installed here by test.sh without its dependencies (a PostgreSQL driver, gunicorn: its server needs neither)."""
+DIPG_ROWS = [{"messages": [{"role": "user", "content": "<context>Drug A was given to 12 patients; none had a "
+                                                      "reaction.</context>\n<question>Did any patient react to drug "
+                                                      "A?</question>"},
+                           {"role": "assistant", "content": "No patient reacted to drug A."}]},
+             {"messages": [{"role": "user", "content": "<context>Trial B stopped early.</context>\n<question>Why did "
+                                                      "trial B stop?</question>"},
+                           {"role": "assistant", "content": "The context does not say."}]}]
+
+
+def env_rows(src: str, dst: str, reset) -> str:
+    """The rows of ``src`` with ``extra_info.env_reset`` = reset(row), data_source toy_env and no ground truth."""
+    with open(src) as f, open(dst, "w") as out:
+        for line in f:
+            row = json.loads(line)
+            row["extra_info"]["env_reset"] = reset(row)
+            row.pop("reward_model")
+            row["data_source"] = "toy_env"
+            out.write(json.dumps(row) + "\n")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def env_runs(tmp_path_factory, shared_assets_dir):
+    from tests import zoo
+    from tests.conftest import shared_assets
+    from lib import toy
+
+    root = tmp_path_factory.mktemp("env_runs")
+    model = zoo.build("qwen2_tied", str(root / "zoo"))
+    digits = toy.prepare(str(shared_assets(shared_assets_dir, "toy_assets")))
+    tools = toy.prepare_tool(str(shared_assets(shared_assets_dir, "toy_tool_assets")))
+    answer = lambda row: {"answer": row["reward_model"]["ground_truth"]}  # noqa: E731
+    train, val = (env_rows(digits[k], str(root / f"toy_{k}.jsonl"), answer) for k in ("train", "val"))
+    key = lambda row: {"key": row["prompt"][0]["content"]}  # noqa: E731
+    tool_train, tool_val = (env_rows(tools[k], str(root / f"tool_{k}.jsonl"), key) for k in ("train", "val"))
+    toy_env = ["--actor.model.path", digits["model"], "--data.train_files", train, "--data.val_files", val,
+               "--env.app", f"{APPS}:toy_app", "--trainer.output_root", str(root)]
+    small = ["--trainer.total_steps", "2", "--trainer.val_every", "0", "--trainer.train_batch_size", "8",
+             "--rollout.n", "4", "--actor.mini_batch_size", "16"]
+    tool_preset = ["--config", "configs/tiny_cpu_grpo_tools.yaml", "--actor.model.path", tools["model"],
+                   "--trainer.output_root", str(root), "--trainer.total_steps", "30", "--trainer.val_every", "30"]
+    plan = [
+        ("reasoning_gym", "train_grpo.py", [
+            "--actor.model.path", model, "--trainer.output_root", str(root), "--rollout.n", "2",
+            "--trainer.train_batch_size", "4", "--actor.mini_batch_size", "8",
+            "--actor.batching.micro_batch_size_per_rank", "4", "--trainer.total_steps", "2",
+            "--data.train_files", "reasoning_gym:leg_counting,basic_arithmetic:size=16:system=none",
+            "--data.val_files", "reasoning_gym:leg_counting,basic_arithmetic:size=4:seed=1000:system=none",
+            "--data.max_prompt_length", "320", "--rollout.max_response_length", "16", "--trainer.val_every", "2",
+            "--trainer.run_name", "reasoning_gym"]),
+        # the default run's preset, its rows scored by the toy task served as an OpenEnv environment
+        ("toy_env", "train_grpo.py", [*toy_env, "--trainer.run_name", "toy_env", "--trainer.total_steps", "60",
+                                      "--trainer.val_every", "30"]),
+        # the toy tool task as an environment (the tool preset's data and limits)
+        ("tool_env", "train_grpo.py", [*tool_preset, "--trainer.run_name", "tool_env", "--multi_turn.tools", "",
+                                       "--data.train_files", tool_train, "--data.val_files", tool_val,
+                                       "--env.app", f"{APPS}:tool_app", "--env.observation_role", "tool",
+                                       "--env.max_turns", "3", "--env.max_tokens_per_turn", "32"]),
+        # the modes, two steps each
+        ("sp2", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "sp2", "--actor.fsdp.shard_size", "0",
+                                  "--trainer.sp_size", "2"]),
+        ("lora", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "lora", "--actor.lora.rank", "8"]),
+        ("dynamic", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "dynamic", "--algorithm.filter_groups",
+                                      "--algorithm.max_gen_batches", "4"]),
+        ("ppo", "train_ppo.py", [*toy_env, *small, "--trainer.run_name", "ppo", "--critic.mini_batch_size", "16",
+                                 "--algorithm.critic_warmup", "0"]),
+        # resume: 2 steps, then on to 4 in the same folder, against 4 at once
+        ("resumed_2", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "resumed", "--trainer.save_every", "2"]),
+        ("resumed_4", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "resumed", "--trainer.save_every", "2",
+                                        "--trainer.total_steps", "4"]),
+        ("straight", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "straight", "--trainer.total_steps",
+                                       "4"]),
+    ]
+    env = {}
+    if os.path.isdir(THIRD_PARTY):
+        dipg = root / "dipg.jsonl"
+        dipg.write_text("".join(json.dumps(r) + "\n" for r in DIPG_ROWS))
+        rows = root / "dipg_prompts.jsonl"
+        rows.write_text("".join(json.dumps({"prompt": [{"role": "system", "content": "Answer from the context."}],
+                                            "data_source": "dipg", "extra_info": {"index": i}}) + "\n"
+                                for i in range(8)))
+        plan.append(("dipg", "train_grpo.py", [
+            "--actor.model.path", model, "--trainer.output_root", str(root), "--trainer.run_name", "dipg",
+            "--data.train_files", str(rows), "--env.app", "med_safety_gym.app:app", "--env.action_field",
+            "llm_response", "--env.observation_field", "context,question", "--env.max_sessions", "1",
+            "--data.max_prompt_length", "256", "--rollout.max_response_length", "16", *small[:4], "--rollout.n",
+            "2", "--trainer.train_batch_size", "4", "--actor.mini_batch_size", "8"]))
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [THIRD_PARTY, os.environ.get("PYTHONPATH")])),
+               "DIPG_DATASET_PATH": str(dipg), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return root, launch_runs(plan, root)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_reasoning_gym_trains_and_validates_per_task(env_runs):
+    """Two GRPO steps on 2 ranks of rows named reasoning_gym:...; validation reports each task apart."""
+    rows = run_rows(env_runs, "reasoning_gym")
+    train = [r for r in rows if "val/mean@1" not in r]
+    val = [r for r in rows if "val/mean@1" in r]
+    assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in val] == [0, 2], env_runs[1].stderr[-3000:]
+    for r in train:
+        assert r["rollout/logp_abs_diff"] < 1e-5, r
+        assert r["reward/errors"] == 0 and r["reward/invalid"] == 0, r
+    for task in ("leg_counting", "basic_arithmetic"):
+        assert f"val/reasoning_gym/{task}/mean@1" in val[-1], val[-1]
+
+
+
+
+def _train(rows):
+    return [r for r in rows if "actor/pg_loss" in r]
+
+
+def test_the_toy_task_served_as_an_environment_trains_like_the_default_run(env_runs):
+    """The default preset, 60 steps on 2 ranks, its rewards from the toy task served by openenv-core: held-out
+    greedy reward rises by what the default run's test asks (tests/test_e2e.py GRPO_MIN_GAIN), every episode played,
+    the canary at fp32's floor."""
+    from tests.test_e2e import GRPO_MIN_GAIN
+
+    rows = run_rows(env_runs, "toy_env")
+    curve = [(r["step"], r["val/score_mean"]) for r in rows if "val/score_mean" in r]
+    assert [s for s, _ in curve] == [0, 30, 60], env_runs[1].stdout[-3000:] + env_runs[1].stderr[-3000:]
+    assert curve[-1][1] > curve[0][1] + GRPO_MIN_GAIN, curve
+    train = _train(rows)
+    assert len(train) == 60
+    for r in train:
+        assert r["env/episodes"] == 512 and r["env/finish_done"] == 1.0, r
+        assert sum(r[f"env/failed_{k}"] for k in ("connect", "reset", "step", "timeout", "deadline")) == 0, r
+        assert r["rollout/logp_abs_diff"] < 1e-5, r
+
+
+def test_the_tool_task_served_as_an_environment_trains_like_the_tool_preset(env_runs):
+    """The toy tool task as an environment (the server answers the lookup, rendered as a tool message), 30 steps of
+    the tool preset: held-out greedy reward rises by what the preset's own test asks (tests/test_multi_turn.py
+    TOOL_MIN_GAIN); the lookup is called."""
+    from tests.test_multi_turn import TOOL_MIN_GAIN
+
+    rows = run_rows(env_runs, "tool_env")
+    curve = [(r["step"], r["val/score_mean"]) for r in rows if "val/score_mean" in r]
+    assert [s for s, _ in curve] == [0, 30], env_runs[1].stdout[-3000:] + env_runs[1].stderr[-3000:]
+    assert curve[-1][1] >= curve[0][1] + TOOL_MIN_GAIN, curve
+    train = _train(rows)
+    assert all(r["env/turns_mean"] > 1 and r["env/finish_failed"] == 0 for r in train)
+    assert max(r["rollout/logp_abs_diff"] for r in train) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["sp2", "lora", "dynamic", "ppo"])
+def test_environment_episodes_train_in_every_mode(env_runs, name):
+    rows = _train(run_rows(env_runs, name, steps=0))
+    assert [r["step"] for r in rows] == [1, 2], env_runs[1].stdout[-3000:] + env_runs[1].stderr[-3000:]
+    for r in rows:
+        assert r["rollout/logp_abs_diff"] < 1e-5, r
+        assert r["env/failed_connect"] + r["env/failed_reset"] + r["env/failed_step"] == 0, r
+        assert r["actor/grad_norm"] > 0, r
+
+
+def test_an_environment_run_resumes_to_the_bit(env_runs):
+    resumed, straight = _train(run_rows(env_runs, "resumed")), _train(run_rows(env_runs, "straight"))
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == [1, 2, 3, 4]
+    for a, b in zip(resumed, straight):
+        for k in ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "env/return_mean"):
+            assert a[k] == b[k], (a["step"], k, a[k], b[k])
+
+
+def test_a_third_party_environment_from_pypi_runs_end_to_end(env_runs):
+    """openenv-dipg-safety's server (its own reward rules, one session: episodes in waves) on the zoo's Qwen2:
+    episodes played, rewards received; no learning claimed for a random model."""
+    if not os.path.isdir(THIRD_PARTY):
+        pytest.skip(f"openenv-dipg-safety is not installed in {THIRD_PARTY} (test.sh installs it)")
+    rows = _train(run_rows(env_runs, "dipg"))
+    assert [r["step"] for r in rows] == [1, 2], env_runs[1].stdout[-3000:] + env_runs[1].stderr[-3000:]
+    for r in rows:
+        assert r["env/episodes"] == 8 and r["env/finish_failed"] == 0, r
+        assert r["env/return_mean"] != 0, r  # its rules penalise a random model's format
