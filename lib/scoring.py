@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lib import algos
+from lib import algos, startup
 from lib.preflight import GROUP_ESTIMATORS
 from lib.protocol import DataProto
 from lib.rewards.scorer import Scored, last_sampled
@@ -60,10 +60,15 @@ def env_failures(run: Run, batch: DataProto) -> None:
                 run.logger.print(f"warning: env/failed_{kind}: {message} (the episode is masked from the update; "
                                  f"later ones are only counted)")
     share = failed / max(total, 1)
-    if share > run.cfg.env.max_failed_share:
+    if share > run.cfg.env.max_failed_share:  # every rank sees the same counts: all stop here, together
         last = next(p[3] for p in reversed(parts) if p[3] is not None)
-        raise RuntimeError(f"{failed} of {total} environment episodes failed this rollout (over "
-                           f"env.max_failed_share={run.cfg.env.max_failed_share:g}); the last: {last[0]}: {last[1]}")
+        run.logger.print(f"error: {failed} of {total} environment episodes failed in this rollout, over "
+                         f"env.max_failed_share={run.cfg.env.max_failed_share:g}; the last: env/failed_{last[0]}: "
+                         f"{last[1]}. This step's update is not made; the last checkpoint is kept. Fix the "
+                         f"environment (its server's log: env_server/ in the run folder for env.app) and run the "
+                         f"same command: it resumes.")
+        run.stopped = "env_failures"
+        startup.finish(run)  # exits 3, as a run stopped by bad steps does
 
 
 MASKED = "score_masked"

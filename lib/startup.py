@@ -272,12 +272,14 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, pro
         judge.probe()  # a refused key or an endpoint that cannot be reached: one error, before any model loads
         judge.check_context(d.max_prompt_length, cfg.rollout.max_response_length)
     if envs.enabled(cfg):
-        if cfg.env.url and probe:  # a server that cannot be reached: one error, before any model loads
-            openenv.probe(cfg.env.url, cfg.env.timeout_s, cfg.env.max_retries + 1, cfg.env.backoff_s)
-        ObservationRenderer(tokenizer, role=cfg.env.observation_role)  # a template that cannot render them
         if cfg.reward.custom_fn and not cfg.env.rule_weight:
             raise ValueError(f"--reward.custom_fn {cfg.reward.custom_fn} with an environment whose return is the "
                              f"whole reward (env.rule_weight 0): set env.rule_weight to weigh it in, or drop it")
+        ObservationRenderer(tokenizer, role=cfg.env.observation_role)  # a template that cannot render them
+        if cfg.env.app:
+            openenv.check_app(cfg.env.app)  # its file or module exists (each rank starts it after the checks)
+        elif probe:  # a server that cannot be reached: one error, before any model loads
+            openenv.probe(cfg.env.url, cfg.env.timeout_s, cfg.env.max_retries + 1, cfg.env.backoff_s)
     # an RM, a judge or an environment alone scores any row; pure distillation's rows need no reward function
     any_row = cfg.reward.custom_fn or cfg.reward.reward_model or (judge is not None and not cfg.judge.rule_weight) \
         or (envs.enabled(cfg) and not cfg.env.rule_weight)
@@ -651,8 +653,8 @@ def uses_vllm(cfg: Config) -> bool:
 
 def finish(run: Run) -> None:
     """Export the final policy (a run that completed), close the logger, the scorer's workers and the engine. A run
-    stopped by too many bad steps or by the canary (rollout.logp_diff_limit) exits 3; one stopped by a signal exits
-    0 after its checkpoint."""
+    stopped by too many bad steps, by the canary (rollout.logp_diff_limit) or by failing environments
+    (env.max_failed_share) exits 3; one stopped by a signal exits 0 after its checkpoint."""
     if not run.stopped:
         if run.lora is not None:  # the adapter (PEFT); a merged folder on request (python -m lib.export --merge)
             export.export_adapter(run.actor.model, run.cfg.actor.lora, run.cfg.actor.model.path,
@@ -670,5 +672,5 @@ def finish(run: Run) -> None:
     run.engine.close()  # vLLM tears its groups down (and the default one) now, not in an atexit hook
     if dist.is_initialized():
         dist.destroy_process_group()
-    if run.stopped in ("bad_steps", "logp_mismatch"):
+    if run.stopped in ("bad_steps", "logp_mismatch", "env_failures"):
         exits.leave(exits.STOPPED)

@@ -334,6 +334,12 @@ def env_runs(tmp_path_factory, shared_assets_dir):
         ("straight", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "straight", "--trainer.total_steps",
                                        "4"]),
     ]
+    # last (a run that stops ends the launch): most episodes fail, so the run stops with the last error
+    failing = root / "failing.jsonl"
+    failing.write_text("".join(json.dumps(env_row(f"{i},", fail="reset" if i % 4 else "", answer="1,")) + "\n"
+                               for i in range(16)))
+    last = ("failing", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "failing", "--data.train_files",
+                                         str(failing), "--env.app", f"{APPS}:flaky_app", "--env.max_retries", "0"])
     env = {}
     if os.path.isdir(THIRD_PARTY):
         dipg = root / "dipg.jsonl"
@@ -353,7 +359,7 @@ def env_runs(tmp_path_factory, shared_assets_dir):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return root, launch_runs(plan, root)
+        return root, launch_runs([*plan, last], root)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -442,3 +448,20 @@ def test_a_third_party_environment_from_pypi_runs_end_to_end(env_runs):
     for r in rows:
         assert r["env/episodes"] == 8 and r["env/finish_failed"] == 0, r
         assert r["env/return_mean"] != 0, r  # its rules penalise a random model's format
+
+
+def test_a_run_where_most_episodes_fail_stops_with_the_last_error(env_runs):
+    """Three of four rows' resets raise on the server: the first step's score stage stops the run (exit 3, as a run
+    stopped by bad steps), naming the share and the last failure once, before any update; no step is logged."""
+    root, out = env_runs
+    assert out.returncode != 0
+    text = out.stdout.split("== run failing", 1)[1]
+    import re
+
+    found = re.findall(r"error: (\d+) of 32 environment episodes failed in this rollout, over "
+                       r"env.max_failed_share=0.5", text)
+    assert len(found) == 1 and int(found[0]) > 16, text[-3000:]  # the step's 8 of the 16 rows, 3 in 4 failing
+    assert "the last: env/failed_reset: reset raised on the server" in text, text[-3000:]
+    assert "warning: env/failed_reset: reset raised on the server" in text
+    assert not run_rows(env_runs, "failing"), "a step was logged"
+    assert re.search(r"exitcode\s*:\s*3\b", out.stderr), out.stderr[-2000:]  # torchrun's report of the rank

@@ -13,6 +13,7 @@ A server holds one session at a time unless its environment declares concurrent 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -144,20 +145,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def app_target(app: str) -> tuple[str, str, str]:
+    """``env.app`` -> (module, attribute, the folder to import it from); ValueError for one that cannot be."""
+    target, _, name = app.rpartition(":")
+    if not target or not name:
+        raise ValueError(f"env.app={app!r} must look like package.module:app or path/to/server.py:app")
+    if target.endswith(".py"):
+        if not os.path.isfile(target):
+            raise ValueError(f"env.app: the file {target!r} does not exist")
+        return os.path.basename(target)[:-3], name, os.path.dirname(os.path.abspath(target))
+    return target, name, os.getcwd()
+
+
+def check_app(app: str) -> None:
+    """An env.app whose file or module cannot be found: one clear error before any rank starts (the server itself
+    starts on each rank, later)."""
+    module, _, folder = app_target(app)  # a file: it exists
+    top = module.split(".")[0]
+    if app.rpartition(":")[0].endswith(".py"):
+        return
+    if importlib.util.find_spec(top) is None and not any(os.path.exists(os.path.join(folder, top + end))
+                                                         for end in ("", ".py")):
+        raise ValueError(f"env.app {app}: no module {top!r} is installed or in {folder}; install "
+                         f"the environment's package (pip install ...) or give path/to/server.py:app")
+
+
 class LocalServer:
     """An OpenEnv app served by uvicorn in a child process on a free local port (``env.app``): ``module:app`` or
     ``path/to/file.py:app``. Its output goes to ``log``."""
 
     def __init__(self, app: str, log: str, start_timeout_s: float = 120.0):
-        target, _, name = app.rpartition(":")
-        if not target or not name:
-            raise ValueError(f"env.app={app!r} must look like package.module:app or path/to/server.py:app")
-        app_dir = os.getcwd()
-        if target.endswith(".py"):
-            if not os.path.isfile(target):
-                raise ValueError(f"env.app: the file {target!r} does not exist")
-            app_dir, module = os.path.dirname(os.path.abspath(target)), os.path.basename(target)[:-3]
-            target = module
+        target, name, app_dir = app_target(app)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
