@@ -144,11 +144,7 @@ class EnvRollout:
         prompts_changed = tally["prompts_changed"]
         for e, p in zip(episodes, plays):
             e.finish = "failed" if p.failure is not None else (e.finish or "max_turns")
-            final = e.prompt + e.response
-            for ids_in in e.inputs:  # token in, token out: every turn's input is a prefix of the final row
-                if final[:len(ids_in)] != ids_in:
-                    raise RuntimeError("environment rollout: an engine input is not a prefix of its final row")
-            e.inputs = []
+            e.check_inputs("environment rollout")
         engine.calls[validate] += 1
         if prompts_changed:
             prompt_ids, prompt_mask, prompt_pos = left_pad([e.prompt for e in episodes], self.width,

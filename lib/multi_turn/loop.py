@@ -56,6 +56,14 @@ class Episode:
         self.logps += logps
         self.kept += kept if kept is not None else [0] * len(ids)
 
+    def check_inputs(self, what: str) -> None:
+        """Token in, token out: every turn's engine input is a prefix of the final row (then they are dropped)."""
+        final = self.prompt + self.response
+        for ids in self.inputs:
+            if final[:len(ids)] != ids:
+                raise RuntimeError(f"{what}: an engine input is not a prefix of its final row")
+        self.inputs = []
+
     def observed(self, ids: list[int]) -> None:
         self.response += ids
         self.mask += [0] * len(ids)
@@ -125,11 +133,7 @@ class MultiTurn:
                     self._observe(e, observations[e.index], calls, results, counts)
         for e in episodes:
             e.finish = e.finish or "max_turns"
-            final = e.prompt + e.response
-            for ids in e.inputs:  # token in, token out: every turn's input is a prefix of the final row
-                if final[:len(ids)] != ids:
-                    raise RuntimeError("multi-turn rollout: an engine input is not a prefix of its final row")
-            e.inputs = []
+            e.check_inputs("multi-turn rollout")
         engine.calls[validate] += 1
         fields = build_output(data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
                               [e.response for e in episodes], [e.logps for e in episodes],
