@@ -3,8 +3,9 @@
 ``parse(argv)``: defaults <- a YAML preset (``--config configs/x.yaml`` or a preset name; it holds only
 changes, and an unknown key is an error) <- tyro command-line overrides (``--actor.optim.lr 1e-6``).
 The trained models' sections (model, optim, fsdp, batching, LoRA, actor, critic) live in lib/config_trained.py and
-are re-exported here, as is the judge's (lib/config_judge.py). The checks of a config (sizes, values, combinations) are lib/preflight.py's: this module is
-ground, it imports nothing of lib but its own sections.
+are re-exported here, as are the judge's (lib/config_judge.py) and the environment's (lib/config_env.py). The checks
+of a config (sizes, values, combinations) are lib/preflight.py's: this module is ground, it imports nothing of lib but
+its own sections.
 """
 
 from __future__ import annotations
