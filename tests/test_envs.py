@@ -298,6 +298,11 @@ def env_runs(tmp_path_factory, shared_assets_dir):
     tool_train, tool_val = (env_rows(tools[k], str(root / f"tool_{k}.jsonl"), key) for k in ("train", "val"))
     toy_env = ["--actor.model.path", digits["model"], "--data.train_files", train, "--data.val_files", val,
                "--env.app", f"{APPS}:toy_app", "--trainer.output_root", str(root)]
+    # the short runs share one server, started here (env.url), as ranks share a server users start
+    from lib.envs.openenv import LocalServer
+
+    shared = LocalServer(f"{APPS}:toy_app", str(root / "shared_server.log"))
+    toy_url = [*toy_env[:-4], "--env.url", shared.url, *toy_env[-2:]]
     small = ["--trainer.total_steps", "2", "--trainer.val_every", "0", "--trainer.train_batch_size", "8",
              "--rollout.n", "4", "--actor.mini_batch_size", "16"]
     tool_preset = ["--config", "configs/tiny_cpu_grpo_tools.yaml", "--actor.model.path", tools["model"],
@@ -319,19 +324,19 @@ def env_runs(tmp_path_factory, shared_assets_dir):
                                        "--data.train_files", tool_train, "--data.val_files", tool_val,
                                        "--env.app", f"{APPS}:tool_app", "--env.observation_role", "tool",
                                        "--env.max_turns", "3", "--env.max_tokens_per_turn", "32"]),
-        # the modes, two steps each
-        ("sp2", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "sp2", "--actor.fsdp.shard_size", "0",
-                                  "--trainer.sp_size", "2"]),
-        ("lora", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "lora", "--actor.lora.rank", "8"]),
-        ("dynamic", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "dynamic", "--algorithm.filter_groups",
-                                      "--algorithm.max_gen_batches", "4"]),
-        ("ppo", "train_ppo.py", [*toy_env, *small, "--trainer.run_name", "ppo", "--critic.mini_batch_size", "16",
+        # the modes, two steps each: FSDP over both ranks with Ulysses SP 2, a LoRA adapter and dynamic sampling in
+        # one run; PPO with its critic
+        ("sp2_lora_dynamic", "train_grpo.py", [*toy_url, *small, "--trainer.run_name", "sp2_lora_dynamic",
+                                               "--actor.fsdp.shard_size", "0", "--trainer.sp_size", "2",
+                                               "--actor.lora.rank", "8", "--algorithm.filter_groups",
+                                               "--algorithm.max_gen_batches", "4"]),
+        ("ppo", "train_ppo.py", [*toy_url, *small, "--trainer.run_name", "ppo", "--critic.mini_batch_size", "16",
                                  "--algorithm.critic_warmup", "0"]),
         # resume: 2 steps, then on to 4 in the same folder, against 4 at once
-        ("resumed_2", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "resumed", "--trainer.save_every", "2"]),
-        ("resumed_4", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "resumed", "--trainer.save_every", "2",
+        ("resumed_2", "train_grpo.py", [*toy_url, *small, "--trainer.run_name", "resumed", "--trainer.save_every", "2"]),
+        ("resumed_4", "train_grpo.py", [*toy_url, *small, "--trainer.run_name", "resumed", "--trainer.save_every", "2",
                                         "--trainer.total_steps", "4"]),
-        ("straight", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "straight", "--trainer.total_steps",
+        ("straight", "train_grpo.py", [*toy_url, *small, "--trainer.run_name", "straight", "--trainer.total_steps",
                                        "4"]),
     ]
     # last (a run that stops ends the launch): most episodes fail, so the run stops with the last error
@@ -361,6 +366,7 @@ def env_runs(tmp_path_factory, shared_assets_dir):
     try:
         return root, launch_runs([*plan, last], root)
     finally:
+        shared.close()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -420,7 +426,7 @@ def test_the_tool_task_served_as_an_environment_trains_like_the_tool_preset(env_
     assert max(r["rollout/logp_abs_diff"] for r in train) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["sp2", "lora", "dynamic", "ppo"])
+@pytest.mark.parametrize("name", ["sp2_lora_dynamic", "ppo"])
 def test_environment_episodes_train_in_every_mode(env_runs, name):
     rows = _train(run_rows(env_runs, name, steps=0))
     assert [r["step"] for r in rows] == [1, 2], env_runs[1].stdout[-3000:] + env_runs[1].stderr[-3000:]

@@ -98,7 +98,7 @@ class FlakyEnv(ToyEnv):
         return super().step(action)
 
 
-toy_app = create_app(ToyEnv, TextAction, TextObservation, max_concurrent_envs=256)
+toy_app = create_app(ToyEnv, TextAction, TextObservation, max_concurrent_envs=1024)  # two ranks' 256 episodes each
 tool_app = create_app(ToolEnv, TextAction, TextObservation, max_concurrent_envs=256)
 flaky_app = create_app(FlakyEnv, TextAction, TextObservation, max_concurrent_envs=256)
 single_app = create_app(ToyEnv, TextAction, TextObservation)  # openenv-core's default: one session at a time
