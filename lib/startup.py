@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lib import budget, distill, envs, exits, export, judges, lora, multi_turn, routing, selfcheck, toy
 from lib.envs import openenv
 from lib.envs import reasoning_gym as rg_data
+from lib.envs import verifiers_data as vf_data
 from lib.envs.loop import EnvRollout
 from lib.judges import toy as judge_toy
 from lib.config import Config, to_dict
@@ -401,25 +402,26 @@ def resolve_toy(cfg: Config, topo: Topology | None = None) -> None:
 
 
 def resolve_generated(cfg: Config, topo: Topology | None = None) -> None:
-    """Data files made from a task library's name (``reasoning_gym:...``, lib/envs/reasoning_gym.py): rank 0 writes
+    """Data files made from a task library's or an environment's name (``reasoning_gym:...``,
+    lib/envs/reasoning_gym.py; ``verifiers:...``, lib/envs/verifiers_data.py): rank 0 writes
     them once under the output root and every rank reads the paths (``topo`` None: a single process, lib/check.py).
     A bad name or setting raises ValueError on every rank."""
     d = cfg.data
-    names = [f for f in d.train_files + d.val_files if rg_data.is_spec(f)]
-    if not names:
+    makers = {name: m for name in d.train_files + d.val_files for m in (rg_data, vf_data) if m.is_spec(name)}
+    if not makers:
         return
     problem = [""]
     if topo is None or topo.is_main:
         try:
-            for name in names:
-                rg_data.build(name, cfg.trainer.output_root)
+            for name, maker in makers.items():
+                maker.build(name, cfg.trainer.output_root)
         except ValueError as e:
             problem = [str(e)]
     if topo is not None:
         dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise ValueError(problem[0])
-    paths = {name: rg_data.build(name, cfg.trainer.output_root) for name in names}  # written: just the paths
+    paths = {name: maker.build(name, cfg.trainer.output_root) for name, maker in makers.items()}  # just the paths
     d.train_files = [paths.get(f, f) for f in d.train_files]
     d.val_files = [paths.get(f, f) for f in d.val_files]
 

@@ -220,6 +220,8 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      "reasoning_gym has no task ['no_such_task']"),
     ("rg-setting", "train_grpo.py", "--data.val_files reasoning_gym:leg_counting:leg_counting.bogus=1",
      "reasoning_gym task leg_counting refuses the settings"),
+    ("vf-env", "train_grpo.py", "--data.train_files verifiers:no-such-env-anywhere",
+     "verifiers environment 'no-such-env-anywhere' with {} cannot be loaded"),
     ("env-unreachable", "train_grpo.py", "--env.url http://127.0.0.1:9 --env.max_retries 1 --env.backoff_s 0.01",
      "the OpenEnv server at http://127.0.0.1:9 cannot be reached"),
     ("env-both", "train_grpo.py", "--env.url http://127.0.0.1:9 --env.app server.py:app",

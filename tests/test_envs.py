@@ -1,5 +1,6 @@
 """Environments and task libraries from the ecosystem (lib/envs): reasoning-gym's tasks as data."""
 
+import importlib.util
 import json
 import os
 
@@ -81,6 +82,60 @@ def test_reasoning_gym_not_installed_names_the_pip_command(monkeypatch, tmp_path
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym raises ImportError
     with pytest.raises(ValueError, match=r"pip install -e '\.\[reasoning-gym\]'"):
         rg_data.build("reasoning_gym:leg_counting", str(tmp_path))
+
+
+# ---- verifiers: a taskset as rows, its own rewards as the scorer
+
+ENVS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs")
+"""Where tests/envs/toy_verifiers (the toy task as a verifiers 0.4 environment, id toy-verifiers) is importable."""
+
+
+def test_a_verifiers_environments_scoring_of_the_same_completions_equals_ours(tmp_path, monkeypatch):
+    """The rows of verifiers:toy-verifiers hold each task's prompt; their scores through our reward workers equal
+    the environment's own scoring (await task.score(trace) on a trace its harness would record), task by task, for
+    right, wrong, partial and empty completions, rewards and metrics alike."""
+    import asyncio
+
+    vf = pytest.importorskip("verifiers.v1", reason="the envs-test extra (test.sh adds it)")
+    from lib.envs import verifiers_data
+    from lib.rewards.pool import RewardPool
+
+    monkeypatch.syspath_prepend(ENVS_DIR)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ENVS_DIR, os.environ.get("PYTHONPATH")])))
+    path = verifiers_data.build("verifiers:toy-verifiers:split=val", str(tmp_path))
+    rows = [json.loads(line) for line in open(path)][:20]
+    theirs = list(vf.load_taskset(vf.taskset_config_type("toy-verifiers")(id="toy-verifiers", split="val")))
+    samples, expected = [], []
+    for row, task in zip(rows, theirs):
+        assert row["prompt"] == [{"role": "user", "content": task.data.prompt}]
+        assert row["reward_model"]["ground_truth"] == task.data.answer
+        for reply in (task.data.answer, task.data.answer[:3], "9,9,9,9", "", task.data.answer + "1"):
+            trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data),
+                             agent=vf.AgentInfo(config=vf.AgentConfig()))
+            trace.nodes = [vf.MessageNode(message=vf.UserMessage(content=task.data.prompt_text)),
+                           vf.MessageNode(message=vf.AssistantMessage(content=reply), parent=0, sampled=True)]
+            asyncio.run(task.score(trace))
+            expected.append((trace.reward, trace.rewards["reversed_digits"].score, trace.metrics["exact"]))
+            samples.append((row["data_source"], reply, row["reward_model"]["ground_truth"], row["extra_info"], None))
+    pool = RewardPool("", 30.0, 2)
+    try:
+        results = pool.score(samples)
+    finally:
+        pool.close()
+    assert [r[3] for r in results] == [""] * len(samples), results[:2]
+    got = [(r[0], r[1]["vf_reversed_digits"], r[1]["vf_exact"]) for r in results]
+    assert got == expected
+    assert {e[0] for e in expected} >= {0.0, 1.0} and any(0 < e[0] < 1 for e in expected)
+
+
+def test_verifiers_spec_errors_name_the_fix(tmp_path):
+    from lib.envs import verifiers_data
+
+    for name, expected in {"verifiers:": "names no environment", "verifiers:toy-verifiers:split": "is not key=value",
+                           "verifiers:no-such-env-anywhere": "cannot be loaded"}.items():
+        with pytest.raises(ValueError) as e:
+            verifiers_data.build(name, str(tmp_path))
+        assert expected in str(e.value), (name, str(e.value))
 
 
 # ---- OpenEnv: an episode's tokens, rewards and failures, against servers written with openenv-core
@@ -339,12 +394,21 @@ def env_runs(tmp_path_factory, shared_assets_dir):
         ("straight", "train_grpo.py", [*toy_url, *small, "--trainer.run_name", "straight", "--trainer.total_steps",
                                        "4"]),
     ]
+    # the default preset on the toy task's verifiers environment, and on its own rows: the same run, step for step
+    default3 = ["--actor.model.path", digits["model"], "--trainer.output_root", str(root), "--trainer.total_steps",
+                "3", "--trainer.val_every", "3"]
+    plan += [("verifiers", "train_grpo.py", [*default3, "--trainer.run_name", "verifiers", "--data.train_files",
+                                             "verifiers:toy-verifiers:split=train", "--data.val_files",
+                                             "verifiers:toy-verifiers:split=val"]),
+             ("default_3", "train_grpo.py", [*default3, "--trainer.run_name", "default_3", "--data.train_files",
+                                             digits["train"], "--data.val_files", digits["val"]])]
     # last (a run that stops ends the launch): most episodes fail, so the run stops with the last error
     failing = root / "failing.jsonl"
     failing.write_text("".join(json.dumps(env_row(f"{i},", fail="reset" if i % 4 else "", answer="1,")) + "\n"
                                for i in range(16)))
     last = ("failing", "train_grpo.py", [*toy_env, *small, "--trainer.run_name", "failing", "--data.train_files",
                                          str(failing), "--env.app", f"{APPS}:flaky_app", "--env.max_retries", "0"])
+    paths = [ENVS_DIR]  # the ranks and their reward workers import the verifiers environment by its id
     env = {}
     if os.path.isdir(THIRD_PARTY):
         dipg = root / "dipg.jsonl"
@@ -359,8 +423,9 @@ def env_runs(tmp_path_factory, shared_assets_dir):
             "llm_response", "--env.observation_field", "context,question", "--env.max_sessions", "1",
             "--data.max_prompt_length", "256", "--rollout.max_response_length", "16", *small[:4], "--rollout.n",
             "2", "--trainer.train_batch_size", "4", "--actor.mini_batch_size", "8"]))
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [THIRD_PARTY, os.environ.get("PYTHONPATH")])),
-               "DIPG_DATASET_PATH": str(dipg), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        paths.append(THIRD_PARTY)
+        env = {"DIPG_DATASET_PATH": str(dipg), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -471,3 +536,22 @@ def test_a_run_where_most_episodes_fail_stops_with_the_last_error(env_runs):
     assert "warning: env/failed_reset: reset raised on the server" in text
     assert not run_rows(env_runs, "failing"), "a step was logged"
     assert re.search(r"exitcode\s*:\s*3\b", out.stderr), out.stderr[-2000:]  # torchrun's report of the rank
+
+
+def test_a_verifiers_environment_trains_as_its_rows_do(env_runs):
+    """The default preset on verifiers:toy-verifiers (the toy task's taskset, scored by the environment's own reward)
+    and on the toy task's rows scored by our rule: the same prompts in the same order and the same scores, so the
+    same run, step for step, validation included; the environment's reward and metric logged."""
+    if importlib.util.find_spec("verifiers") is None:
+        pytest.skip("verifiers is not installed (the envs-test extra: test.sh adds it)")
+    ours, theirs = run_rows(env_runs, "default_3"), run_rows(env_runs, "verifiers")
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [0, 1, 2, 3, 3], env_runs[1].stderr[-3000:]
+    for a, b in zip(ours, theirs):
+        for k in ("val/score_mean", "reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
+                  "response/length_mean"):
+            if k in a:
+                assert a[k] == b[k], (a["step"], k, a[k], b[k])
+    for a, b in zip(_train(ours), _train(theirs)):  # its reward (float64) is the mean of the float32 scores
+        assert b["reward/vf_reversed_digits"] == pytest.approx(b["reward/mean"], rel=1e-6), b
+        assert b["reward/vf_exact"] == a["reward/acc"], (a, b)  # its metric is the rule's exact match
+    assert "val/verifiers/toy-verifiers/mean@1" in theirs[-1], theirs[-1]

@@ -20,7 +20,7 @@ import numbers
 import os
 from typing import Any, Callable
 
-from lib.rewards import builtin, reasoning_gym
+from lib.rewards import builtin, reasoning_gym, verifiers_score
 
 ScoreFn = Callable[..., Any]
 
@@ -35,14 +35,16 @@ RULES: dict[str, ScoreFn] = {
 
 
 class Sources(frozenset):
-    """The data sources a rule scores: RULES' names, and ``reasoning_gym/<task>`` for every task of reasoning-gym
-    (lib/rewards/reasoning_gym.py)."""
+    """The data sources a rule scores: RULES' names, ``reasoning_gym/<task>`` for every task of reasoning-gym
+    (lib/rewards/reasoning_gym.py) and ``verifiers/<env id>`` for a verifiers environment's rows
+    (lib/rewards/verifiers_score.py)."""
 
     def __contains__(self, source: object) -> bool:
-        return frozenset.__contains__(self, source) or reasoning_gym.is_source(source)
+        return frozenset.__contains__(self, source) or reasoning_gym.is_source(source) or \
+            verifiers_score.is_source(source)
 
 
-RULE_SOURCES = Sources([*RULES, f"{reasoning_gym.SOURCE_PREFIX}<task>"])
+RULE_SOURCES = Sources([*RULES, f"{reasoning_gym.SOURCE_PREFIX}<task>", f"{verifiers_score.SOURCE_PREFIX}<env id>"])
 
 FAILURE_KINDS = ("errors", "invalid", "exits", "crashes", "timeouts")
 """How a sample's scoring can fail: the scorer raised; returned no usable score; called sys.exit; killed its
@@ -118,6 +120,8 @@ def rule_for(data_source: Any) -> ScoreFn:
         return RULES[data_source]
     if reasoning_gym.is_source(data_source):
         return reasoning_gym.score
+    if verifiers_score.is_source(data_source):
+        return verifiers_score.score
     raise ValueError(f"no scorer for data_source {data_source!r}; known: {sorted(RULE_SOURCES)}, or set "
                      f"--reward.custom_fn path/to/file.py:function")
 

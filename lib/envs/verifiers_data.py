@@ -1,0 +1,84 @@
+"""A verifiers environment's taskset as prompt data: a data file named
+
+    verifiers:ENV_ID[:key=value ...]
+
+in ``--data.train_files`` or ``--data.val_files`` becomes a JSON-lines file of rows in our layout (written once under
+the output root, named by the spec's hash): one row per task of the environment's taskset, made with the arguments
+``key=value`` (a value is read as JSON, else taken as text; e.g. ``split=val``). Each row: the task's prompt (its
+system prompt, then its prompt as chat messages), ``data_source`` ``verifiers/ENV_ID`` (validation reports each
+environment apart), the task's ``answer`` (if it has one) as the ground truth, and in ``extra_info.verifiers`` what
+finds the task again, which the scorer uses (lib/rewards/verifiers_score.py: the environment's own rewards).
+
+verifiers 0.4 finds ENV_ID as an installed module (``-`` read as ``_``) whose ``__all__`` names one Taskset. Single
+turn: a multi-turn environment's turns are not played here (its first prompt and its rewards on one reply).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from lib.rewards.verifiers_score import SOURCE_PREFIX, messages_of, tasks
+
+PREFIX = "verifiers:"
+USAGE = "verifiers:ENV_ID[:key=value ...]"
+
+
+def is_spec(name: str) -> bool:
+    return isinstance(name, str) and name.startswith(PREFIX)
+
+
+def parse(name: str) -> tuple[str, dict]:
+    env_id, *options = name[len(PREFIX):].split(":")
+    if not env_id:
+        raise ValueError(f"data file {name!r} names no environment; write {USAGE}")
+    arguments = {}
+    for option in options:
+        key, eq, value = option.partition("=")
+        if not eq or not key:
+            raise ValueError(f"data file {name!r}: {option!r} is not key=value; write {USAGE}")
+        try:
+            arguments[key] = json.loads(value)
+        except ValueError:
+            arguments[key] = value
+    return env_id, arguments
+
+
+def rows(name: str) -> list[dict]:
+    env_id, arguments = parse(name)
+    encoded = json.dumps(arguments, sort_keys=True)
+    try:
+        found = tasks(env_id, encoded)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - verifiers' own errors: no such module, a refused argument
+        raise ValueError(f"verifiers environment {env_id!r} with {encoded} cannot be loaded ({type(e).__name__}: "
+                         f"{str(e)[:300]}); install its package (pip install ...) and check its arguments") from None
+    out = []
+    for index, task in enumerate(found):
+        answer = getattr(task.data, "answer", None)
+        out.append({"prompt": messages_of(task), "data_source": SOURCE_PREFIX + env_id,
+                    "reward_model": {"ground_truth": "" if answer is None else str(answer), "style": "rule"},
+                    "extra_info": {"index": index, "verifiers": {"env": env_id, "arguments": encoded,
+                                                                 "index": index}}})
+    if not out:
+        raise ValueError(f"verifiers environment {env_id!r} with {encoded} has no task")
+    return out
+
+
+def build(name: str, root: str) -> str:
+    """The JSON-lines file of a ``verifiers:...`` name under ``root`` (written once, atomically)."""
+    env_id, _ = parse(name)
+    digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+    path = os.path.join(root, "verifiers", f"{env_id[:60]}-{digest}.jsonl")
+    if os.path.isfile(path):
+        return path
+    made = rows(name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for row in made:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,82 @@
+"""A verifiers environment's own scoring as a rule scorer: a row whose data_source is ``verifiers/<env id>`` is scored
+by its task's rewards (``await task.score(trace)``, verifiers 0.4's ``verifiers.v1``) on a trace of the row's prompt
+and the response, the task found again from what the row names in ``extra_info.verifiers`` (the environment id, its
+taskset arguments as JSON, the task's index). The score is the trace's weighted reward; each reward's own score
+and each metric go to the metrics as ``reward/vf_<name>``.
+
+Torch-free like the rest of lib/rewards: the reward workers import it. verifiers itself is imported on first use
+(pip install -e '.[verifiers]').
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from typing import Any
+
+SOURCE_PREFIX = "verifiers/"
+INSTALL = "pip install -e '.[verifiers]' (or pip install verifiers==0.4.0)"
+
+
+def is_source(data_source: Any) -> bool:
+    return isinstance(data_source, str) and data_source.startswith(SOURCE_PREFIX)
+
+
+def library() -> Any:
+    try:
+        import verifiers.v1 as vf
+    except ImportError:
+        raise ValueError(f"verifiers rows need the verifiers package (0.4), which is not installed: {INSTALL}") \
+            from None
+    return vf
+
+
+@functools.lru_cache(maxsize=16)
+def tasks(env_id: str, arguments: str) -> list:
+    """The tasks of environment ``env_id``'s taskset made with ``arguments`` (JSON), in its order."""
+    vf = library()
+    config = vf.taskset_config_type(env_id)(id=env_id, **json.loads(arguments))
+    return list(vf.load_taskset(config))
+
+
+def messages_of(task: Any) -> list[dict]:
+    """The task's prompt as chat messages: its system prompt, then its prompt (a text is one user message)."""
+    data = task.data
+    out = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    if isinstance(data.prompt, str):
+        return out + [{"role": "user", "content": data.prompt}]
+    for m in data.prompt or []:
+        m = m.model_dump() if hasattr(m, "model_dump") else dict(m)
+        out.append({"role": m["role"], "content": m.get("content") if isinstance(m.get("content"), str) else
+                    json.dumps(m.get("content"))})
+    return out
+
+
+def trace_of(task: Any, response: str) -> Any:
+    """A verifiers trace of the task's prompt and one sampled reply, as its harness records a single turn."""
+    vf = library()
+    kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
+    trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data),
+                     agent=vf.AgentInfo(config=vf.AgentConfig()))
+    nodes = [vf.MessageNode(message=kinds[m["role"]](content=m["content"]), parent=i - 1 if i else None)
+             for i, m in enumerate(messages_of(task))]
+    nodes.append(vf.MessageNode(message=vf.AssistantMessage(content=response), parent=len(nodes) - 1 if nodes else None,
+                                sampled=True))
+    trace.nodes = nodes
+    return trace
+
+
+def score(solution_str: str, ground_truth: Any = None, extra_info: Any = None) -> dict:
+    """The environment's weighted reward of the response, and each of its rewards."""
+    where = extra_info.get("verifiers") if isinstance(extra_info, dict) else None
+    if not isinstance(where, dict):
+        raise ValueError("a verifiers row has no extra_info.verifiers (env, arguments, index); make the rows with "
+                         "--data.train_files verifiers:ENV_ID")
+    task = tasks(where["env"], where.get("arguments", "{}"))[int(where["index"])]
+    trace = trace_of(task, solution_str)
+    asyncio.run(task.score(trace))
+    out = {"score": float(trace.reward)}
+    out.update({f"vf_{name}": float(r.score) for name, r in trace.rewards.items()})
+    out.update({f"vf_{name}": float(v) for name, v in trace.metrics.items() if isinstance(v, (int, float))})
+    return out
