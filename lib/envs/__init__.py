@@ -5,7 +5,10 @@ its own samples' episodes, as it runs their tool calls).
   (``--env.app``);
 - ``loop.py``: the rollout against it, one episode per sample, token in, token out; failures masked, never scored 0;
 - ``reasoning_gym.py``: reasoning-gym's procedural tasks as prompt data (``--data.train_files reasoning_gym:TASK``),
-  scored by the library's own answer check (lib/rewards/reasoning_gym.py).
+  scored by the library's own answer check (lib/rewards/reasoning_gym.py);
+- ``verifiers_data.py``: a verifiers 0.4 environment's tasks as prompt data (``verifiers:ENV_ID``), scored by its own
+  rewards (lib/rewards/verifiers_score.py);
+- ``serve.py``: the child process that serves an ``env.app``.
 """
 
 from __future__ import annotations
