@@ -14,11 +14,10 @@ ground truth, and in ``extra_info.reasoning_gym`` what makes the entry again, wh
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 
+from lib.envs.rows import written
 from lib.rewards.reasoning_gym import SOURCE_PREFIX, dataset, library
 
 PREFIX = "reasoning_gym:"
@@ -108,15 +107,4 @@ def rows(spec: Spec) -> list[dict]:
 def build(name: str, root: str) -> str:
     """The JSON-lines file of a ``reasoning_gym:...`` name under ``root`` (written once, atomically)."""
     spec = parse(name)
-    digest = hashlib.sha1(name.encode()).hexdigest()[:12]
-    path = os.path.join(root, "reasoning_gym", f"{'+'.join(spec.tasks)[:60]}-{digest}.jsonl")
-    if os.path.isfile(path):
-        return path
-    made = rows(spec)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        for row in made:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
-    return path
+    return written(root, "reasoning_gym", "+".join(spec.tasks), name, lambda: rows(spec))

@@ -15,10 +15,9 @@ turn: a multi-turn environment's turns are not played here (its first prompt and
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 
+from lib.envs.rows import written
 from lib.rewards.verifiers_score import SOURCE_PREFIX, messages_of, tasks
 
 PREFIX = "verifiers:"
@@ -70,15 +69,4 @@ def rows(name: str) -> list[dict]:
 def build(name: str, root: str) -> str:
     """The JSON-lines file of a ``verifiers:...`` name under ``root`` (written once, atomically)."""
     env_id, _ = parse(name)
-    digest = hashlib.sha1(name.encode()).hexdigest()[:12]
-    path = os.path.join(root, "verifiers", f"{env_id[:60]}-{digest}.jsonl")
-    if os.path.isfile(path):
-        return path
-    made = rows(name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        for row in made:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
-    return path
+    return written(root, "verifiers", env_id, name, lambda: rows(name))
