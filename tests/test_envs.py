@@ -128,6 +128,17 @@ def test_a_verifiers_environments_scoring_of_the_same_completions_equals_ours(tm
     assert {e[0] for e in expected} >= {0.0, 1.0} and any(0 < e[0] < 1 for e in expected)
 
 
+def test_verifiers_not_installed_names_the_pip_command(monkeypatch, tmp_path):
+    import sys
+
+    from lib.envs import verifiers_data
+
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # import verifiers.v1 raises ImportError
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)
+    with pytest.raises(ValueError, match=r"pip install -e '\.\[verifiers\]'"):
+        verifiers_data.build("verifiers:some-env", str(tmp_path))
+
+
 def test_verifiers_spec_errors_name_the_fix(tmp_path):
     from lib.envs import verifiers_data
 
