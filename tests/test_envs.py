@@ -263,8 +263,8 @@ def test_failed_episodes_are_masked_and_counted_never_scored_zero(servers, tool_
     kinds = ["", "reset", "step", "hang", "nan", "long"]
     rows = [env_row(f"{i}{k}", fail=k, answer="1,") for i, k in enumerate(kinds)]
     script = {f"{i}{k}": ["1,", "1,"] for i, k in enumerate(kinds)}
-    out, _, _ = env_rollout(tok, servers["flaky_app"], rows, tmp_path, script, timeout_s=2.0, max_retries=1,
-                            backoff_s=0.01)
+    out, _, _ = env_rollout(tok, servers["flaky_app"], rows, tmp_path, script, timeout_s=5.0, max_retries=1,
+                            backoff_s=0.01)  # the hanging step sleeps 30 s; the others take milliseconds
     got = [(s[1], s[0]) for s in out.non_tensor_batch["env_score"]]
     # OpenEnv's JSON carries a NaN reward as null, which is its "no reward" (reward_value refuses what arrives)
     assert got == [("", 1.0), ("reset", 0.0), ("step", 0.0), ("timeout", 0.0), ("", 0.0), ("", 0.5)], got
@@ -311,15 +311,19 @@ def test_the_deadline_fails_what_still_waits(servers, tool_tokenizer, tmp_path):
     tok = tool_tokenizer
     rows = [env_row("0", answer="1,"), env_row("1hang", fail="hang", answer="1,")]
     out, _, _ = env_rollout(tok, servers["flaky_app"], rows, tmp_path, {"0": ["1,"], "1hang": ["1,"]},
-                            timeout_s=60.0, deadline_s=1.5)
+                            timeout_s=60.0, deadline_s=5.0)  # the hanging step sleeps 30 s
     assert [s[1] for s in out.non_tensor_batch["env_score"]] == ["", "deadline"]
 
 
 def test_a_server_that_cannot_be_reached_is_one_clear_error():
-    from lib.envs.openenv import free_port, probe
+    import socket
 
-    with pytest.raises(ValueError, match="cannot be reached .* 2 tries"):
-        probe(f"http://127.0.0.1:{free_port()}", 1.0, 2, 0.01)
+    from lib.envs.openenv import probe
+
+    with socket.socket() as held:  # a port bound and not listening: refused, and no other server can take it
+        held.bind(("127.0.0.1", 0))
+        with pytest.raises(ValueError, match="cannot be reached .* 2 tries"):
+            probe(f"http://127.0.0.1:{held.getsockname()[1]}", 1.0, 2, 0.01)
 
 
 # ---- whole runs: one torchrun launch of 2 ranks for all of them (tests/helpers.launch_runs)
