@@ -139,7 +139,7 @@ class EnvRollout:
                 wave_key = key if len(waves) == 1 else (key, "wave", w)
                 self._play([episodes[i] for i in wave], plays, nt, engine, validate, wave_key, pool, deadline, tally)
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=False)  # the failed sessions' closes, queued by _play, still run
         env_s, gen_s, sampled, turn_rows = tally["env_s"], tally["gen_s"], tally["sampled"], tally["turn_rows"]
         prompts_changed = tally["prompts_changed"]
         for e, p in zip(episodes, plays):
