@@ -166,7 +166,9 @@ def servers(tmp_path_factory):
     yield {name: s.url for name, s in started.items()}
     for s in started.values():
         s.close()
-    for name in started:  # a server that logged a traceback failed somewhere the loop did not see
+    # a server that logged a traceback failed somewhere the loop did not see; the flaky one's hanging steps answer,
+    # 30 s on, sessions their clients closed at env.timeout_s, which openenv-core's server logs as a traceback
+    for name in ("tool_app", "toy_app", "single_app"):
         assert "Traceback" not in open(logs / f"{name}.log").read(), open(logs / f"{name}.log").read()[-3000:]
 
 
