@@ -3,8 +3,9 @@
     python -m lib.check SCRIPT WORLD_SIZE [script arguments...]
 
 A bad config, path, data row or custom reward prints one message naming the fix and exits 2, before any rank
-(and any model) starts; nothing is written but the toy task's assets. Exit 0: the ranks may start (they run the
-same checks again, for users who call torchrun directly). A script other than the two below is not checked here.
+(and any model) starts; nothing is written but the toy task's assets and the rows made from a name
+(reasoning_gym:..., verifiers:...). Exit 0: the ranks may start (they run the same checks again, for users who call
+torchrun directly). A script other than the two below is not checked here.
 """
 
 from __future__ import annotations
