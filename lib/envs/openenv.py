@@ -76,7 +76,7 @@ class Session:
                                                   **({"proxy": None} if local else {})).__enter__()
         except TimeoutError:
             raise EnvFailure("timeout", f"connecting to {url} took over {timeout_s:g} s") from None
-        except (OSError, Exception) as e:  # noqa: BLE001 - refused, reset, a handshake the server rejected
+        except Exception as e:  # noqa: BLE001 - refused, reset, a handshake the server rejected
             raise EnvFailure("connect", f"cannot connect to {url} ({type(e).__name__}: {e})") from None
 
     def send(self, kind: str, data: dict) -> Result:
@@ -161,9 +161,9 @@ def check_app(app: str) -> None:
     """An env.app whose file or module cannot be found: one clear error before any rank starts (the server itself
     starts on each rank, later)."""
     module, _, folder = app_target(app)  # a file: it exists
-    top = module.split(".")[0]
     if app.rpartition(":")[0].endswith(".py"):
         return
+    top = module.split(".")[0]
     if importlib.util.find_spec(top) is None and not any(os.path.exists(os.path.join(folder, top + end))
                                                          for end in ("", ".py")):
         raise ValueError(f"env.app {app}: no module {top!r} is installed or in {folder}; install "

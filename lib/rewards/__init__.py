@@ -33,18 +33,29 @@ RULES: dict[str, ScoreFn] = {
 }
 
 
+PREFIX_RULES: dict[str, ScoreFn] = {reasoning_gym.SOURCE_PREFIX: reasoning_gym.score,
+                                    verifiers_score.SOURCE_PREFIX: verifiers_score.score}
+"""Data sources scored by prefix: ``reasoning_gym/<task>`` for every task of reasoning-gym
+(lib/rewards/reasoning_gym.py), ``verifiers/<env id>`` for a verifiers environment's rows
+(lib/rewards/verifiers_score.py)."""
+
+
+def prefix_rule(source: object) -> ScoreFn | None:
+    if isinstance(source, str):
+        for prefix, fn in PREFIX_RULES.items():
+            if source.startswith(prefix):
+                return fn
+    return None
+
 
 class Sources(frozenset):
-    """The data sources a rule scores: RULES' names, ``reasoning_gym/<task>`` for every task of reasoning-gym
-    (lib/rewards/reasoning_gym.py) and ``verifiers/<env id>`` for a verifiers environment's rows
-    (lib/rewards/verifiers_score.py)."""
+    """The data sources a rule scores: RULES' names and PREFIX_RULES' prefixes."""
 
     def __contains__(self, source: object) -> bool:
-        return frozenset.__contains__(self, source) or reasoning_gym.is_source(source) or \
-            verifiers_score.is_source(source)
+        return frozenset.__contains__(self, source) or prefix_rule(source) is not None
 
 
-RULE_SOURCES = Sources([*RULES, f"{reasoning_gym.SOURCE_PREFIX}<task>", f"{verifiers_score.SOURCE_PREFIX}<env id>"])
+RULE_SOURCES = Sources([*RULES, *(f"{prefix}<name>" for prefix in PREFIX_RULES)])
 
 FAILURE_KINDS = ("errors", "invalid", "exits", "crashes", "timeouts")
 """How a sample's scoring can fail: the scorer raised; returned no usable score; called sys.exit; killed its
@@ -118,10 +129,8 @@ def check_truth_source(fn: ScoreFn, spec: str, truths: Any, columns: Any) -> Non
 def rule_for(data_source: Any) -> ScoreFn:
     if data_source in RULES:
         return RULES[data_source]
-    if reasoning_gym.is_source(data_source):
-        return reasoning_gym.score
-    if verifiers_score.is_source(data_source):
-        return verifiers_score.score
+    if (fn := prefix_rule(data_source)) is not None:
+        return fn
     raise ValueError(f"no scorer for data_source {data_source!r}; known: {sorted(RULE_SOURCES)}, or set "
                      f"--reward.custom_fn path/to/file.py:function")
 

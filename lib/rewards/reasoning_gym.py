@@ -20,9 +20,6 @@ SOURCE_PREFIX = "reasoning_gym/"
 INSTALL = "pip install -e '.[reasoning-gym]' (or pip install reasoning-gym==0.1.25)"
 
 
-def is_source(data_source: Any) -> bool:
-    return isinstance(data_source, str) and data_source.startswith(SOURCE_PREFIX)
-
 
 def library() -> Any:
     try:

@@ -19,9 +19,6 @@ SOURCE_PREFIX = "verifiers/"
 INSTALL = "pip install -e '.[verifiers]' (or pip install verifiers==0.4.0)"
 
 
-def is_source(data_source: Any) -> bool:
-    return isinstance(data_source, str) and data_source.startswith(SOURCE_PREFIX)
-
 
 def library() -> Any:
     try:
