@@ -16,18 +16,14 @@ import functools
 import json
 from typing import Any
 
+from lib.rewards.optional import optional
+
 SOURCE_PREFIX = "reasoning_gym/"
 INSTALL = "pip install -e '.[reasoning-gym]' (or pip install reasoning-gym==0.1.25)"
 
 
-
 def library() -> Any:
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise ValueError(f"reasoning_gym rows need the reasoning-gym package, which is not installed: {INSTALL}") \
-            from None
-    return reasoning_gym
+    return optional("reasoning_gym", "reasoning_gym rows need the reasoning-gym package", INSTALL)
 
 
 @functools.lru_cache(maxsize=64)

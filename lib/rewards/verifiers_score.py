@@ -15,18 +15,14 @@ import functools
 import json
 from typing import Any
 
+from lib.rewards.optional import optional
+
 SOURCE_PREFIX = "verifiers/"
 INSTALL = "pip install -e '.[verifiers]' (or pip install verifiers==0.4.0)"
 
 
-
 def library() -> Any:
-    try:
-        import verifiers.v1 as vf
-    except ImportError:
-        raise ValueError(f"verifiers rows need the verifiers package (0.4), which is not installed: {INSTALL}") \
-            from None
-    return vf
+    return optional("verifiers.v1", "verifiers rows need the verifiers package (0.4)", INSTALL)
 
 
 @functools.lru_cache(maxsize=16)
