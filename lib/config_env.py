@@ -8,8 +8,8 @@ from typing import Literal
 
 @dataclass
 class EnvConfig:
-    """An OpenEnv environment plays every sample's episode (lib/envs): the model's turn is the action, the
-    environment's observation the next message, its rewards the sample's. An episode that fails (reset or step raised,
+    """An OpenEnv environment (or the verifiers environment each row names) plays every sample's episode (lib/envs):
+    the model's turn is the action, the environment's observation the next message, its rewards the sample's. An episode that fails (reset or step raised,
     timed out, past the deadline, a reward that is not a number) is masked from the update and counted in env/*,
     never rewarded 0."""
 
@@ -18,6 +18,10 @@ class EnvConfig:
     app: str = ""
     """An OpenEnv server the run starts, one per rank: its FastAPI app as ``package.module:app`` or
     ``path/to/server.py:app`` (served by uvicorn on a free local port). Not with url."""
+    verifiers: bool = False
+    """Play the turns of the verifiers environment each row names (rows made with --data.train_files
+    verifiers:ENV_ID): its own Env.run drives the episode, the policy plays its one seat, the environment's rewards
+    score it. No server; not with url or app."""
     action_field: str = "message"
     """The action's field that carries the model's turn (its text, the stop token left out)."""
     action_fields: str = ""

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lib import budget, distill, envs, exits, export, judges, lora, multi_turn, routing, selfcheck, toy
-from lib.envs import openenv
+from lib.envs import openenv, verifiers_play
 from lib.envs import reasoning_gym as rg_data
 from lib.envs import verifiers_data as vf_data
 from lib.envs.loop import EnvRollout
@@ -193,7 +193,15 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         logger.print(f"{inputs.judge.describe()}; reward = {cfg.judge.weight:g} x judge + {cfg.judge.rule_weight:g} x "
                      f"rule; unscored samples masked")
     tools = MultiTurn(cfg.multi_turn, tokenizer, cfg.rollout.max_response_length) if multi_turn.enabled(cfg) else None
-    if env_url:
+    if cfg.env.verifiers:
+        bridge = verifiers_play.Bridge()
+        tools = EnvRollout(cfg.env, "", tokenizer, cfg.rollout.max_response_length, cfg.data.max_prompt_length,
+                           connect=lambda: verifiers_play.VerifiersSession(bridge, cfg.env.timeout_s,
+                                                                           cfg.env.action_field))
+        logger.print(f"environment: each row's verifiers environment plays its turns in process; "
+                     f"{cfg.env.max_in_flight} turns in flight a rank; reward = {cfg.env.weight:g} x its reward + "
+                     f"{cfg.env.rule_weight:g} x rule; failed episodes masked")
+    elif env_url:
         tools = EnvRollout(cfg.env, env_url, tokenizer, cfg.rollout.max_response_length, cfg.data.max_prompt_length)
         logger.print(f"environment: OpenEnv at {env_url}{' (started by each rank: ' + cfg.env.app + ')' if env_server else ''}; "
                      f"{cfg.env.max_in_flight} requests in flight a rank; reward = {cfg.env.weight:g} x return + "
@@ -408,6 +416,11 @@ def resolve_generated(cfg: Config, topo: Topology | None = None) -> None:
     A bad name or setting raises ValueError on every rank."""
     d = cfg.data
     makers = {name: m for name in d.train_files + d.val_files for m in (rg_data, vf_data) if m.is_spec(name)}
+    if cfg.env.verifiers:
+        others = [f for f in d.train_files + d.val_files if not vf_data.is_spec(f)]
+        if others:
+            raise ValueError(f"env.verifiers plays the environment each row names, and {others} are not rows of a "
+                             f"verifiers environment: name them as {vf_data.USAGE}")
     if not makers:
         return
     problem = [""]
@@ -415,6 +428,8 @@ def resolve_generated(cfg: Config, topo: Topology | None = None) -> None:
         try:
             for name, maker in makers.items():
                 maker.build(name, cfg.trainer.output_root)
+                if cfg.env.verifiers:  # its turns play here: no MCP tools, no container
+                    verifiers_play.check(*vf_data.parse(name))
         except ValueError as e:
             problem = [str(e)]
     if topo is not None:

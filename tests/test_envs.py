@@ -128,6 +128,96 @@ def test_a_verifiers_environments_scoring_of_the_same_completions_equals_ours(tm
     assert {e[0] for e in expected} >= {0.0, 1.0} and any(0 < e[0] < 1 for e in expected)
 
 
+def verifiers_rollout(tokenizer, spec, keys, tmp_path, script, budget=200, **cfg):
+    """One rollout of the rows of ``spec`` whose prompt is one of ``keys``, each episode played by the verifiers
+    environment the row names (env.verifiers), the turns scripted (ScriptedEngine); and how many of the
+    environments' runs were still under way after it."""
+    import asyncio
+
+    import numpy as np
+
+    from lib.config_env import EnvConfig
+    from lib.data import collate, load_prompts
+    from lib.envs import verifiers_data, verifiers_play
+    from lib.envs.loop import EnvRollout
+    from tests.test_multi_turn import ScriptedEngine
+
+    rows = {json.loads(line)["prompt"][-1]["content"]: line for line in open(verifiers_data.build(spec, str(tmp_path)))}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(rows[k] for k in keys))
+    ps = load_prompts([str(path)], tokenizer, 32, known_sources=None)
+    data = collate(ps, np.arange(len(ps)), 32, tokenizer.pad_token_id)
+    c = EnvConfig(verifiers=True, **{"max_turns": 4, **cfg})
+    bridge = verifiers_play.Bridge()
+    roller = EnvRollout(c, "", tokenizer, budget, 32,
+                        connect=lambda: verifiers_play.VerifiersSession(bridge, c.timeout_s, c.action_field))
+    engine = ScriptedEngine(tokenizer, script)
+
+    async def running():
+        return len(asyncio.all_tasks()) - 1
+
+    try:
+        out = roller.rollout(engine, data)
+        return out, engine, asyncio.run_coroutine_threadsafe(running(), bridge.loop).result(10)
+    finally:
+        roller.close()
+        bridge.close()
+
+
+def test_a_multi_turn_verifiers_environment_plays_its_turns_token_in_token_out(tmp_path, monkeypatch):
+    """The toy tool task as a verifiers environment whose run() answers the lookup call (tests/envs/
+    toy_verifiers_tool): the policy's turns are sampled in our loop, the environment's tool message rendered after
+    the call (response_mask 0), the answer; the sample's score is the environment's own reward of the played trace.
+    An episode the loop ends (env.max_turns) ends the environment's exchange (a terminated turn) and is scored on what
+    was played; an environment that raises fails its episode, counted, never scored 0."""
+    pytest.importorskip("verifiers.v1", reason="the envs-test extra (test.sh adds it)")
+    from lib import toy
+    from lib.multi_turn.render import ObservationRenderer, tool_message
+    from lib.rewards.builtin import toy as toy_rule
+
+    monkeypatch.syspath_prepend(ENVS_DIR)
+    tok = toy.build_tool_tokenizer(str(tmp_path / "tok"))
+    _, val = toy.split_keys(0)
+    right, wrong, looping = val[:3]
+    answer = toy.example(toy.tool_digits(right))[1]
+    call = toy.tool_call_text(right)
+    script = {right: [call, answer], wrong: ["9,9,"], looping: [toy.tool_call_text(looping)] * 2}
+    out, engine, running = verifiers_rollout(tok, "verifiers:toy-verifiers-tool:split=val", [right, wrong, looping],
+                                             tmp_path, script, max_turns=2)
+    assert running == 0
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    end = [tok.convert_tokens_to_ids("<|im_end|>")]
+    obs = ObservationRenderer(tok).observation_ids([tool_message("lookup", toy.lookup(right))], "<|im_end|>")
+    expected = enc(call) + end + obs + enc(answer) + end
+    assert out.batch["responses"][0, :len(expected)].tolist() == expected
+    assert out.batch["response_mask"][0, :len(expected)].tolist() == [1] * (len(enc(call)) + 1) + [0] * len(obs) + \
+        [1] * (len(enc(answer)) + 1)
+    assert out.batch["response_mask"][0, len(expected):].sum() == 0
+    # the engine saw the prompt, then the prompt and everything so far: token in, token out
+    prompt = enc(tok.apply_chat_template([{"role": "user", "content": right}], add_generation_prompt=True,
+                                         tokenize=False))
+    assert [ids for ids, _ in engine.seen if ids[:len(prompt)] == prompt] == [prompt, prompt + enc(call) + end + obs]
+    scores = out.non_tensor_batch["env_score"]
+    wrong_score = toy_rule("9,9,", toy.example(toy.tool_digits(wrong))[1])["score"]
+    looping_score = toy_rule(toy.tool_call_text(looping), toy.example(toy.tool_digits(looping))[1])["score"]
+    assert list(scores) == [(1.0, "", ""), (wrong_score, "", ""), (looping_score, "", "")]
+    assert list(out.non_tensor_batch["num_turns"]) == [2, 1, 2]
+    m = out.meta_info["multi_turn"]
+    assert m["env/finish_done"] == 2 / 3 and m["env/finish_max_turns"] == 1 / 3, m
+    # a seat the policy cannot play (the rows of an environment that raises in run()) fails its episode
+    out, _, _ = verifiers_rollout(tok, "verifiers:toy-verifiers-tool:split=val:fail=true", [right], tmp_path / "f",
+                                  {right: [answer]})
+    kind, message = out.non_tensor_batch["env_score"][0][1:]
+    assert kind == "step" and "failed on purpose" in message, message
+    # an observation that does not fit the budget ends the episode there, and the environment's exchange with it:
+    # scored on the call it saw last
+    out, _, running = verifiers_rollout(tok, "verifiers:toy-verifiers-tool:split=val", [right], tmp_path / "b",
+                                        {right: [call]}, budget=len(enc(call)) + 2)
+    assert out.non_tensor_batch["env_score"][0] == (toy_rule(call, answer)["score"], "", "") and running == 0
+    m = out.meta_info["multi_turn"]
+    assert m["env/finish_budget"] == 1.0 and m["env/observation_too_long"] == 1, m
+
+
 def test_verifiers_not_installed_names_the_pip_command(monkeypatch, tmp_path):
     import sys
 

@@ -8,6 +8,8 @@ its own samples' episodes, as it runs their tool calls).
   scored by the library's own answer check (lib/rewards/reasoning_gym.py);
 - ``verifiers_data.py``: a verifiers 0.4 environment's tasks as prompt data (``verifiers:ENV_ID``), scored by its own
   rewards (lib/rewards/verifiers_score.py);
+- ``verifiers_play.py``: a verifiers environment's own turns (``--env.verifiers``), played by the policy in the
+  same loop;
 - ``serve.py``: the child process that serves an ``env.app``.
 """
 
@@ -21,7 +23,7 @@ from lib.envs.openenv import INSTALL, websockets_client, ws_url
 
 def enabled(cfg: Any) -> bool:
     """``cfg``: the whole Config."""
-    return bool(cfg.env.url or cfg.env.app)
+    return bool(cfg.env.url or cfg.env.app or cfg.env.verifiers)
 
 
 def config_problems(cfg: Any) -> list[str]:
@@ -33,6 +35,9 @@ def config_problems(cfg: Any) -> list[str]:
     if e.url and e.app:
         problems.append(f"env.url={e.url!r} and env.app={e.app!r} both name an environment server; keep one (url: a "
                         f"server that runs, app: one the run starts on each rank)")
+    if e.verifiers and (e.url or e.app):
+        problems.append("env.verifiers plays the verifiers environment each row names, in process; it takes no "
+                        "env.url or env.app: drop them")
     if e.url:
         try:
             ws_url(e.url)
@@ -67,7 +72,8 @@ def config_problems(cfg: Any) -> list[str]:
         problems.append("an environment's observations are rendered with the chat template: turn "
                         "data.apply_chat_template on")
     try:
-        websockets_client()
+        if not e.verifiers:
+            websockets_client()
     except ValueError:
         problems.append(f"env.url / env.app need the websockets package, which is not installed: {INSTALL}")
     return problems

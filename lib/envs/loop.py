@@ -95,9 +95,12 @@ def reward_value(reward: Any) -> float:
 class EnvRollout:
     """The environment rollout of one rank: the server's address, the renderer, the limits."""
 
-    def __init__(self, cfg: EnvConfig, url: str, tokenizer: Any, max_response_length: int, prompt_width: int):
+    def __init__(self, cfg: EnvConfig, url: str, tokenizer: Any, max_response_length: int, prompt_width: int,
+                 connect: Callable[[], Any] | None = None):
+        """``connect``: a new session (default: a connection to the OpenEnv server at ``url``)."""
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.url = ws_url(url)
+        self.url = ws_url(url) if url else ""
+        self.connect = connect or (lambda: Session(self.url, cfg.timeout_s))
         self.budget = max_response_length
         self.width = prompt_width
         self.renderer = ObservationRenderer(tokenizer, role=cfg.observation_role)
@@ -127,7 +130,7 @@ class EnvRollout:
         nt, n = data.non_tensor_batch, len(data)
         ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
         episodes = [Episode(i, ids[i][mask[i].bool()].tolist(), None, None) for i in range(n)]
-        plays = [Play(self._reset_args(nt, i)) for i in range(n)]
+        plays = [Play(self._reset_args(nt, i, self.cfg.verifiers)) for i in range(n)]
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.deadline_s
         tally = {"too_long": 0, "env_s": 0.0, "gen_s": 0.0, "sampled": 0, "turn_rows": [], "prompts_changed": False}
@@ -191,7 +194,7 @@ class EnvRollout:
                 outs = engine.generate_ids(inputs, caps, validate, (key, turn))
                 tally["gen_s"] += time.perf_counter() - t_gen
                 tally["turn_rows"].append(len(active))
-                actions = {}
+                actions, last = {}, {}
                 for e, ids_in, out in zip(active, inputs, outs):
                     e.inputs.append(ids_in)
                     tally["sampled"] += len(out.ids)
@@ -199,12 +202,24 @@ class EnvRollout:
                     e.turns += 1
                     e.last_turn = out.ids
                     actions[e.index] = self._action(out)
+                    # the loop's last turn of this episode, whatever the environment answers
+                    last[e.index] = e.turns >= self.cfg.max_turns or not out.stopped or len(e.response) >= self.budget
                 t_env = time.perf_counter()
                 results = self._each(pool, deadline, plays, list(actions),
-                                     lambda i: plays[i].session.send("step", actions[i]))
-                tally["env_s"] += time.perf_counter() - t_env
+                                     lambda i: plays[i].session.send("step", actions[i], last[i]))
                 for e, out in zip(active, outs):
                     self._after_step(e, plays[e.index], results.get(e.index), out, tally)
+                # an environment that scores at its end (verifiers) is ended where the loop ended the episode on an
+                # observation that does not fit
+                ended = [e.index for e in active if e.finish == "budget" and not last[e.index]
+                         and plays[e.index].failure is None and getattr(plays[e.index].session, "concludes", False)]
+                for i, result in self._each(pool, deadline, plays, ended,
+                                            lambda i: plays[i].session.send("end", {})).items():
+                    try:
+                        plays[i].rewards.append(reward_value(result.reward))
+                    except EnvFailure as err:
+                        plays[i].failure = (err.kind, str(err))
+                tally["env_s"] += time.perf_counter() - t_env
         finally:
             # a played episode's session serves the next one (a reset starts it anew); a failed one's is closed
             for i in mine:
@@ -219,9 +234,11 @@ class EnvRollout:
     # ---- the pieces
 
     @staticmethod
-    def _reset_args(nt: dict, i: int) -> dict:
+    def _reset_args(nt: dict, i: int, verifiers: bool = False) -> dict:
         extra = nt["extra_info"][i] if "extra_info" in nt else None
         extra = extra if isinstance(extra, dict) else {}
+        if verifiers:  # the task the row names (lib/envs/verifiers_data.py)
+            return dict(extra.get("verifiers") or {})
         args = dict(extra.get("env_reset") or {})
         if "seed" not in args and isinstance(extra.get("index"), int):
             args["seed"] = extra["index"]
@@ -256,7 +273,7 @@ class EnvRollout:
             session = self._take()
             idle = session is not None
             try:
-                session = session or Session(self.url, c.timeout_s)
+                session = session or self.connect()
                 first = session.send("reset", play.reset)
             except EnvFailure as err:
                 if session is not None:
@@ -278,17 +295,16 @@ class EnvRollout:
         """The reset observation, if it shows anything, ends the prompt as a user message; whether the prompt
         changed. A prompt then longer than data.max_prompt_length fails the episode (kind observation)."""
         try:
-            text = observation_text(play.first.observation, self.cfg.observation_field)
+            shown = self._messages(play.first)
         except EnvFailure as err:
             play.failure = (err.kind, str(err))
             return False
         if play.done:
             e.finish = "done"  # the environment ended the episode at its reset: nothing to play
-        if not text:
+        if not any(m["content"] for m in shown):
             return False
         messages = list(nt["messages"][i]) if "messages" in nt and nt["messages"][i] is not None else []
-        rendered = self.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, tokenize=False)
+        rendered = self.tokenizer.apply_chat_template(messages + shown, add_generation_prompt=True, tokenize=False)
         prompt = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         if len(prompt) > self.width:
             play.failure = ("observation", f"the reset observation makes a prompt of {len(prompt)} tokens, over "
@@ -296,6 +312,15 @@ class EnvRollout:
             return False
         e.prompt = prompt
         return True
+
+    def _messages(self, result: Result) -> list[dict]:
+        """What an answer shows as chat messages: its own (a verifiers turn's), else the observation's text as one
+        message of env.observation_role."""
+        if result.messages is not None:
+            return list(result.messages)
+        text = observation_text(result.observation, self.cfg.observation_field)
+        return [tool_message("environment", text) if self.cfg.observation_role == "tool" else
+                {"role": "user", "content": text}]
 
     def _action(self, out: Any) -> dict:
         text = self.tokenizer.decode(out.ids, skip_special_tokens=False)
@@ -307,16 +332,17 @@ class EnvRollout:
 
     def _after_step(self, e: Episode, play: Play, result: Result | None, out: Any, tally: dict) -> None:
         """Take a step's answer: the reward, then the episode ends (done, max_turns, budget) or goes on with the
-        observation rendered after the turn."""
+        observation rendered after the turn. An environment that ended because the loop ended its exchange
+        (``result.cut``, verifiers) finishes for the loop's reason."""
         if play.failure is not None or result is None:
             return
         try:
             play.rewards.append(reward_value(result.reward))
-            text = observation_text(result.observation, self.cfg.observation_field) if not result.done else ""
+            shown = self._messages(result) if not result.done else []
         except EnvFailure as err:
             play.failure = (err.kind, str(err))
             return
-        if result.done:
+        if result.done and not result.cut:
             e.finish = "done"
             return
         if e.turns >= self.cfg.max_turns:
@@ -326,9 +352,7 @@ class EnvRollout:
             e.finish = "budget" if len(e.response) >= self.budget else "length"
             return
         stop_text = self.tokenizer.decode(out.ids[-1:], skip_special_tokens=False)
-        message = tool_message("environment", text) if self.cfg.observation_role == "tool" else \
-            {"role": "user", "content": text}
-        obs_ids = self.renderer.observation_ids([message], stop_text)
+        obs_ids = self.renderer.observation_ids(shown, stop_text)
         if len(e.response) + len(obs_ids) >= self.budget:
             e.finish = "budget"
             tally["too_long"] += 1

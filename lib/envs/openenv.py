@@ -38,11 +38,15 @@ class EnvFailure(Exception):
 
 @dataclass
 class Result:
-    """A reset's or a step's answer: the observation's fields, the reward (None: none given), done."""
+    """A reset's or a step's answer: the observation's fields, the reward (None: none given), done; ``messages``:
+    the observation as chat messages already (a verifiers environment's turn, lib/envs/verifiers_play.py); ``cut``:
+    done because the loop ended the exchange (its last turn marked), not by the environment's own end."""
 
     observation: dict
     reward: Any
     done: bool
+    messages: list | None = None
+    cut: bool = False
 
 
 def ws_url(url: str) -> str:
@@ -79,7 +83,8 @@ class Session:
         except Exception as e:  # noqa: BLE001 - refused, reset, a handshake the server rejected
             raise EnvFailure("connect", f"cannot connect to {url} ({type(e).__name__}: {e})") from None
 
-    def send(self, kind: str, data: dict) -> Result:
+    def send(self, kind: str, data: dict, last: bool = False) -> Result:
+        """``last``: the loop's last turn of the episode (the server ends an episode itself: not sent)."""
         try:
             self.ws.send(json.dumps({"type": kind, "data": data}))
         except Exception:  # noqa: BLE001 - closed by the server: what it said before closing is read below
