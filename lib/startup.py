@@ -128,7 +128,6 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         exits.leave(exits.REFUSED)
     excepthook_rank(topo.rank)
     torch.manual_seed(cfg.trainer.seed)
-    resolve_toy(cfg, topo)
     try:
         resolve_generated(cfg, topo)
     except ValueError as e:  # a task library's name or settings: one message, before anything loads
@@ -136,6 +135,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
             print(f"error: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         exits.leave(exits.REFUSED)
+    resolve_toy(cfg, topo)
     resolved = resolve(cfg, need_critic)
     obj = [run_dir(cfg.trainer.output_root, cfg.trainer.run_name, to_dict(cfg), sys.argv[0])]
     dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
@@ -287,7 +287,7 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, pro
         ObservationRenderer(tokenizer, role=cfg.env.observation_role)  # a template that cannot render them
         if cfg.env.app:
             openenv.check_app(cfg.env.app)  # its file or module exists (each rank starts it after the checks)
-        elif probe:  # a server that cannot be reached: one error, before any model loads
+        elif cfg.env.url and probe:  # a server that cannot be reached: one error, before any model loads
             openenv.probe(cfg.env.url, cfg.env.timeout_s, cfg.env.max_retries + 1, cfg.env.backoff_s)
     # an RM, a judge or an environment alone scores any row; pure distillation's rows need no reward function
     any_row = cfg.reward.custom_fn or cfg.reward.reward_model or (judge is not None and not cfg.judge.rule_weight) \
@@ -417,7 +417,7 @@ def resolve_generated(cfg: Config, topo: Topology | None = None) -> None:
     d = cfg.data
     makers = {name: m for name in d.train_files + d.val_files for m in (rg_data, vf_data) if m.is_spec(name)}
     if cfg.env.verifiers:
-        others = [f for f in d.train_files + d.val_files if not vf_data.is_spec(f)]
+        others = list(dict.fromkeys(f for f in d.train_files + d.val_files if not vf_data.is_spec(f)))
         if others:
             raise ValueError(f"env.verifiers plays the environment each row names, and {others} are not rows of a "
                              f"verifiers environment: name them as {vf_data.USAGE}")

