@@ -35,6 +35,7 @@ from lib.actor import update_policy
 from lib.balance import balance_groups
 from lib.dist import sum_over_ranks
 from lib.runlog import stage
+from lib.partial import loop as partial
 from lib.protocol import DataProto
 from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
 from lib.scoring import no_scores, score
@@ -123,7 +124,10 @@ def main(argv: list[str]) -> None:
         metrics: dict[str, float] = {}
         with stage("step", metrics):
             with stage("rollout", metrics):
-                batch, round_metrics = generate(run, next_batch(run))
+                if cfg.rollout.partial.enabled:  # the pool's oldest complete groups; the rest carried
+                    batch, round_metrics = partial.generate_step(run, step)
+                else:
+                    batch, round_metrics = generate(run, next_batch(run))
             with stage("score", metrics):
                 round_metrics.update(score(run, batch) if run.scored else no_scores(batch))
             if cfg.algorithm.filter_groups:
@@ -133,6 +137,8 @@ def main(argv: list[str]) -> None:
             metrics.update(balance_metrics)
             with stage("log_probs", metrics):
                 policy_log_probs(run, batch)
+            if cfg.rollout.partial.enabled:
+                metrics.update(partial.segment_metrics(batch, step))
             if run.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
                 with stage("teacher", metrics):
                     distill.teacher_log_probs(run.teacher, batch, cfg.actor.batching, run.topo,

@@ -152,6 +152,13 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
                 # stale or mismatched weights in the engine show here: the trainer's log-probs of the sampled
                 # tokens (old = the policy that generated them) against the engine's own
                 diff = (old.detach() - b["rollout_log_probs"]).abs()
-                step_metrics["rollout/logp_abs_diff"] += (diff * mask).sum() / num_tokens.clamp(min=1)
+                # partial rollouts: the tokens this step's weights sampled (a carried token's is the policy's change)
+                canary = mask * b["fresh_mask"] if "fresh_mask" in b else mask
+                step_metrics["rollout/logp_abs_diff"] += (diff * canary).sum() / num_tokens.clamp(min=1)
+                if "fresh_mask" in b:
+                    step_metrics["rollout/fresh_token_share"] += canary.sum() / num_tokens.clamp(min=1)
         step_and_record(actor, cfg.optim.max_grad_norm, step_metrics, sums, "actor", cfg.optim.step_without_gradient)
-    return finish_update(actor, sums, "actor")
+    out = finish_update(actor, sums, "actor")
+    if "rollout/fresh_token_share" in out:  # the canary's mean over the fresh tokens alone
+        out["rollout/logp_abs_diff"] /= max(out.pop("rollout/fresh_token_share"), 1e-12)
+    return out

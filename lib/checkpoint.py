@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -50,15 +50,18 @@ def _state(parts: dict[str, tuple[nn.Module, Any]]) -> dict:
 
 
 def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trainer_state: dict, topo: Topology,
-         keep_last: int = 0) -> str:
+         keep_last: int = 0, rank_files: Callable[[str], None] | None = None) -> str:
     """Save {name: (model, optimizer or None)} and the trainer state for ``step``; then keep the newest
-    ``keep_last`` checkpoints (0: all)."""
+    ``keep_last`` checkpoints (0: all). ``rank_files(folder)``: what every rank writes of its own into the checkpoint
+    (partial rollouts' pool), before it is complete."""
     final = step_dir(run_path, step)
     tmp = final + ".tmp"
     if topo.is_main and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a crashed earlier attempt
     dist.barrier()
     dcp.save(_state(parts), checkpoint_id=tmp)
+    if rank_files is not None:
+        rank_files(tmp)
     dist.barrier()
     if topo.is_main:
         with open(os.path.join(tmp, "trainer.json"), "w") as f:

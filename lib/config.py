@@ -21,6 +21,7 @@ import tyro
 import yaml
 
 from lib.config_env import EnvConfig  # noqa: F401
+from lib.config_partial import PartialConfig  # noqa: F401
 from lib.config_judge import JudgeConfig  # noqa: F401
 from lib.config_trained import (ActorConfig, BatchingConfig, CriticConfig, FSDPConfig, LoraConfig,  # noqa: F401
                                  ModelConfig, OptimConfig, TrainedModelConfig)
@@ -99,6 +100,7 @@ class RolloutConfig:
     """Validation sampling temperature (0: greedy)."""
     val_n: int = 1
     """Validation samples per prompt (mean@N, best@N, maj@N)."""
+    partial: PartialConfig = field(default_factory=PartialConfig)
 
 
 @dataclass

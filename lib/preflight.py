@@ -19,6 +19,7 @@ from lib import algos, attention, fsdp, liger, lora, routing
 from lib.config import Config
 from lib.dist import divisors
 from lib.envs import config_problems as env_problems
+from lib.partial import config_problems as partial_problems
 from lib.multi_turn import config_problems
 from lib.ulysses import check_heads
 
@@ -54,6 +55,9 @@ def resolve(cfg: Config, need_critic: bool = False) -> list[str]:
             if section.loss_agg_mode == "seq-mean-token-sum-norm":
                 lines.append(f"{section_name}.loss_scale_factor={section.loss_scale_factor:g} "
                              f"(rollout.max_response_length)")
+    if cfg.rollout.partial.enabled and cfg.algorithm.rollout_correction == "off":
+        cfg.algorithm.rollout_correction = "token"  # a carried sample's tokens were sampled by older weights
+        lines.append("algorithm.rollout_correction=token (partial rollouts' own: carried tokens are off-policy)")
     return lines
 
 
@@ -380,6 +384,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)
     problems += env_problems(cfg)
+    problems += partial_problems(cfg, need_critic)
     if "wandb" in t.logger:
         if importlib.util.find_spec("wandb") is None:
             problems.append("trainer.logger wandb needs the wandb package: pip install wandb (the project installs "

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lib import checkpoint, exits
+from lib.partial import carry
 from lib.runfolder import latest_step, step_dir
 from lib.runlog import stage
 from lib.startup import engine_dtype
@@ -90,6 +91,8 @@ def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
         t.scheduler.load_state_dict(state["schedulers"][name])
     kl_ctrl.value = state["kl_coef"]
     run.data_position = state["data_position"]
+    if run.cfg.rollout.partial.enabled:  # the samples carried into the next step, as an unstopped run holds them
+        run.partial = carry.load(step_dir(run.path, last), run.topo.rank, run.topo.world_size) or []
     run.logger.print(f"resumed from step {state['step']}")
     return state["step"]
 
@@ -107,7 +110,10 @@ def save(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl) -> str:
              "schedulers": {name: t.scheduler.state_dict() for name, t in trainees.items()}}
     if getattr(run.actor.model, "base_hash", None):
         state["base_hash"] = run.actor.model.base_hash  # a LoRA checkpoint fits this base only
-    return checkpoint.save(run.path, step, _parts(trainees), state, run.topo, run.cfg.trainer.keep_last)
+    topo = run.topo
+    pool = (lambda folder: carry.save(run.partial, folder, topo.rank, topo.world_size)) \
+        if run.cfg.rollout.partial.enabled else None
+    return checkpoint.save(run.path, step, _parts(trainees), state, topo, run.cfg.trainer.keep_last, pool)
 
 
 def logp_diff_limit(run: Run) -> float | None:

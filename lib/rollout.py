@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -35,11 +35,12 @@ def next_batch(run: Run) -> DataProto:
     return batch
 
 
-def generate(run: Run, prompts: DataProto, validate: bool = False, other: tuple[Any, Any] | None = None
-             ) -> tuple[DataProto, dict[str, float]]:
+def generate(run: Run, prompts: DataProto | None, validate: bool = False, other: tuple[Any, Any] | None = None,
+             produce: Callable[[Any], DataProto] | None = None) -> tuple[DataProto, dict[str, float]]:
     """Sync the policy into the engine, generate (n samples per prompt, interleaved), put the engine to sleep.
     ``other``: (a frozen model, an engine of its shape) to generate with instead (distillation's teacher), its
-    parameters left where they are."""
+    parameters left where they are. ``produce(engine)``: the generation itself, in place of the prompts' (partial
+    rollouts' pool, lib/partial)."""
     cfg = run.cfg
     model, engine, adapter = (run.actor.model, run.engine, run.lora) if other is None else (*other, None)
     park = cfg.actor.fsdp.param_offload and other is None
@@ -50,7 +51,9 @@ def generate(run: Run, prompts: DataProto, validate: bool = False, other: tuple[
     with stage("to_rollout", timing):
         metrics = enter_rollout(model, engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20, park, adapter)
     with stage("generate", timing):
-        if run.multi_turn is not None:
+        if produce is not None:
+            out = produce(engine)
+        elif run.multi_turn is not None:
             out = run.multi_turn.rollout(engine, prompts, validate)
             metrics.update(out.meta_info.pop("multi_turn"))
         else:

@@ -81,6 +81,8 @@ class Run:
     """Multi-turn rollouts: with tools (lib/multi_turn), or an environment's episodes (lib/envs). None: one turn."""
     env_server: openenv.LocalServer | None = None
     """The OpenEnv server this rank started (env.app)."""
+    partial: list = field(default_factory=list)
+    """Partial rollouts' pool on this rank (lib/partial): the samples carried into the next step."""
     data_position: int = 0
     """Prompt batches drawn from the data stream so far (one per step; more with dynamic sampling). Checkpointed."""
     bad_steps: int = 0

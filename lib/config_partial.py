@@ -1,0 +1,23 @@
+"""The config section of partial rollouts (``rollout.partial``), re-exported by lib/config.py; ground like it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PartialConfig:
+    """Partial rollouts (lib/partial): a step's generation stops once it holds train_batch_size complete groups; the
+    unfinished samples are carried, and continue in the next step under the new weights."""
+
+    enabled: bool = False
+    """Off: every step generates its prompts' samples to the end."""
+    over_provision: float = 2.0
+    """A step's pool of groups (carried and new) is at least this many times trainer.train_batch_size: new prompts are
+    drawn, a data batch at a time, until it is."""
+    chunk_tokens: int = 0
+    """Tokens a sample generates between two checks of the step's complete groups. 0: a quarter of
+    rollout.max_response_length."""
+    max_staleness: int = 1
+    """A carried sample whose first tokens were sampled more than this many steps (policy versions) before the step
+    that would train it is dropped with its group (counted in partial/dropped_groups)."""

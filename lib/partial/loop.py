@@ -1,0 +1,135 @@
+"""One step of partial rollouts (see lib/partial/__init__.py): the pool's generation in chunks until the ranks hold
+train_batch_size complete groups, the batch of the oldest complete groups, the rest carried."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lib.data import left_pad
+from lib.dist import sum_over_ranks
+from lib.engine import build_output
+from lib.partial.carry import Sample, groups
+from lib.protocol import DataProto
+from lib.rollout import generate, next_batch
+from lib.startup import Run
+
+KEY = -7
+"""The sampling key's marker (ints only: a tuple of ints hashes alike in every process, so a resumed run draws the
+samples an uninterrupted one would)."""
+
+
+def _draw(run: Run, step: int, pool: list[Sample]) -> None:
+    """The next data batch's prompts into the pool, n samples each."""
+    data = next_batch(run)
+    index = data.meta_info["seed_key"]
+    ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
+    nt = data.non_tensor_batch
+    for row in range(len(data)):
+        prompt = ids[row][mask[row].bool()].tolist()
+        columns = {k: v[row] for k, v in nt.items()}
+        for k in range(run.cfg.rollout.n):
+            pool.append(Sample(str(nt["uid"][row]), step, (index, row, k), prompt, columns))
+
+
+def _counts(pool: list[Sample]) -> tuple[int, int]:
+    """(complete groups, samples still generating) on this rank."""
+    every = groups(pool).values()
+    return sum(all(s.ended for s in g) for g in every), sum(not s.ended for s in pool)
+
+
+def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
+    """The step's batch (train_batch_size complete groups over the ranks) and its rollout metrics."""
+    cfg, p = run.cfg, run.cfg.rollout.partial
+    want, width, n = cfg.trainer.train_batch_size, cfg.rollout.max_response_length, cfg.rollout.n
+    reduce = sum_over_ranks()
+    pool: list[Sample] = run.partial
+    # a group whose first tokens are older than the cap leaves whole
+    stale = [uid for uid, g in groups(pool).items() if step - g[0].born > p.max_staleness]
+    pool[:] = [s for s in pool if s.uid not in stale]
+    resumed_in = sum(bool(s.ids) for s in pool)
+    target = math.ceil(p.over_provision * want)
+    while reduce(torch.tensor([float(len(groups(pool)))], dtype=torch.float64))[0] < target:
+        _draw(run, step, pool)
+    tally = {"rounds": 0, "reprefill": 0, "sampled": 0}
+    chunk = p.chunk_tokens or max(1, width // 4)
+
+    def produce(engine) -> DataProto:
+        t0 = time.perf_counter()
+        while True:
+            complete, active = reduce(torch.tensor(_counts(pool), dtype=torch.float64)).tolist()
+            if complete >= want or active == 0:
+                break
+            todo = [s for s in pool if not s.ended]
+            inputs = [s.prompt + s.ids for s in todo]
+            caps = [min(chunk, width - len(s.ids)) for s in todo]
+            outs = engine.generate_ids(inputs, caps, False, (step, KEY, tally["rounds"]))
+            for s, out in zip(todo, outs):
+                tally["reprefill"] += len(s.ids)  # a continued sample's response so far is prefilled again
+                s.ids += out.ids
+                s.logps += out.logps
+                s.versions += [step] * len(out.ids)
+                s.ended = out.stopped or len(s.ids) >= width
+                tally["sampled"] += len(out.ids)
+            tally["rounds"] += 1
+        elapsed = time.perf_counter() - t0
+        return _batch(run, step, pool, want, {"generate_s": elapsed, "generated_tokens": tally["sampled"],
+                                              "tokens_per_s": tally["sampled"] / max(elapsed, 1e-9)})
+
+    pool_samples = len(pool)
+    batch, metrics = generate(run, None, produce=produce)
+    counts = reduce(torch.tensor([float(len(stale)), float(resumed_in), float(pool_samples), float(len(pool)),
+                                  float(tally["reprefill"]), float(tally["rounds"])], dtype=torch.float64)).tolist()
+    versions = batch.batch["rollout_versions"]
+    tokens = batch.batch["response_mask"].bool()
+    age = (step - versions)[tokens].to(torch.float64)
+    sums = reduce(torch.stack([age.sum(), (age > 0).sum().to(torch.float64), torch.tensor(float(age.numel()),
+                                                                                             dtype=torch.float64)]))
+    metrics.update({"partial/dropped_groups": counts[0], "partial/resumed_share": counts[1] / max(counts[2], 1),
+                    "partial/carried_share": counts[3] / max(counts[2], 1), "partial/reprefill_tokens": counts[4],
+                    "partial/rounds": counts[5] / run.topo.world_size,
+                    "partial/staleness_mean": float(sums[0] / sums[2].clamp(min=1)),
+                    "partial/stale_token_share": float(sums[1] / sums[2].clamp(min=1))})
+    return batch, metrics
+
+
+def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> DataProto:
+    """The oldest ``want`` complete groups over the ranks (carried before new, then stream order) as this rank's
+    rollout batch; they leave the pool."""
+    done = [(g[0].born, g[0].order, uid) for uid, g in groups(pool).items() if all(s.ended for s in g)]
+    every: list = [None] * run.topo.world_size
+    # world: the ranks' complete groups (a few tuples each), to take the same oldest ones everywhere
+    dist.all_gather_object(every, done)
+    chosen = {uid for *_, uid in sorted(g for part in every for g in part)[:want]}
+    take = sorted((s for s in pool if s.uid in chosen), key=lambda s: s.order)
+    pool[:] = [s for s in pool if s.uid not in chosen]
+    pad = run.tokenizer.pad_token_id
+    ids, mask, pos = left_pad([s.prompt for s in take], run.cfg.data.max_prompt_length, pad)
+    fields = build_output(ids, mask, pos, [s.ids for s in take], [s.logps for s in take], pad)
+    width = fields["responses"].shape[1]
+    versions = torch.full((len(take), width), step, dtype=torch.long)
+    for i, s in enumerate(take):
+        versions[i, :len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
+    fields["rollout_versions"] = versions
+    fields["fresh_mask"] = (versions == step).to(torch.float32) * fields["response_mask"]
+    keys = list(take[0].columns) if take else []
+    obj = lambda v: np.array(list(v) + [None], dtype=object)[:-1]  # noqa: E731
+    columns = {k: obj(s.columns[k] for s in take) for k in keys}
+    return DataProto.from_dict(fields, columns, meta)
+
+
+def segment_metrics(batch: DataProto, step: int) -> dict[str, float]:
+    """The canary per segment, after the old log-probs: the engine's against the trainer's log-probs of the tokens
+    the weights before this step's update sampled (rollout/fresh_logp_abs_diff: fp32's floor when both compute the
+    same model), and of the carried tokens older weights sampled (partial/stale_logp_abs_diff: the policy's change)."""
+    b = batch.batch
+    diff = (b["old_log_probs"] - b["rollout_log_probs"]).abs().to(torch.float64)
+    fresh = b["fresh_mask"].to(torch.float64)
+    stale = b["response_mask"].to(torch.float64) * (b["rollout_versions"] != step)
+    sums = sum_over_ranks()(torch.stack([(diff * fresh).sum(), fresh.sum(), (diff * stale).sum(), stale.sum()]))
+    return {"rollout/fresh_logp_abs_diff": float(sums[0] / sums[1].clamp(min=1)),
+            "partial/stale_logp_abs_diff": float(sums[2] / sums[3].clamp(min=1))}
