@@ -133,6 +133,27 @@ def test_a_verifiers_environments_scoring_of_the_same_completions_equals_ours(tm
     assert {e[0] for e in expected} >= {0.0, 1.0} and any(0 < e[0] < 1 for e in expected)
 
 
+def test_a_slow_load_of_a_rows_scorer_is_no_samples_time(tmp_path, monkeypatch):
+    """A reward worker's first row of a verifiers environment loads verifiers and the environment's tasks: here a
+    load of 3 s against reward.timeout_s 1. The load runs with the sample's clock stopped: every sample is scored,
+    none timed out (each was one, scored 0, before: a loaded machine failed the first rows of a run)."""
+    pytest.importorskip("verifiers.v1", reason="the envs-test extra (test.sh adds it)")
+    from lib.envs import verifiers_data
+    from lib.rewards.pool import RewardPool
+
+    monkeypatch.syspath_prepend(ENVS_DIR)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ENVS_DIR, os.environ.get("PYTHONPATH")])))
+    rows = [json.loads(line) for line in open(verifiers_data.build("verifiers:toy-verifiers:split=val:load_s=3",
+                                                                   str(tmp_path)))][:4]
+    pool = RewardPool("", 1.0, 1)
+    try:
+        results = pool.score([(r["data_source"], r["reward_model"]["ground_truth"], r["reward_model"]["ground_truth"],
+                               r["extra_info"], None) for r in rows])
+    finally:
+        pool.close()
+    assert [(r[0], r[3]) for r in results] == [(1.0, "")] * 4, results
+
+
 def verifiers_rollout(tokenizer, spec, keys, tmp_path, script, budget=200, **cfg):
     """One rollout of the rows of ``spec`` whose prompt is one of ``keys``, each episode played by the verifiers
     environment the row names (env.verifiers), the turns scripted (ScriptedEngine); and how many of the

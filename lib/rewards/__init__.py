@@ -40,6 +40,39 @@ PREFIX_RULES: dict[str, ScoreFn] = {reasoning_gym.SOURCE_PREFIX: reasoning_gym.s
 (lib/rewards/verifiers_score.py)."""
 
 
+PREPARE: dict[str, tuple[Callable[[Any], bool], Callable[[Any], None]]] = {
+    reasoning_gym.SOURCE_PREFIX: (reasoning_gym.loaded, reasoning_gym.prepare),
+    verifiers_score.SOURCE_PREFIX: (verifiers_score.loaded, verifiers_score.prepare)}
+"""A prefix rule's (whether what a row needs is loaded, its load): a library, a dataset, loaded by the reward worker
+with the sample's clock stopped, so the first row of a task is not timed on an import (seconds, on a loaded
+machine). A load that hangs is not timed out."""
+LOADING = "loading"
+"""The reward worker's message: a load starts; the sample's clock stops until the next ready (None)."""
+
+
+def _prepare_fns(data_source: object):
+    if isinstance(data_source, str):
+        for prefix, fns in PREPARE.items():
+            if data_source.startswith(prefix):
+                return fns
+    return None
+
+
+def needs_load(data_source: object, extra_info: Any) -> bool:
+    fns = _prepare_fns(data_source)
+    return fns is not None and not fns[0](extra_info)
+
+
+def prepare(data_source: object, extra_info: Any) -> None:
+    """Load what scoring the row needs (a failure is left to the score, which reports it as the sample's)."""
+    fns = _prepare_fns(data_source)
+    if fns is not None:
+        try:
+            fns[1](extra_info)
+        except Exception:  # noqa: BLE001 - the score raises it again, as the sample's own failure
+            pass
+
+
 def prefix_rule(source: object) -> ScoreFn | None:
     if isinstance(source, str):
         for prefix, fn in PREFIX_RULES.items():

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from lib.multi_turn.tools import failed
+from lib.rewards import LOADING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -115,6 +116,9 @@ class RewardPool:
                     message = conn.recv()
                     if message is None:  # ready: its current sample's clock starts now
                         worker.ready, worker.since = True, time.monotonic()
+                        continue
+                    if message == LOADING:  # a rule's load (lib.rewards.PREPARE): no sample's time
+                        worker.ready = False
                         continue
                     index, *result = message
                 except (EOFError, OSError):  # the worker died on its current sample

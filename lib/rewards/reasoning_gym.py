@@ -38,6 +38,31 @@ def entry_of(where: dict) -> tuple[Any, dict]:
     return ds, ds[int(where["index"])]
 
 
+def _key(extra_info: Any) -> tuple | None:
+    where = extra_info.get("reasoning_gym") if isinstance(extra_info, dict) else None
+    try:
+        return (where["task"], int(where["seed"]), int(where["size"]), where.get("settings", "{}"))
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+_loaded: set = set()
+
+
+def loaded(extra_info: Any) -> bool:
+    """Whether the row's dataset is loaded in this process (a row that names none: nothing to load)."""
+    key = _key(extra_info)
+    return key is None or key in _loaded
+
+
+def prepare(extra_info: Any) -> None:
+    """Load the library and the row's dataset (the reward worker does, with the sample's clock stopped)."""
+    key = _key(extra_info)
+    if key is not None:
+        dataset(*key)
+        _loaded.add(key)
+
+
 def score(solution_str: str, ground_truth: Any = None, extra_info: Any = None) -> dict:
     """The library's score of the response's answer on the row's entry; ``acc`` is 1 for a full score."""
     where = extra_info.get("reasoning_gym") if isinstance(extra_info, dict) else None

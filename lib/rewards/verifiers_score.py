@@ -33,6 +33,31 @@ def tasks(env_id: str, arguments: str) -> list:
     return list(vf.load_taskset(config))
 
 
+def _key(extra_info: Any) -> tuple | None:
+    where = extra_info.get("verifiers") if isinstance(extra_info, dict) else None
+    try:
+        return (where["env"], where.get("arguments", "{}"))
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
+_loaded: set = set()
+
+
+def loaded(extra_info: Any) -> bool:
+    """Whether the row's environment's tasks are loaded in this process (a row that names none: nothing to load)."""
+    key = _key(extra_info)
+    return key is None or key in _loaded
+
+
+def prepare(extra_info: Any) -> None:
+    """Load verifiers and the row's environment's tasks (the reward worker does, with the sample's clock stopped)."""
+    key = _key(extra_info)
+    if key is not None:
+        tasks(*key)
+        _loaded.add(key)
+
+
 def messages_of(task: Any) -> list[dict]:
     """The task's prompt as chat messages: its system prompt, then its prompt (a text is one user message)."""
     data = task.data

@@ -5,7 +5,8 @@ Receives chunks of samples ``[(index, data_source, text, ground_truth, extra_inf
 per sample, ``(index, score, extras, answer, kind, message)``, as soon as it is scored, so the pool can tell
 which sample a worker is on when it runs past the time limit. Before its first chunk it sends ``None``, once: it
 has started and loaded the scorer (or the tools), so the pool starts the time limit of its samples from then, not
-from its spawn (Python's start-up and a slow import are no sample's time). Exits, quietly, when the pool closes its
+from its spawn (Python's start-up and a slow import are no sample's time). A rule that loads what a row needs (a
+library, a dataset: lib.rewards.PREPARE) sends ``LOADING`` first and ``None`` once loaded: the clock stops between. Exits, quietly, when the pool closes its
 end or is gone.
 """
 
@@ -16,7 +17,7 @@ import sys
 from multiprocessing.connection import Connection
 
 from lib.multi_turn.tools import ToolHost
-from lib.rewards import keyword_columns, load_custom, result_of, rule_for
+from lib.rewards import LOADING, keyword_columns, load_custom, needs_load, prepare, result_of, rule_for
 
 
 def score_one(custom, data_source, text, ground_truth, extra_info, columns=None):
@@ -41,8 +42,9 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     inbox, outbox = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
-    if len(argv) > 3 and argv[3] == "tools":
-
+    mode = argv[3] if len(argv) > 3 else "score"
+    custom = None
+    if mode == "tools":
         handle = ToolHost(argv[2])
     else:
         custom = load_custom(argv[2]) if len(argv) > 2 and argv[2] else None
@@ -55,6 +57,10 @@ def main(argv: list[str]) -> None:
             except (EOFError, OSError):
                 return
             for index, *sample in chunk:
+                if custom is None and mode == "score" and needs_load(sample[0], sample[3]):
+                    outbox.send(LOADING)  # the clock stops: the rule's load (a library, a dataset) is no sample's time
+                    prepare(sample[0], sample[3])
+                    outbox.send(None)  # ready again
                 outbox.send((index, *handle(*sample)))
     except (BrokenPipeError, ConnectionResetError):
         # the pool's end is gone: its rank left (a refusal or stop before the pool was closed, or a crash, whose

@@ -2,6 +2,8 @@
 ``toy-verifiers`` (this folder on the path), a taskset of the task's train or val split, one reward, the toy
 rule's score of the last reply against the answer, and one metric, the exact match."""
 
+import time
+
 import verifiers.v1 as vf
 
 from lib import toy
@@ -24,10 +26,12 @@ class ToyTask(vf.Task[ToyData]):
 
 class ToyConfig(vf.TasksetConfig):
     split: str = "train"
+    load_s: float = 0.0  # seconds its load takes (the tests of a slow load)
 
 
 class ToyTaskset(vf.Taskset[ToyTask, ToyConfig]):
     def load(self):
+        time.sleep(self.config.load_s)
         train, val = toy.split_pairs(0)
         tasks = []
         for digits in train if self.config.split == "train" else val:
