@@ -238,6 +238,15 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      "with an environment whose return is the whole reward"),
     ("env-verifiers-data", "train_grpo.py", "--env.verifiers", "['toy'] are not rows of a verifiers environment: "
      "name them as verifiers:ENV_ID"),
+    ("partial-dynamic", "train_grpo.py", "--rollout.partial.enabled --algorithm.filter-groups",
+     "rollout.partial with algorithm.filter_groups: dynamic sampling draws its own extra rounds"),
+    ("partial-tools", "train_grpo.py", "--rollout.partial.enabled --multi_turn.tools {reward}:score",
+     "rollout.partial with multi_turn.tools: partial rollouts continue single-turn samples"),
+    ("partial-ppo", "train_ppo.py", "--rollout.partial.enabled", "rollout.partial with PPO's critic: not built yet"),
+    ("partial-bypass", "train_grpo.py", "--rollout.partial.enabled --algorithm.bypass-mode",
+     "rollout.partial with algorithm.bypass_mode"),
+    ("partial-staleness", "train_grpo.py", "--rollout.partial.enabled --rollout.partial.max_staleness 0",
+     "rollout.partial.max_staleness=0 must be >= 1"),
     ("resume-off", "train_grpo.py", "--trainer.run_name existing --trainer.no-resume", "trainer.resume is off"),
     ("changed-config", "train_grpo.py", "--trainer.run_name other", "actor.optim.lr: 0.5 -> 0.001"),
 ]

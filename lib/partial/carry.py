@@ -22,7 +22,7 @@ class Sample:
     uid: str
     """Its group's (the prompt's position in the data stream, lib.rollout.next_batch)."""
     born: int
-    """The step whose weights sampled its group's first tokens."""
+    """The step that drew its prompt from the data stream (the pool trains older draws first)."""
     order: tuple[int, int, int]
     """(data batch index, row, sample): the stream's order."""
     prompt: list[int]
