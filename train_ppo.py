@@ -33,6 +33,7 @@ from lib.fsdp import build_sharded_model
 from lib.runlog import stage
 from lib.optim import build_optimizer
 from lib.protocol import DataProto
+from lib.partial import loop as partial
 from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
 from lib.scoring import score
 from lib.startup import Run
@@ -90,14 +91,19 @@ def main(argv: list[str]) -> None:
         metrics: dict[str, float] = {}
         with stage("step", metrics):
             with stage("rollout", metrics):
-                batch, m = generate(run, next_batch(run))
+                if cfg.rollout.partial.enabled:  # the pool's oldest complete samples; the rest carried
+                    batch, m = partial.generate_step(run, step)
+                else:
+                    batch, m = generate(run, next_batch(run))
             with stage("score", metrics):
                 m.update(score(run, batch))
             metrics.update(m)
             batch, m = balance_groups(batch)
             metrics.update(m)
             with stage("log_probs", metrics):
-                compute_log_probs(run, critic, batch)
+                compute_log_probs(run, critic, batch)  # a carried sample's values: the critic's of this step
+            if cfg.rollout.partial.enabled:
+                metrics.update(partial.segment_metrics(batch, step))
             compute_advantages(run, batch, kl_ctrl, metrics)
             with stage("update", metrics):
                 metrics.update(update_critic(critic, batch, cfg.critic, run.sizes.critic_mini_batch_per_rank, step))

@@ -1,12 +1,17 @@
 """Partial rollouts against full ones on a task whose response lengths have a long tail: seconds a step and the
 held-out reward over the same steps, side by side.
 
-    python bench/bench_partial.py [--steps 20] [--digits 3 48] [--chunk 16] [--over 1.5] [--out runs/bench_partial]
+    python bench/bench_partial.py [--steps 40] [--mix 4 48 0.1] [--partial 50:1 12:8] [--over 1.5] [--prompts 64]
+                                  [--out runs/bench_partial]
 
-The toy task's long-tail variant (lib/toy.py: answers of lo to hi digits, log-uniform, so responses of about 2 lo
-to 2 hi tokens), its policy warm-started, GRPO on 2 CPU ranks with the HF engine: one run generates every group to
-its end each step (full), the other with rollout.partial (chunks of --chunk tokens, a pool of --over x
-train_batch_size groups; the groups still generating when train_batch_size are complete go on in the next step).
+A toy task with a heavy tail (lib/toy.py's digit reversal, built here): a prompt has SHORT digits, or with
+probability SHARE LONG ones, so most responses are about 2 SHORT tokens and a few 2 LONG; its policy warm-started on
+both. GRPO on 2 CPU ranks with the HF engine, whose batch decodes until its longest sample ends (as a GPU batch
+does): one run generates every group to its end each step (full), the others with rollout.partial (chunks of CHUNK
+tokens, a pool of --over x train_batch_size groups; the groups still generating when train_batch_size are complete go
+on in the next step, dropped when their first tokens are more than STALENESS steps old). A chunk of half the longest
+response lets a long group end within staleness 1, but a round then decodes as long as the tail does; a short chunk
+ends the step with the short groups and leaves the long ones to later steps, staler.
 Both train train_batch_size groups a step. Each run's figures land in the output folder as it ends (summary.json,
 and the runs' own folders: metrics.jsonl, the log): a bench stopped early keeps what it measured.
 """
@@ -26,10 +31,7 @@ sys.path.insert(0, ROOT)
 from lib import toy  # noqa: E402
 
 
-SAMPLES = 16 * 8  # a step's: train_batch_size 16 groups of rollout.n 8
-
-
-def run(out: str, name: str, args: list[str]) -> dict:
+def run(out: str, name: str, args: list[str], samples: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
            os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", out, "--trainer.run_name", name, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
@@ -42,42 +44,70 @@ def run(out: str, name: str, args: list[str]) -> dict:
             "s_per_step": statistics.mean(r["timing/step_s"] for r in later),
             "generate_s": statistics.mean(r["timing/generate_s"] for r in later),
             "response_length_mean": statistics.mean(r["response/length_mean"] for r in train),
-            "trained_tokens": round(sum(r["response/length_mean"] for r in train) * SAMPLES),
+            "trained_tokens": round(sum(r["response/length_mean"] for r in train) * samples),
             "val": [(r["step"], round(r["val/score_mean"], 4)) for r in rows if "val/score_mean" in r],
             "partial": {k: round(statistics.mean(r[k] for r in train), 4) for k in train[-1] if k.startswith("partial/")}}
 
 
+def build(path: str, short: int, long: int, share: float, seed: int = 0) -> dict[str, str]:
+    """The heavy-tailed task's tokenizer, warm-started policy and rows (once)."""
+    import random
+
+    def make(tmp: str) -> None:
+        rng = random.Random(seed)
+        seen: dict[tuple, None] = {}
+        while len(seen) < 2100:
+            n = long if rng.random() < share else short
+            seen[tuple(rng.randrange(10) for _ in range(n))] = None
+        pairs = list(seen)
+        tokenizer = toy.build_tokenizer(os.path.join(tmp, "model"))
+        toy.write_jsonl(os.path.join(tmp, "data", "train.jsonl"), pairs[:2000], repeats=1)
+        toy.write_jsonl(os.path.join(tmp, "data", "val.jsonl"), pairs[2000:], repeats=1)
+        toy.build_policy(tokenizer, pairs[:2000], seed, warm_steps=200, max_positions=4 * long + 16).save_pretrained(
+            os.path.join(tmp, "model"))
+
+    return toy.build_once(path, make)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--digits", type=int, nargs=2, default=(3, 48))
-    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--mix", type=float, nargs=3, default=(4, 48, 0.1), metavar=("SHORT", "LONG", "SHARE"))
+    ap.add_argument("--partial", nargs="+", default=["50:1", "12:8"], metavar="CHUNK:STALENESS",
+                    help="the partial runs: chunk_tokens and max_staleness of each")
     ap.add_argument("--over", type=float, default=1.5)
+    ap.add_argument("--prompts", type=int, default=64, help="train_batch_size (groups of 8 samples a step)")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_partial"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    lo, hi = args.digits
-    assets = toy.prepare(os.path.join(args.out, f"toy_assets_{lo}_{hi}"), seed=0, warm_steps=200, digits=(lo, hi))
+    short, hi, share = int(args.mix[0]), int(args.mix[1]), args.mix[2]
+    assets = build(os.path.join(args.out, f"toy_assets_{short}_{hi}_{share:g}"), short, hi, share)
     common = ["--actor.model.path", assets["model"], "--data.train_files", assets["train"], "--data.val_files",
               assets["val"], "--data.max_prompt_length", str(2 * hi + 2), "--rollout.max_response_length",
               str(2 * hi + 2), "--trainer.total_steps", str(args.steps), "--trainer.val_every", str(args.steps // 2),
-              "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "64", "--trainer.log_samples", "0",
+              "--trainer.train_batch_size", str(args.prompts), "--trainer.log_samples", "0",
               "--trainer.save_every", "0", "--algorithm.rollout_correction", "token"]
     summary = {"args": vars(args)}
     path = os.path.join(args.out, "summary.json")
-    for name, more in (("full", []), ("partial", ["--rollout.partial.enabled", "--rollout.partial.chunk_tokens",
-                                                  str(args.chunk), "--rollout.partial.over_provision",
-                                                  str(args.over)])):
-        summary[name] = run(args.out, name, common + more)
+    variants = [("full", [])]
+    for spec in args.partial:
+        chunk, staleness = spec.split(":")
+        variants.append((f"partial_{chunk}_{staleness}", [
+            "--rollout.partial.enabled", "--rollout.partial.chunk_tokens", chunk, "--rollout.partial.max_staleness",
+            staleness, "--rollout.partial.over_provision", str(args.over)]))
+    for name, more in variants:
+        summary[name] = run(args.out, name, common + more, args.prompts * 8)
         with open(path, "w") as f:
             json.dump(summary, f, indent=1)
         print(name, json.dumps(summary[name]), flush=True)
-    full, part = summary["full"], summary["partial"]
-    print(f"\n{'':10}{'s/step':>9}{'generate s':>12}{'length':>9}  held-out (step, reward)")
-    for name, r in (("full", full), ("partial", part)):
-        print(f"{name:10}{r['s_per_step']:9.3f}{r['generate_s']:12.3f}{r['response_length_mean']:9.1f}  {r['val']}")
-    print(f"partial / full seconds a step: {part['s_per_step'] / full['s_per_step']:.2f}; partial's pool: "
-          f"{part['partial']}")
+    full = summary["full"]
+    print(f"\n{'':16}{'s/step':>8}{'x full':>8}{'generate s':>12}{'length':>8}  held-out (step, reward)")
+    for name, _ in variants:
+        r = summary[name]
+        print(f"{name:16}{r['s_per_step']:8.3f}{r['s_per_step'] / full['s_per_step']:8.2f}{r['generate_s']:12.3f}"
+              f"{r['response_length_mean']:8.1f}  {r['val']}")
+    for name, _ in variants[1:]:
+        print(f"{name}'s pool: {summary[name]['partial']}")
 
 
 if __name__ == "__main__":

@@ -384,7 +384,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)
     problems += env_problems(cfg)
-    problems += partial_problems(cfg, need_critic)
+    problems += partial_problems(cfg)
     if "wandb" in t.logger:
         if importlib.util.find_spec("wandb") is None:
             problems.append("trainer.logger wandb needs the wandb package: pip install wandb (the project installs "

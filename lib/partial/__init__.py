@@ -28,7 +28,7 @@ def enabled(cfg: Any) -> bool:
     return bool(cfg.rollout.partial.enabled)
 
 
-def config_problems(cfg: Any, need_critic: bool = False) -> list[str]:
+def config_problems(cfg: Any) -> list[str]:
     """What keeps partial rollouts from being right with the rest of the config (each naming the fix)."""
     if not enabled(cfg):
         return []
@@ -57,6 +57,4 @@ def config_problems(cfg: Any, need_critic: bool = False) -> list[str]:
         problems.append("rollout.partial with rollout.routing_replay: a carried sample's routes are not kept yet")
     if cfg.distill.teacher:
         problems.append("rollout.partial with distillation: not built yet: turn one off")
-    if need_critic:
-        problems.append("rollout.partial with PPO's critic: not built yet (train_grpo.py takes it)")
     return problems

@@ -35,6 +35,8 @@ class Sample:
     """The engine's log-prob of each token, under the weights that sampled it."""
     versions: list[int] = field(default_factory=list)
     """The step whose weights sampled each token."""
+    kept: list[int] = field(default_factory=list)
+    """Top-k/top-p sampling: the engine's kept set's size at each token (lib.engine.Turn.kept)."""
     ended: bool = False
 
 

@@ -74,6 +74,7 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
                 s.ids += out.ids
                 s.logps += out.logps
                 s.versions += [step] * len(out.ids)
+                s.kept += out.kept or []
                 s.ended = out.stopped or len(s.ids) >= width
                 tally["sampled"] += len(out.ids)
             tally["rounds"] += 1
@@ -110,7 +111,8 @@ def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> Da
     pool[:] = [s for s in pool if s.uid not in chosen]
     pad = run.tokenizer.pad_token_id
     ids, mask, pos = left_pad([s.prompt for s in take], run.cfg.data.max_prompt_length, pad)
-    fields = build_output(ids, mask, pos, [s.ids for s in take], [s.logps for s in take], pad)
+    kept = [s.kept for s in take] if any(s.kept for s in take) else None
+    fields = build_output(ids, mask, pos, [s.ids for s in take], [s.logps for s in take], pad, kept=kept)
     width = fields["responses"].shape[1]
     versions = torch.full((len(take), width), step, dtype=torch.long)
     for i, s in enumerate(take):
