@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,7 @@ def run(out: str, name: str, args: list[str], samples: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
            os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", out, "--trainer.run_name", name, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    shutil.rmtree(os.path.join(out, name), ignore_errors=True)  # a run measured afresh, never resumed
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     rows = [json.loads(line) for line in open(os.path.join(out, name, "metrics.jsonl"))]

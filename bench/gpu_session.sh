@@ -30,12 +30,12 @@ OUT=${OUT:-$ACC/out}
 # the last two calls' checks, most telling first: those that judge time or memory run alone (correctness .. trl,
 # TRL right after our own GRPO run), then the others LANES at a time
 VLLM_CHECKS=(correctness sleep_wake rollout grpo_vllm trl lora_sleep grpo_lora_vllm ppo distill tools vision qwen3_5
-             gemma4 moe judge)
+             gemma4 moe judge partial)
 # the background's checks (the fifth call runs again what it left unfinished); levers last: it may not finish there
 BG_CHECKS=(update grpo_hf levers)
 # every file with gpu-marked tests (tests/test_acceptance.py checks that none is left out)
 GPU_TESTS=(tests/test_gpu_engine.py tests/test_attention.py tests/test_rollout.py tests/test_selfcheck.py
-           tests/test_reward_model.py tests/test_world_size_invariance.py)
+           tests/test_reward_model.py tests/test_world_size_invariance.py tests/test_partial.py)
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p "$STAGE" "$SITE" "$ACC" "$OUT"

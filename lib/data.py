@@ -169,6 +169,12 @@ def _read(path: str) -> tuple[list[Any], ImageColumn | None]:
     return rows, ImageColumn(entries, name, os.path.dirname(os.path.abspath(path)))
 
 
+def opened_by_env(row: dict) -> bool:
+    """A row whose conversation the environment opens (``extra_info.env_opens``): its prompt may be empty."""
+    extra = row.get("extra_info")
+    return isinstance(extra, dict) and extra.get("env_opens") is True
+
+
 def row_problem(row: Any, known_sources: set[str] | None) -> str:
     """Why a data row cannot be trained on ("" if it can). ``known_sources``: the data sources a scorer exists for
     (None: a custom reward function scores every row)."""
@@ -177,6 +183,8 @@ def row_problem(row: Any, known_sources: set[str] | None) -> str:
     prompt = row.get("prompt")
     if prompt is None:
         return "no 'prompt'"
+    if prompt == [] and opened_by_env(row):
+        return ""  # the environment's first message is the prompt (lib/envs/verifiers_play.py)
     if isinstance(prompt, str):
         if not prompt.strip():
             return "an empty prompt"
@@ -277,7 +285,7 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_length: int, trunc
                 except ValueError as e:  # a row that offers tools nobody defined
                     text, problem = "", str(e)
                 tokens = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-                problem = problem or ("" if tokens else "the prompt tokenizes to nothing")
+                problem = problem or ("" if tokens or opened_by_env(row) else "the prompt tokenizes to nothing")
                 if entries and not problem and tokens.count(vision.placeholder_id) != len(entries):
                     problem = (f"the chat template rendered {tokens.count(vision.placeholder_id)} image placeholders "
                                f"for {len(entries)} images (a template without image parts?)")
@@ -349,6 +357,8 @@ def _with_images(row: dict, entries: list, base_dir: str) -> tuple[dict, list[tu
 def _prompt_text(row: dict, tokenizer: Any, apply_chat_template: bool, tool_schemas: dict | None,
                  images: bool = False) -> str:
     prompt = row["prompt"]
+    if prompt == []:  # the environment opens the conversation (row_problem): nothing to render yet
+        return ""
     if images:  # the chat template renders each image part as the model's placeholder
         if not apply_chat_template:
             raise ValueError("rows with images need the chat template (data.apply_chat_template)")

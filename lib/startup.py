@@ -432,9 +432,12 @@ def resolve_generated(cfg: Config, topo: Topology | None = None) -> None:
     if topo is None or topo.is_main:
         try:
             for name, maker in makers.items():
-                maker.build(name, cfg.trainer.output_root)
+                path = maker.build(name, cfg.trainer.output_root)
                 if cfg.env.verifiers:  # its turns play here: no MCP tools, no container
                     verifiers_play.check(*vf_data.parse(name))
+                elif maker is vf_data and vf_data.opened_by_env(path):
+                    raise ValueError(f"{name}: the environment opens each conversation (its tasks have no prompt): "
+                                     f"play its turns with --env.verifiers")
         except ValueError as e:
             problem = [str(e)]
     if topo is not None:

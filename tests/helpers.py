@@ -83,20 +83,22 @@ def child_env(**hooks: str) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1", **hooks}
 
 
-def launch_runs(plan: list[tuple[str, str, list[str]]], folder, timeout: int = 1800):
-    """The runs of ``plan`` ([(name, script, arguments)]) one after another in one torchrun launch of 2 gloo CPU
-    ranks (tests/runs_driver.py), the plan written into ``folder``; returns the finished process (stdout, stderr)."""
+def launch_runs(plan: list[tuple[str, str, list[str]]], folder, timeout: int = 1800, nproc: int = 2,
+                plan_name: str = "plan.json"):
+    """The runs of ``plan`` ([(name, script, arguments)]) one after another in one torchrun launch of ``nproc`` gloo
+    CPU ranks (tests/runs_driver.py), the plan written into ``folder``; returns the finished process (stdout,
+    stderr)."""
     import json
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(str(folder), "plan.json")
+    path = os.path.join(str(folder), plan_name)
     with open(path, "w") as f:
         json.dump([[name, script, list(args)] for name, script, args in plan], f)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           os.path.join(root, "tests", "runs_driver.py"), path]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(nproc), os.path.join(root, "tests", "runs_driver.py"), path]
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
 
 

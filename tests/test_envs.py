@@ -569,10 +569,26 @@ def env_runs(tmp_path_factory, shared_assets_dir):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    dipg_server = None
     try:
-        return root, launch_runs([*plan, last], root)
+        launched = launch_runs([*plan, last], root)
+        if os.path.isdir(THIRD_PARTY):
+            # verifiers' own OpenEnv environment (its openenv taskset, from the verifiers package) playing the DIPG
+            # server's episodes: one rank, the server holding one session
+            dipg_server = LocalServer("med_safety_gym.app:app", str(root / "dipg_vf_server.log"))
+            spec = f"verifiers:openenv:base_url={dipg_server.url}:resets=[{{}},{{}},{{}},{{}}]"
+            vf = launch_runs([("vf_dipg", "train_grpo.py", [
+                "--actor.model.path", model, "--trainer.output_root", str(root), "--trainer.run_name", "vf_dipg",
+                "--data.train_files", spec, "--data.val_files", spec, "--env.verifiers", "--env.max_sessions", "1",
+                "--data.max_prompt_length", "480", "--rollout.max_response_length", "16", *small[:4],
+                "--trainer.val_every", "2", "--rollout.n", "2", "--trainer.train_batch_size", "4",
+                "--actor.mini_batch_size", "8"])], root, nproc=1, plan_name="plan_vf_dipg.json")
+            (root / "vf_dipg.out").write_text(vf.stdout[-5000:] + vf.stderr[-8000:])
+        return root, launched
     finally:
         shared.close()
+        if dipg_server is not None:
+            dipg_server.close()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -675,6 +691,23 @@ def test_a_third_party_environment_from_pypi_runs_end_to_end(env_runs):
     for r in rows:
         assert r["env/episodes"] == 8 and r["env/finish_failed"] == 0, r
         assert r["env/return_mean"] != 0, r  # its rules penalise a random model's format
+
+
+def test_a_third_party_verifiers_environment_from_pypi_runs_end_to_end(env_runs):
+    """verifiers' own OpenEnv environment (the openenv taskset the verifiers package ships: a task without a prompt,
+    its run() opening each conversation with the server's observation and action schema, stepping the server with
+    the parsed reply, summing its rewards) on the DIPG server from PyPI, with --env.verifiers: its episodes played
+    and rewarded in our loop, validated; no learning claimed for a random model."""
+    if not os.path.isdir(THIRD_PARTY):
+        pytest.skip(f"openenv-dipg-safety is not installed in {THIRD_PARTY} (test.sh installs it)")
+    rows = run_rows(env_runs, "vf_dipg")
+    train = _train(rows)
+    assert [r["step"] for r in train] == [1, 2], (env_runs[0] / "vf_dipg.out").read_text()
+    for r in train:
+        assert r["env/episodes"] == 8 and r["env/finish_failed"] == 0 and r["env/turns_mean"] >= 1, r
+        assert r["env/return_mean"] != 0, r  # its rules penalise a random model's format
+        assert r["rollout/logp_abs_diff"] < 1e-5, r
+    assert any("val/verifiers/openenv/mean@1" in r for r in rows), rows
 
 
 def test_a_run_where_most_episodes_fail_stops_with_the_last_error(env_runs):

@@ -342,6 +342,72 @@ def check_tools(args) -> list[Row]:
     return rows
 
 
+# partial rollouts' tail: the random model's eos ids, as many as give a mean response of this many tokens (a random
+# model's next token is near uniform over its vocabulary), so lengths have an exponential tail up to the budget
+PARTIAL_MEAN = {"cuda": 64, "cpu": 8}
+PARTIAL_RESPONSE = {"cuda": 512, "cpu": 48}
+
+
+def tailed_folder(out: str, device: str) -> tuple[str, dict]:
+    """The GRPO rows' random model (the 0.5B shape on a GPU) with eos ids enough for a mean response of
+    PARTIAL_MEAN tokens: responses of a few tokens to the budget, most short."""
+    import json as json_
+
+    path, data = model_folder(out, "qwen2.5-0.5b" if device == "cuda" else "tiny", device)
+    tailed = path + "-tailed"
+    if not os.path.exists(os.path.join(tailed, "generation_config.json")):
+        part = tailed + ".part"
+        shutil.rmtree(part, ignore_errors=True)
+        shutil.copytree(path, part)
+        with open(os.path.join(part, "config.json")) as f:
+            vocab = json_.load(f)["vocab_size"]
+        count = max(1, vocab // PARTIAL_MEAN[device])
+        with open(os.path.join(part, "generation_config.json"), "w") as f:
+            json_.dump({"eos_token_id": list(range(vocab - count, vocab))}, f)
+        os.replace(part, tailed)
+    return tailed, data
+
+
+def check_partial(args) -> list[Row]:
+    """Partial rollouts (issue 67) against full ones in the 0.5B preset's configuration, responses with a tail (a
+    random model whose eos ids give a mean of PARTIAL_MEAN tokens, budget PARTIAL_RESPONSE): the same steps each way,
+    seconds a step and generation's after the first (goal on a GPU: partial shorter), the carried samples trained,
+    and the canary over the fresh tokens."""
+    gpu = args.device == "cuda"
+    engine = "vllm" if has_vllm() else "hf"
+    path, data = tailed_folder(args.out, args.device)
+    steps = args.grpo_steps or (6 if gpu else SHORT_STEPS[args.device] + 1)
+    budget = PARTIAL_RESPONSE[args.device]
+    rows, runs = [], {}
+    for mode, extra in (("full", ()), ("partial", ("--rollout.partial.enabled", "--rollout.partial.chunk_tokens",
+                                                   str(budget // 4), "--rollout.partial.over_provision", "1.5"))):
+        name = f"partial {engine} engine, {mode}"
+        got, train = _train(args, name, "train_grpo.py", PRESETS["grpo"], steps, engine,
+                            "--algorithm.rollout_correction", "token", *extra, model={**data, "model": path},
+                            response_len=budget, timed=True)
+        rows += got[:2]  # completion and the canary
+        runs[mode] = train
+    full, part = runs["full"], runs["partial"]
+    if full and part and len(full) > 1 and len(part) > 1:
+        mean = lambda rs, k: sum(r.get(k, 0.0) for r in rs[1:]) / len(rs[1:])  # noqa: E731
+        ratio = mean(part, "timing/step_s") / max(mean(full, "timing/step_s"), 1e-9)
+        rows.append(Row(f"partial {engine} engine: partial / full seconds a step", f"{ratio:.2f}x", "< 1",
+                        ratio < 1 if gpu else None,
+                        f"generation {mean(part, 'timing/generate_s'):.2f} s against {mean(full, 'timing/generate_s'):.2f}"
+                        f" s; response length {mean(part, 'response/length_mean'):.0f} against "
+                        f"{mean(full, 'response/length_mean'):.0f}; steps after the first" + on_cpu(args.device),
+                        timed=True))
+        resumed = [r.get("partial/resumed_share", 0.0) for r in part]
+        fresh = max(r.get("rollout/fresh_logp_abs_diff", 0.0) for r in part)
+        bound = 5e-2 if gpu else 1e-4
+        rows.append(Row(f"partial {engine} engine: carried samples trained, fresh canary (max)",
+                        f"resumed {', '.join(f'{x:.2f}' for x in resumed)}; {fresh:.2e}", f"some > 0; < {bound:g}",
+                        any(x > 0 for x in resumed[1:]) and fresh < bound,
+                        "partial/stale_token_share " + ", ".join(f"{r.get('partial/stale_token_share', 0.0):.2f}"
+                                                                 for r in part)))
+    return rows
+
+
 def vision_policy(out: str) -> tuple[dict, str]:
     """The visual toy task's data and a random Qwen2.5-VL-layout policy for it (head sizes 32 in the language model
     and the tower, which vLLM's attention kernels take): (assets, the policy's folder)."""

@@ -18,7 +18,7 @@ from bench.acceptance.common import (CHILD_GRACE_S, ROOT, Row, Stopped, failure_
 from bench.acceptance.report import report, save_result
 
 # Checks whose figures are times or device-memory readings: alone on the GPU.
-TIMED = ("correctness", "sleep_wake", "rollout", "grpo_vllm", "grpo_hf", "update", "trl", "levers")
+TIMED = ("correctness", "sleep_wake", "rollout", "grpo_vllm", "grpo_hf", "update", "trl", "partial", "levers")
 # What the others hold on a GPU at most, in GiB (weights, gradients, Adam, the engine's weights and its KV cache
 # sized in bytes by lib.engine.plan_kv_cache, activations), from the 0.5B shape's ~15 GiB a GRPO run on the H100
 # (2026-11-27) and the models' sizes; lanes start a check only where the sum fits --gpu-gib.

@@ -9,13 +9,16 @@ system prompt, then its prompt as chat messages), ``data_source`` ``verifiers/EN
 environment apart), the task's ``answer`` (if it has one) as the ground truth, and in ``extra_info.verifiers`` what
 finds the task again, which the scorer uses (lib/rewards/verifiers_score.py: the environment's own rewards).
 
-verifiers 0.4 finds ENV_ID as an installed module (``-`` read as ``_``) whose ``__all__`` names one Taskset. Single
-turn: a multi-turn environment's turns are not played here (its first prompt and its rewards on one reply).
+verifiers 0.4 finds ENV_ID as an installed module (``-`` read as ``_``) whose ``__all__`` names one Taskset, or one of
+its own tasksets (``openenv``, ``textarena``, ...). A task without a prompt (the environment opens the conversation, as
+verifiers' openenv taskset does) makes a row whose prompt is its system prompt or nothing, ``extra_info.env_opens``
+set: only ``--env.verifiers``, which plays the environment's turns, takes it (lib/envs/verifiers_play.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from lib.envs.rows import written
 from lib.rewards.verifiers_score import SOURCE_PREFIX, messages_of, tasks
@@ -29,7 +32,8 @@ def is_spec(name: str) -> bool:
 
 
 def parse(name: str) -> tuple[str, dict]:
-    env_id, *options = name[len(PREFIX):].split(":")
+    # options split at a colon that starts the next key=: a value may hold colons (a URL, JSON)
+    env_id, *options = re.split(r":(?=[A-Za-z_][\w.]*=)", name[len(PREFIX):])
     if not env_id:
         raise ValueError(f"data file {name!r} names no environment; write {USAGE}")
     arguments = {}
@@ -57,13 +61,21 @@ def rows(name: str) -> list[dict]:
     out = []
     for index, task in enumerate(found):
         answer = getattr(task.data, "answer", None)
+        extra = {"index": index, "verifiers": {"env": env_id, "arguments": encoded, "index": index}}
+        if task.data.prompt is None:  # the environment's first message opens the conversation (env.verifiers)
+            extra["env_opens"] = True
         out.append({"prompt": messages_of(task), "data_source": SOURCE_PREFIX + env_id,
                     "reward_model": {"ground_truth": "" if answer is None else str(answer), "style": "rule"},
-                    "extra_info": {"index": index, "verifiers": {"env": env_id, "arguments": encoded,
-                                                                 "index": index}}})
+                    "extra_info": extra})
     if not out:
         raise ValueError(f"verifiers environment {env_id!r} with {encoded} has no task")
     return out
+
+
+def opened_by_env(path: str) -> bool:
+    """Whether the rows at ``path`` (written by ``build``) open with the environment's first message."""
+    with open(path) as f:
+        return bool(json.loads(f.readline())["extra_info"].get("env_opens"))
 
 
 def build(name: str, root: str) -> str:

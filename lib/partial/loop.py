@@ -65,10 +65,16 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
             complete, active = reduce(torch.tensor(_counts(pool), dtype=torch.float64)).tolist()
             if complete >= want or active == 0:
                 break
-            todo = [s for s in pool if not s.ended]
-            inputs = [s.prompt + s.ids for s in todo]
-            caps = [min(chunk, width - len(s.ids)) for s in todo]
-            outs = engine.generate_ids(inputs, caps, False, (step, KEY, tally["rounds"]))
+            # the samples that start and those that go on, apart: one call pads its rows to its longest, and a
+            # continued sample's prefill is as long as its tokens so far
+            todo = [s for s in pool if not s.ended and not s.ids] + [s for s in pool if not s.ended and s.ids]
+            split = sum(not s.ids for s in todo)
+            outs = []
+            for part, cohort in enumerate((todo[:split], todo[split:])):
+                inputs = [s.prompt + s.ids for s in cohort]
+                caps = [min(chunk, width - len(s.ids)) for s in cohort]
+                # every rank calls both (a vLLM TP group generates its gathered rows together, empty ones included)
+                outs += engine.generate_ids(inputs, caps, False, (step, KEY, tally["rounds"], part))
             for s, out in zip(todo, outs):
                 tally["reprefill"] += len(s.ids)  # a continued sample's response so far is prefilled again
                 s.ids += out.ids

@@ -62,6 +62,8 @@ def messages_of(task: Any) -> list[dict]:
     """The task's prompt as chat messages: its system prompt, then its prompt (a text is one user message)."""
     data = task.data
     out = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    if data.prompt is None:  # the environment opens the conversation
+        return out
     if isinstance(data.prompt, str):
         return out + [{"role": "user", "content": data.prompt}]
     for m in data.prompt or []:
