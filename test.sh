@@ -17,6 +17,12 @@ if [ ! -d "$ROOT/.venv/third_party_envs/med_safety_gym" ]; then
   python -m pip install --quiet --disable-pip-version-check --no-deps --target "$ROOT/.venv/third_party_envs" \
     "openenv-dipg-safety==0.1.67" "sqlalchemy==2.1.9"
 fi
+# openenv 0.4.1, which verifiers' own openenv taskset needs (its extra: openenv>=0.4.1), apart as well: it installs
+# the same top-level openenv package as openenv-core 0.3.0, whose servers the OpenEnv tests run
+if [ ! -d "$ROOT/.venv/openenv_041/openenv" ]; then
+  python -m pip install --quiet --disable-pip-version-check --no-deps --target "$ROOT/.venv/openenv_041" \
+    "openenv==0.4.1"
+fi
 set +e
 workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 # the embedded tasks' builds (tests/conftest.py): made once for both passes, in a folder removed at the end

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 
@@ -244,6 +245,37 @@ def test_a_multi_turn_verifiers_environment_plays_its_turns_token_in_token_out(t
     assert m["env/finish_budget"] == 1.0 and m["env/observation_too_long"] == 1, m
 
 
+def test_a_rollout_whose_every_episode_failed_at_its_start_is_scored_as_masked(tmp_path, monkeypatch):
+    """Every episode's reset fails (a row naming a task its environment does not have): the rollout's responses are
+    0 tokens wide, and the scorer masks every row. It raised IndexError (argmax over an empty dimension) and took the
+    run down at validation."""
+    pytest.importorskip("verifiers.v1", reason="the envs-test extra (test.sh adds it)")
+    from lib import toy
+    from lib.envs import verifiers_data
+    from lib.rewards.scorer import Scorer
+
+    monkeypatch.syspath_prepend(ENVS_DIR)
+    tok = toy.build_tool_tokenizer(str(tmp_path / "tok"))
+    path = verifiers_data.build("verifiers:toy-verifiers-tool:split=val", str(tmp_path))
+    rows = [json.loads(line) for line in open(path)][:2]
+    for row in rows:
+        row["extra_info"]["verifiers"]["index"] = 10**6
+    spec_rows = tmp_path / "missing" / "rows.jsonl"
+    spec_rows.parent.mkdir()
+    spec_rows.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(verifiers_data, "build", lambda spec, root: str(spec_rows))
+    keys = [r["prompt"][-1]["content"] for r in rows]
+    out, _, _ = verifiers_rollout(tok, "missing", keys, tmp_path, {k: ["1,"] for k in keys})
+    assert out.batch["responses"].shape[1] == 0
+    assert [s[1] for s in out.non_tensor_batch["env_score"]] == ["reset", "reset"]
+    scorer = Scorer(tok, num_workers=1, env_weights=(0.0, 1.0))
+    try:
+        scored = scorer(out)
+    finally:
+        scorer.close()
+    assert scored.unscored == [True, True] and tuple(scored.token_scores.shape) == (2, 0)
+
+
 def test_verifiers_not_installed_names_the_pip_command(monkeypatch, tmp_path):
     import sys
 
@@ -447,6 +479,8 @@ def test_a_server_that_cannot_be_reached_is_one_clear_error():
 # ---- whole runs: one torchrun launch of 2 ranks for all of them (tests/helpers.launch_runs)
 
 THIRD_PARTY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "third_party_envs")
+OPENENV_041 = os.path.join(os.path.dirname(THIRD_PARTY), "openenv_041")
+"""openenv 0.4.1 (test.sh), which verifiers' openenv taskset's client needs, apart from openenv-core 0.3.0."""
 """openenv-dipg-safety 0.1.67 (a medical-safety question environment from PyPI, its app med_safety_gym.app:app),
 installed here by test.sh without its dependencies (a PostgreSQL driver, gunicorn: its server needs neither)."""
 DIPG_ROWS = [{"messages": [{"role": "user", "content": "<context>Drug A was given to 12 patients; none had a "
@@ -572,15 +606,26 @@ def env_runs(tmp_path_factory, shared_assets_dir):
     dipg_server = None
     try:
         launched = launch_runs([*plan, last], root)
-        if os.path.isdir(THIRD_PARTY):
+        if os.path.isdir(THIRD_PARTY) and os.path.isdir(OPENENV_041):
             # verifiers' own OpenEnv environment (its openenv taskset, from the verifiers package) playing the DIPG
-            # server's episodes: one rank, the server holding one session
+            # server's episodes: one rank, the server holding one session; both on openenv 0.4.1, which that
+            # taskset's client needs
+            os.environ["PYTHONPATH"] = os.pathsep.join([OPENENV_041, env["PYTHONPATH"]])
             dipg_server = LocalServer("med_safety_gym.app:app", str(root / "dipg_vf_server.log"))
+            # its first message (the observation and the action schema as JSON) is ~700 characters, a token each
+            # with the zoo's tokenizer: the zoo's Qwen2 with room for them
+            long_model = str(root / "zoo_long")
+            shutil.copytree(model, long_model, dirs_exist_ok=True)
+            with open(os.path.join(long_model, "config.json")) as f:
+                config = json.load(f)
+            with open(os.path.join(long_model, "config.json"), "w") as f:
+                json.dump({**config, "max_position_embeddings": 2048}, f)
             spec = f"verifiers:openenv:base_url={dipg_server.url}:resets=[{{}},{{}},{{}},{{}}]"
             vf = launch_runs([("vf_dipg", "train_grpo.py", [
-                "--actor.model.path", model, "--trainer.output_root", str(root), "--trainer.run_name", "vf_dipg",
-                "--data.train_files", spec, "--data.val_files", spec, "--env.verifiers", "--env.max_sessions", "1",
-                "--data.max_prompt_length", "480", "--rollout.max_response_length", "16", *small[:4],
+                "--actor.model.path", long_model, "--trainer.output_root", str(root), "--trainer.run_name",
+                "vf_dipg", "--data.train_files", spec, "--data.val_files", spec, "--env.verifiers",
+                "--env.max_sessions", "1", "--data.max_prompt_length", "1200", "--rollout.max_response_length", "16",
+                *small[:4],
                 "--trainer.val_every", "2", "--rollout.n", "2", "--trainer.train_batch_size", "4",
                 "--actor.mini_batch_size", "8"])], root, nproc=1, plan_name="plan_vf_dipg.json")
             (root / "vf_dipg.out").write_text(vf.stdout[-5000:] + vf.stderr[-8000:])
@@ -698,8 +743,9 @@ def test_a_third_party_verifiers_environment_from_pypi_runs_end_to_end(env_runs)
     its run() opening each conversation with the server's observation and action schema, stepping the server with
     the parsed reply, summing its rewards) on the DIPG server from PyPI, with --env.verifiers: its episodes played
     and rewarded in our loop, validated; no learning claimed for a random model."""
-    if not os.path.isdir(THIRD_PARTY):
-        pytest.skip(f"openenv-dipg-safety is not installed in {THIRD_PARTY} (test.sh installs it)")
+    for folder, what in ((THIRD_PARTY, "openenv-dipg-safety"), (OPENENV_041, "openenv 0.4.1")):
+        if not os.path.isdir(folder):
+            pytest.skip(f"{what} is not installed in {folder} (test.sh installs it)")
     rows = run_rows(env_runs, "vf_dipg")
     train = _train(rows)
     assert [r["step"] for r in train] == [1, 2], (env_runs[0] / "vf_dipg.out").read_text()

@@ -34,6 +34,9 @@ def is_spec(name: str) -> bool:
 def parse(name: str) -> tuple[str, dict]:
     # options split at a colon that starts the next key=: a value may hold colons (a URL, JSON)
     env_id, *options = re.split(r":(?=[A-Za-z_][\w.]*=)", name[len(PREFIX):])
+    env_id, colon, stray = env_id.partition(":")
+    if colon:  # an option before any key=value
+        options.insert(0, stray)
     if not env_id:
         raise ValueError(f"data file {name!r} names no environment; write {USAGE}")
     arguments = {}

@@ -35,6 +35,8 @@ def last_sampled(mask: torch.Tensor) -> torch.Tensor:
     """Each row's last position with mask 1 (0 for a row without one): where its score goes. A multi-turn row's
     observations (mask 0) may follow sampled tokens, so this is not the mask's sum minus one."""
     # mask: (B, T)
+    if mask.shape[-1] == 0:  # no row sampled anything (every episode of a rollout failed at its start)
+        return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
     positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
     return ((mask > 0) * positions).argmax(-1)
 
