@@ -376,7 +376,7 @@ def check_partial(args) -> list[Row]:
     gpu = args.device == "cuda"
     engine = "vllm" if has_vllm() else "hf"
     path, data = tailed_folder(args.out, args.device)
-    steps = args.grpo_steps or (6 if gpu else SHORT_STEPS[args.device] + 1)
+    steps = args.grpo_steps or (4 if gpu else SHORT_STEPS[args.device] + 1)  # steps after the first are compared
     budget = PARTIAL_RESPONSE[args.device]
     rows, runs = [], {}
     for mode, extra in (("full", ()), ("partial", ("--rollout.partial.enabled", "--rollout.partial.chunk_tokens",
