@@ -45,12 +45,12 @@ def _counts(pool: list[Sample]) -> tuple[int, int]:
 def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
     """The step's batch (train_batch_size complete groups over the ranks) and its rollout metrics."""
     cfg, p = run.cfg, run.cfg.rollout.partial
-    want, width, n = cfg.trainer.train_batch_size, cfg.rollout.max_response_length, cfg.rollout.n
+    want, width = cfg.trainer.train_batch_size, cfg.rollout.max_response_length
     reduce = sum_over_ranks()
     pool: list[Sample] = run.partial
     # a group whose first tokens are older than the cap leaves whole (one not started yet is never stale)
     stale = [uid for uid, g in groups(pool).items()
-             if (first := min((s.versions[0] for s in g if s.versions), default=step)) < step - p.max_staleness]
+             if min((s.versions[0] for s in g if s.versions), default=step) < step - p.max_staleness]
     pool[:] = [s for s in pool if s.uid not in stale]
     resumed_in = sum(bool(s.ids) for s in pool)
     target = math.ceil(p.over_provision * want)

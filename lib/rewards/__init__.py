@@ -21,6 +21,7 @@ import os
 from typing import Any, Callable
 
 from lib.rewards import builtin, reasoning_gym, verifiers_score
+from lib.rewards.optional import Preload
 
 ScoreFn = Callable[..., Any]
 
@@ -40,35 +41,34 @@ PREFIX_RULES: dict[str, ScoreFn] = {reasoning_gym.SOURCE_PREFIX: reasoning_gym.s
 (lib/rewards/verifiers_score.py)."""
 
 
-PREPARE: dict[str, tuple[Callable[[Any], bool], Callable[[Any], None]]] = {
-    reasoning_gym.SOURCE_PREFIX: (reasoning_gym.loaded, reasoning_gym.prepare),
-    verifiers_score.SOURCE_PREFIX: (verifiers_score.loaded, verifiers_score.prepare)}
-"""A prefix rule's (whether what a row needs is loaded, its load): a library, a dataset, loaded by the reward worker
-with the sample's clock stopped, so the first row of a task is not timed on an import (seconds, on a loaded
-machine). A load that hangs is not timed out."""
+PREPARE: dict[str, Preload] = {reasoning_gym.SOURCE_PREFIX: reasoning_gym.PRELOAD,
+                               verifiers_score.SOURCE_PREFIX: verifiers_score.PRELOAD}
+"""A prefix rule's load of what a row needs (a library, a dataset), run by the reward worker with the sample's clock
+stopped, so the first row of a task is not timed on an import (seconds, on a loaded machine). A load that hangs is
+not timed out."""
 LOADING = "loading"
 """The reward worker's message: a load starts; the sample's clock stops until the next ready (None)."""
 
 
-def _prepare_fns(data_source: object):
+def _preload(data_source: object) -> Preload | None:
     if isinstance(data_source, str):
-        for prefix, fns in PREPARE.items():
+        for prefix, preload in PREPARE.items():
             if data_source.startswith(prefix):
-                return fns
+                return preload
     return None
 
 
 def needs_load(data_source: object, extra_info: Any) -> bool:
-    fns = _prepare_fns(data_source)
-    return fns is not None and not fns[0](extra_info)
+    preload = _preload(data_source)
+    return preload is not None and not preload.loaded(extra_info)
 
 
 def prepare(data_source: object, extra_info: Any) -> None:
     """Load what scoring the row needs (a failure is left to the score, which reports it as the sample's)."""
-    fns = _prepare_fns(data_source)
-    if fns is not None:
+    preload = _preload(data_source)
+    if preload is not None:
         try:
-            fns[1](extra_info)
+            preload.prepare(extra_info)
         except Exception:  # noqa: BLE001 - the score raises it again, as the sample's own failure
             pass
 

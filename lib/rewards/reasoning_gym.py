@@ -16,7 +16,7 @@ import functools
 import json
 from typing import Any
 
-from lib.rewards.optional import optional
+from lib.rewards.optional import Preload, optional
 
 SOURCE_PREFIX = "reasoning_gym/"
 INSTALL = "pip install -e '.[reasoning-gym]' (or pip install reasoning-gym==0.1.25)"
@@ -46,21 +46,8 @@ def _key(extra_info: Any) -> tuple | None:
         return None
 
 
-_loaded: set = set()
-
-
-def loaded(extra_info: Any) -> bool:
-    """Whether the row's dataset is loaded in this process (a row that names none: nothing to load)."""
-    key = _key(extra_info)
-    return key is None or key in _loaded
-
-
-def prepare(extra_info: Any) -> None:
-    """Load the library and the row's dataset (the reward worker does, with the sample's clock stopped)."""
-    key = _key(extra_info)
-    if key is not None:
-        dataset(*key)
-        _loaded.add(key)
+PRELOAD = Preload(_key, dataset)
+"""The library and the row's dataset, loaded by the reward worker before the sample's time starts."""
 
 
 def score(solution_str: str, ground_truth: Any = None, extra_info: Any = None) -> dict:

@@ -15,7 +15,7 @@ import functools
 import json
 from typing import Any
 
-from lib.rewards.optional import optional
+from lib.rewards.optional import Preload, optional
 
 SOURCE_PREFIX = "verifiers/"
 INSTALL = "pip install -e '.[verifiers]' (or pip install verifiers==0.4.0)"
@@ -41,21 +41,8 @@ def _key(extra_info: Any) -> tuple | None:
         return None
 
 
-_loaded: set = set()
-
-
-def loaded(extra_info: Any) -> bool:
-    """Whether the row's environment's tasks are loaded in this process (a row that names none: nothing to load)."""
-    key = _key(extra_info)
-    return key is None or key in _loaded
-
-
-def prepare(extra_info: Any) -> None:
-    """Load verifiers and the row's environment's tasks (the reward worker does, with the sample's clock stopped)."""
-    key = _key(extra_info)
-    if key is not None:
-        tasks(*key)
-        _loaded.add(key)
+PRELOAD = Preload(_key, tasks)
+"""verifiers and the row's environment's tasks, loaded by the reward worker before the sample's time starts."""
 
 
 def messages_of(task: Any) -> list[dict]:
