@@ -149,3 +149,26 @@ def test_partial_rollouts_on_a_gpu(tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert any(r["partial/resumed_share"] > 0 for r in train), train
     assert all(r["rollout/fresh_logp_abs_diff"] < 5e-2 for r in train), train
+
+
+def test_a_pool_resumed_on_another_number_of_ranks_keeps_every_group_whole_once(tmp_path):
+    """The checkpoint's pools of 2 ranks, loaded on 1, 2 and 3: every carried sample comes back exactly once, a
+    group's samples on one rank, their tokens, log-probs and versions as saved; on 2 ranks each its own."""
+    from lib.partial.carry import Sample, load, save
+
+    def sample(uid, k, rank):
+        return Sample(uid, 3, (int(uid), rank, k), [5, 6, 7], {"uid": uid, "data_source": "toy"}, [8 + k, 9],
+                      [-0.5, -0.25 * k], [3, 4])
+
+    pools = [[sample(str(u), k, r) for u in range(r * 10, r * 10 + 3) for k in range(2)] for r in range(2)]
+    for rank, pool in enumerate(pools):
+        save(pool, str(tmp_path), rank, 2)
+    every = sorted((s.uid, s.order, s.ids, s.logps, s.versions) for pool in pools for s in pool)
+    assert [vars(s) for s in load(str(tmp_path), 1, 2)] == [vars(s) for s in pools[1]]
+    for world in (1, 2, 3):
+        got = [load(str(tmp_path), rank, world) for rank in range(world)]
+        assert sorted((s.uid, s.order, s.ids, s.logps, s.versions) for pool in got for s in pool) == every
+        for pool in got:  # a group on one rank only
+            assert all(not ({s.uid for s in pool} & {s.uid for s in other}) for other in got if other is not pool)
+    (tmp_path / "none").mkdir()
+    assert load(str(tmp_path / "none"), 0, 1) is None  # a checkpoint of a run without partial rollouts
