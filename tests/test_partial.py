@@ -61,15 +61,19 @@ def test_a_continued_sample_keeps_each_tokens_behaviour_log_prob():
     assert worst < 1e-5, worst
 
 
-PARTIAL = ("--rollout.partial.enabled", "--rollout.partial.chunk_tokens", "2", "--rollout.max_response_length", "16",
-           "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "64", "--trainer.log_samples", "0",
-           "--trainer.val_every", "0", "--trainer.save_every", "2", "--trainer.total_steps", "4")
+# chunks of 4 tokens, responses up to 32, a pool of 3 x 16 groups: most of the toy's responses end in 2 or 3 chunks
+# and a few run on, so from step 2 every step trains samples carried mid-response, and from step 3 drops groups
+# whose first tokens are older than max_staleness (measured: resumed share 0.67, 0.33, 0.46; 16 and 5 groups dropped)
+PARTIAL = ("--rollout.partial.enabled", "--rollout.partial.chunk_tokens", "4", "--rollout.max_response_length", "32",
+           "--rollout.partial.over_provision", "3", "--trainer.train_batch_size", "16", "--actor.mini_batch_size",
+           "64", "--trainer.log_samples", "0", "--trainer.val_every", "0", "--trainer.save_every", "2",
+           "--trainer.total_steps", "4")
 
 
 @pytest.mark.slow
 def test_a_partial_run_stopped_or_killed_resumes_to_the_bit(tmp_path):
-    """4 steps of the default preset with partial rollouts (chunks of 2 tokens, responses up to 16: groups with a long
-    sample are carried, mid-response, into the next step) on 2 ranks. The same run stopped by SIGTERM at the end of
+    """4 steps of the default preset with partial rollouts (PARTIAL: groups with a long sample are carried,
+    mid-response, into the next step; stale ones dropped) on 2 ranks. The same run stopped by SIGTERM at the end of
     step 3 (the stop's checkpoint holds the carried samples) and resumed; and killed (rank 1, SIGKILL) at the end of
     step 3 and resumed from step 2's checkpoint: both log exactly the uninterrupted run's figures, no step twice, none
     missing. The carried samples train (partial/resumed_share, staleness 1 tokens) and the canary over the fresh
@@ -82,6 +86,7 @@ def test_a_partial_run_stopped_or_killed_resumes_to_the_bit(tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert any(r["partial/resumed_share"] > 0 and r["partial/reprefill_tokens"] > 0 for r in train), train
     assert any(0 < r["partial/stale_token_share"] < 1 for r in train), train
+    assert any(r["partial/dropped_groups"] > 0 for r in train), train  # the staleness cap acted
     for r in train:
         assert r["rollout/logp_abs_diff"] < 1e-5 and r["rollout/fresh_logp_abs_diff"] < 1e-5, r
         if r["partial/stale_token_share"] > 0:
