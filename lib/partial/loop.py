@@ -63,7 +63,9 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
         t0 = time.perf_counter()
         while True:
             complete, active = reduce(torch.tensor(_counts(pool), dtype=torch.float64)).tolist()
-            if complete >= want or active == 0:
+            # at least one chunk while any sample generates: a carried one goes on every step (else complete groups
+            # left over could fill steps while it waits, staler, until it is dropped)
+            if active == 0 or (complete >= want and tally["rounds"]):
                 break
             # the samples that start and those that go on, apart: one call pads its rows to its longest, and a
             # continued sample's prefill is as long as its tokens so far
