@@ -50,12 +50,17 @@ LOADING = "loading"
 """The reward worker's message: a load starts; the sample's clock stops until the next ready (None)."""
 
 
-def _preload(data_source: object) -> Preload | None:
-    if isinstance(data_source, str):
-        for prefix, preload in PREPARE.items():
-            if data_source.startswith(prefix):
-                return preload
+def by_prefix(table: dict[str, Any], source: object) -> Any:
+    """The value of ``table`` whose key (a data source prefix) starts ``source``; None if none does."""
+    if isinstance(source, str):
+        for prefix, value in table.items():
+            if source.startswith(prefix):
+                return value
     return None
+
+
+def _preload(data_source: object) -> Preload | None:
+    return by_prefix(PREPARE, data_source)
 
 
 def needs_load(data_source: object, extra_info: Any) -> bool:
@@ -74,11 +79,7 @@ def prepare(data_source: object, extra_info: Any) -> None:
 
 
 def prefix_rule(source: object) -> ScoreFn | None:
-    if isinstance(source, str):
-        for prefix, fn in PREFIX_RULES.items():
-            if source.startswith(prefix):
-                return fn
-    return None
+    return by_prefix(PREFIX_RULES, source)
 
 
 class Sources(frozenset):
