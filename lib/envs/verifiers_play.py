@@ -34,7 +34,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from lib.envs.openenv import EnvFailure, Result
-from lib.rewards.verifiers_score import library, messages_of, tasks
+from lib.rewards.verifiers_score import append, library, opening_trace, tasks
 
 
 @functools.lru_cache(maxsize=16)
@@ -113,22 +113,9 @@ class _Interaction:
     """verifiers' Interaction as the environment sees it: a live trace and ``turn``."""
 
     def __init__(self, task: Any, play: _Play, name: str):
-        vf = library()
         self.task, self.play = task, play
-        self.over = self.closed = False
-        self.trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-                              agent=vf.AgentInfo(config=vf.AgentConfig(), name=name))
-        kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
-        opening = messages_of(task) if task.data.prompt is not None else (
-            [{"role": "system", "content": task.data.system_prompt}] if task.data.system_prompt else [])
-        self.trace.nodes = [vf.MessageNode(message=kinds[m["role"]](content=m["content"]), parent=i - 1 if i else None)
-                            for i, m in enumerate(opening)]
-        self.started = False
-
-    def _append(self, message: Any, sampled: bool = False) -> None:
-        vf = library()
-        nodes = self.trace.nodes
-        nodes.append(vf.MessageNode(message=message, parent=len(nodes) - 1 if nodes else None, sampled=sampled))
+        self.over = self.closed = self.started = False
+        self.trace = opening_trace(task, name=name)
 
     async def turn(self, message: Any = None) -> Any:
         vf = library()
@@ -150,13 +137,13 @@ class _Interaction:
                 role = m.get("role", "user")
                 m = vf.ToolMessage(**{"tool_call_id": "", **m}) if role == "tool" else vf.UserMessage(**m)
             typed.append(m)
-            self._append(m)
+            append(self.trace, m)
         text = await self.play.ask([message_dict(m) for m in typed])
         if text is None:
             self.over = self.play.cut = True
             return vf.Segment(messages=[], terminated=True)
         reply = vf.AssistantMessage(content=text)
-        self._append(reply, sampled=True)
+        append(self.trace, reply, sampled=True)
         return vf.Segment(messages=[reply])
 
     async def close(self) -> Any:

@@ -60,17 +60,28 @@ def messages_of(task: Any) -> list[dict]:
     return out
 
 
-def trace_of(task: Any, response: str) -> Any:
-    """A verifiers trace of the task's prompt and one sampled reply, as its harness records a single turn."""
+def opening_trace(task: Any, **agent: Any) -> Any:
+    """A verifiers trace holding the task's opening messages (messages_of), as its harness starts one; ``agent``:
+    the AgentInfo's other fields (a seat's name)."""
     vf = library()
     kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
-    trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data),
-                     agent=vf.AgentInfo(config=vf.AgentConfig()))
-    nodes = [vf.MessageNode(message=kinds[m["role"]](content=m["content"]), parent=i - 1 if i else None)
-             for i, m in enumerate(messages_of(task))]
-    nodes.append(vf.MessageNode(message=vf.AssistantMessage(content=response), parent=len(nodes) - 1 if nodes else None,
-                                sampled=True))
-    trace.nodes = nodes
+    trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+                     agent=vf.AgentInfo(config=vf.AgentConfig(), **agent))
+    for m in messages_of(task):
+        append(trace, kinds[m["role"]](content=m["content"]))
+    return trace
+
+
+def append(trace: Any, message: Any, sampled: bool = False) -> None:
+    """One message after the trace's last (``sampled``: the model's)."""
+    nodes = trace.nodes
+    nodes.append(library().MessageNode(message=message, parent=len(nodes) - 1 if nodes else None, sampled=sampled))
+
+
+def trace_of(task: Any, response: str) -> Any:
+    """A verifiers trace of the task's prompt and one sampled reply, as its harness records a single turn."""
+    trace = opening_trace(task)
+    append(trace, library().AssistantMessage(content=response), sampled=True)
     return trace
 
 

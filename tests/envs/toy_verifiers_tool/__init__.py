@@ -7,24 +7,18 @@ import json
 import re
 
 import verifiers.v1 as vf
+from toy_verifiers import ToyData, ToyTask  # the toy task's data and reward (tests/envs/toy_verifiers)
 
 from lib import toy
-from lib.rewards.builtin import toy as toy_rule
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
-class ToolData(vf.TaskData):
-    answer: str
-
-
-class ToolTask(vf.Task[ToolData]):
-    @vf.reward(weight=1.0)
-    async def reversed_digits(self, task: ToolData, trace: vf.Trace) -> float:
-        return toy_rule(trace.last_reply or "", task.answer)["score"]
+class ToolTask(ToyTask):
+    """The toy task's reward on the last reply (the answer), and a count of the lookups."""
 
     @vf.metric
-    async def lookups(self, task: ToolData, trace: vf.Trace) -> float:
+    async def lookups(self, task: ToyData, trace: vf.Trace) -> float:
         return float(len(trace.tool_messages))
 
 
@@ -36,7 +30,7 @@ class ToolConfig(vf.TasksetConfig):
 class ToolTaskset(vf.Taskset[ToolTask, ToolConfig]):
     def load(self):
         train, val = toy.split_keys(0)
-        return [ToolTask(ToolData(prompt=key, answer=toy.example(toy.tool_digits(key))[1]), self.config.task)
+        return [ToolTask(ToyData(prompt=key, answer=toy.example(toy.tool_digits(key))[1]), self.config.task)
                 for key in (train if self.config.split == "train" else val)]
 
 
