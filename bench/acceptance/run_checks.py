@@ -57,13 +57,14 @@ def child_env(device: str) -> dict:
 
 
 def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *extra: str,
-           model: dict | None = None, response_len: int = 0, timed: bool = False, compiled: bool = False
-           ) -> tuple[list[Row], list[dict] | None]:
+           model: dict | None = None, response_len: int = 0, timed: bool = False, compiled: bool = False,
+           eager_engine: bool = False) -> tuple[list[Row], list[dict] | None]:
     """``steps`` steps of ``script`` on one rank in ``preset``'s configuration on the 0.5B shape (tiny on CPU), with
     ``engine`` and ``extra`` flags; ``model``: another model folder and its data ({"model", "train", "val"}, e.g. a
     toy task's), ``response_len``: another response budget; ``timed``: a row that measures speed (the GRPO sizes,
     compiled engines) rather than a feature (FEATURE_SIZES, eager engines); ``compiled``: a feature row whose vLLM
-    engine is compiled on a GPU all the same (one of each engine kind). Returns the rows every run has
+    engine is compiled on a GPU all the same (one of each engine kind); ``eager_engine``: a timed row's runs eager
+    all the same (runs compared with each other, not with the compiled rows). Returns the rows every run has
     (completion, the canary, the step's split, tokens/s, the sync's share of a step, memory per stage), and its
     training rows (None: it failed, or logged no step before a stop)."""
     if model is None:
@@ -90,7 +91,7 @@ def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *
            "--trainer.total_steps", str(steps), "--trainer.logger", "console", "jsonl",
            "--trainer.output_root", run_root, "--trainer.run_name", run_name, "--rollout.engine", engine,
            "--trainer.device", args.device, "--trainer.save_every", "0", "--trainer.no-resume", *extra]
-    if engine == "vllm" and eager(args.device, timed or compiled):
+    if engine == "vllm" and (eager_engine or eager(args.device, timed or compiled)):
         cmd.append("--rollout.enforce_eager")
     code, wall = run_child(cmd, log_path, child_env(args.device), CHILD_GRACE_S[args.device])
     metrics_file = os.path.join(run_dir, "metrics.jsonl")
@@ -102,7 +103,8 @@ def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *
         return [Row(f"{name}: {steps} steps", "failed" + (" (OOM)" if oom else ""), "all steps, no OOM", False,
                     failure_note(said))], None
     sizes = (f"{prompts} prompts x {n} a step, responses up to {response_len} tokens, {os.path.basename(preset)}"
-             + ("" if timed or compiled or engine != "vllm" or args.device != "cuda" else ", eager engine"))
+             + (", eager engine" if engine == "vllm" and args.device == "cuda"
+                and (eager_engine or not (timed or compiled)) else ""))
     if code is None:
         done = Row(f"{name}: {steps} steps", f"stopped by the budget after {len(train)} steps in {wall:.0f} s",
                    f"{steps}, no OOM", False, f"{sizes}; the log's last lines: {log_tail(log_path)}")
@@ -382,9 +384,11 @@ def check_partial(args) -> list[Row]:
     for mode, extra in (("full", ()), ("partial", ("--rollout.partial.enabled", "--rollout.partial.chunk_tokens",
                                                    str(budget // 4), "--rollout.partial.over_provision", "1.5"))):
         name = f"partial {engine} engine, {mode}"
+        # eager both ways: a compiled engine of this max_model_len misses the compile cache the GRPO rows made
+        # (22-32 s on the H100, then its graphs) in each of the two runs, inside the check's 240 s
         got, train = _train(args, name, "train_grpo.py", PRESETS["grpo"], steps, engine,
                             "--algorithm.rollout_correction", "token", *extra, model={**data, "model": path},
-                            response_len=budget, timed=True)
+                            response_len=budget, timed=True, eager_engine=True)
         rows += got[:2]  # completion and the canary
         runs[mode] = train
     full, part = runs["full"], runs["partial"]

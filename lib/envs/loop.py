@@ -212,7 +212,7 @@ class EnvRollout:
                 # an environment that scores at its end (verifiers) is ended where the loop ended the episode on an
                 # observation that does not fit
                 ended = [e.index for e in active if e.finish == "budget" and not last[e.index]
-                         and plays[e.index].failure is None and getattr(plays[e.index].session, "concludes", False)]
+                         and plays[e.index].failure is None and plays[e.index].session.concludes]
                 for i, result in self._each(pool, deadline, plays, ended,
                                             lambda i: plays[i].session.send("end", {})).items():
                     try:

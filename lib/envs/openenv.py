@@ -71,6 +71,8 @@ def websockets_client() -> Any:
 class Session:
     """One episode's connection to the server (one environment instance on it)."""
 
+    concludes = False  # the server ends its episodes itself: an episode the loop ends early needs no "end"
+
     def __init__(self, url: str, timeout_s: float):
         self.url, self.timeout_s = url, timeout_s
         host = urlparse(url).hostname or ""
