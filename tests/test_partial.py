@@ -177,3 +177,118 @@ def test_a_pool_resumed_on_another_number_of_ranks_keeps_every_group_whole_once(
             assert all(not ({s.uid for s in pool} & {s.uid for s in other}) for other in got if other is not pool)
     (tmp_path / "none").mkdir()
     assert load(str(tmp_path / "none"), 0, 1) is None  # a checkpoint of a run without partial rollouts
+
+
+# ---- the pool on any number of ranks: a stand-in engine whose samples depend on the prompt only (the real engines'
+# samples follow each rank's seed stream, with or without partial rollouts), so every difference is the pool's
+
+def _prompt(row: int) -> list[int]:
+    return [10 + row] + [5] * (row % 3)
+
+
+def _length(row: int) -> int:
+    """The response's length (its stop token included): mostly short, one row in 7 long, one in 11 past the cap."""
+    return 40 if row % 11 == 0 else 20 if row % 7 == 0 else 2 + row % 5
+
+
+class _PromptEngine:
+    """generate_ids' contract: a request's tokens are a function of its prompt's row and position, so a sample
+    continued in any chunks, on any rank, is the same sample."""
+
+    def generate_ids(self, prompts, max_tokens, validate, key, media=None):
+        from lib.engine import Turn
+
+        outs = []
+        for seq, cap in zip(prompts, max_tokens):
+            row = seq[0] - 10
+            start = len(seq) - len(_prompt(row))
+            n = min(cap, _length(row) - start)
+            ids = [(row * 31 + j) % 50 + 2 for j in range(start, start + n)]
+            stopped = start + n == _length(row)
+            ids[-1:] = [EOS] if stopped else ids[-1:]
+            outs.append(Turn(ids, [-0.01 * (row + j + 1) for j in range(start, start + n)], stopped))
+        return outs
+
+
+def _pool_body(folder: str, steps: int, save_after: int, resume_at: int):
+    """generate_step on this world's ranks for steps [resume_at, steps) (the pool and the data position loaded from
+    ``folder`` when resume_at > 0; saved there after step ``save_after`` - 1 when > 0). Returns per step the trained
+    samples of every rank (uid, response, each token's version and log-prob), sorted, and the pool's metrics."""
+    import json
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from lib.config import Config
+    from lib.data import Sampler, left_pad
+    from lib.partial import carry, loop
+    from lib.protocol import DataProto
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = Config()
+    cfg.rollout.n, cfg.rollout.max_response_length, cfg.data.max_prompt_length = 2, 24, 4
+    cfg.trainer.train_batch_size = 4
+    p = cfg.rollout.partial
+    p.enabled, p.chunk_tokens, p.over_provision, p.max_staleness = True, 4, 2.5, 1
+    run = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(rank=rank, world_size=world), partial=[], data_position=0,
+                          sampler=Sampler(96, 4, seed=3), tokenizer=SimpleNamespace(pad_token_id=0))
+
+    def next_batch(run):
+        index = run.data_position
+        run.data_position += 1
+        rows = run.sampler.rows(index, rank, world)
+        ids, mask, pos = left_pad([_prompt(int(r)) for r in rows], 4, 0)
+        return DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos},
+                                   {"uid": [f"{index}-{r}" for r in rows], "data_source": ["toy"] * len(rows)},
+                                   {"seed_key": index})
+
+    loop.next_batch = next_batch
+    loop.generate = lambda run, prompts, produce: (produce(_PromptEngine()), {"timing/generate_s": 0.0})
+    if resume_at:
+        run.partial = carry.load(folder, rank, world)
+        run.data_position = json.load(open(os.path.join(folder, "position.json")))
+    out = []
+    for step in range(resume_at, steps):
+        batch, metrics = loop.generate_step(run, step)
+        b = batch.batch
+        mine = []
+        for i in range(len(batch)):
+            width = int(b["response_mask"][i].sum())
+            mine.append((batch.non_tensor_batch["uid"][i], b["responses"][i, :width].tolist(),
+                         b["rollout_versions"][i, :width].tolist(),
+                         [round(x, 6) for x in b["rollout_log_probs"][i, :width].tolist()]))
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        # wall clock (timing/) apart: every trained sample spent some time in an engine call
+        assert metrics["timing/partial_longest_sample_s"] > 0, metrics
+        assert "timing/partial_idle_saved_s" in metrics, metrics
+        out.append((sorted(x for part in every for x in part),
+                    {k: v for k, v in metrics.items() if not k.startswith("timing/")}))
+        if step + 1 == save_after:
+            carry.save(run.partial, folder, rank, world)
+            if rank == 0:
+                json.dump(run.data_position, open(os.path.join(folder, "position.json"), "w"))
+    return out
+
+
+def test_the_pools_batches_do_not_depend_on_the_number_of_ranks(tmp_path):
+    """With samples that depend on the prompt only, 1, 2 and 4 ranks train the same samples at every step (the same
+    tokens, versions and behaviour log-probs), carry and drop the same groups, and log the same pool figures; a pool
+    saved on 2 ranks and resumed on 1 or 4 goes on as the uninterrupted run. Before the fix (a row's place in the
+    stream was its place on its rank's share) 2 ranks trained other groups than 1."""
+    from lib.testing import run_distributed
+
+    steps = 6
+    (ref,) = run_distributed(_pool_body, str(tmp_path), steps, 0, 0, world_size=1)
+    trained = [len(samples) for samples, _ in ref]
+    assert trained == [8] * steps, trained  # train_batch_size 4 groups of 2, every step
+    assert any(m["partial/resumed_share"] > 0 for _, m in ref) and any(m["partial/dropped_groups"] for _, m in ref)
+    assert any(v > 0 and v < 1 for _, m in ref for v in [m["partial/stale_token_share"]]), ref
+    for world in (2, 4):
+        got = run_distributed(_pool_body, str(tmp_path / f"w{world}"), steps, 0, 0, world_size=world)[0]
+        assert got == ref, world
+    run_distributed(_pool_body, str(tmp_path), 3, 3, 0, world_size=2)
+    for world in (1, 4):
+        got = run_distributed(_pool_body, str(tmp_path), steps, 0, 3, world_size=world)[0]
+        assert got == ref[3:], world

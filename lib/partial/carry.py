@@ -38,6 +38,9 @@ class Sample:
     kept: list[int] = field(default_factory=list)
     """Top-k/top-p sampling: the engine's kept set's size at each token (lib.engine.Turn.kept)."""
     ended: bool = False
+    gen_s: float = 0.0
+    """Wall seconds of the engine calls it generated in, every step's (what a step that waited for it would have
+    taken to generate it: timing/partial_longest_sample_s)."""
 
 
 def groups(pool: list[Sample]) -> dict[str, list[Sample]]:

@@ -29,11 +29,13 @@ def _draw(run: Run, step: int, pool: list[Sample]) -> None:
     index = data.meta_info["seed_key"]
     ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
     nt = data.non_tensor_batch
+    first = run.topo.rank * len(data)  # the rank's rows are its contiguous share of the data batch (lib.data.Sampler)
     for row in range(len(data)):
         prompt = ids[row][mask[row].bool()].tolist()
         columns = {k: v[row] for k, v in nt.items()}
         for k in range(run.cfg.rollout.n):
-            pool.append(Sample(str(nt["uid"][row]), step, (index, row, k), prompt, columns))
+            # the row's place in the whole data batch: the stream's order is the same on any number of ranks
+            pool.append(Sample(str(nt["uid"][row]), step, (index, first + row, k), prompt, columns))
 
 
 def _counts(pool: list[Sample]) -> tuple[int, int]:
@@ -75,8 +77,11 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
             for part, cohort in enumerate((todo[:split], todo[split:])):
                 inputs = [s.prompt + s.ids for s in cohort]
                 caps = [min(chunk, width - len(s.ids)) for s in cohort]
+                t_call = time.perf_counter()
                 # every rank calls both (a vLLM TP group generates its gathered rows together, empty ones included)
                 outs += engine.generate_ids(inputs, caps, False, (step, KEY, tally["rounds"], part))
+                for s in cohort:
+                    s.gen_s += time.perf_counter() - t_call
             for s, out in zip(todo, outs):
                 tally["reprefill"] += len(s.ids)  # a continued sample's response so far is prefilled again
                 s.ids += out.ids
@@ -94,6 +99,8 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
     batch, metrics = generate(run, None, produce=produce)
     counts = reduce(torch.tensor([float(len(stale)), float(resumed_in), float(pool_samples), float(len(pool)),
                                   float(tally["reprefill"]), float(tally["rounds"])], dtype=torch.float64)).tolist()
+    longest = torch.tensor([batch.meta_info.pop("longest_sample_s"), metrics["timing/generate_s"]])
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX)  # world: the slowest rank's, as the step waits for it
     versions = batch.batch["rollout_versions"]
     tokens = batch.batch["response_mask"].bool()
     age = (step - versions)[tokens].to(torch.float64)
@@ -103,7 +110,11 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
                     "partial/carried_share": counts[3] / max(counts[2], 1), "partial/reprefill_tokens": counts[4],
                     "partial/rounds": counts[5] / run.topo.world_size,
                     "partial/staleness_mean": float(sums[0] / sums[2].clamp(min=1)),
-                    "partial/stale_token_share": float(sums[1] / sums[2].clamp(min=1))})
+                    "partial/stale_token_share": float(sums[1] / sums[2].clamp(min=1)),
+                    # wall clock under timing/ (resume tests leave it out): a step that waited for its samples' end
+                    # would have generated at least as long as its longest trained sample took
+                    "timing/partial_longest_sample_s": float(longest[0]),
+                    "timing/partial_idle_saved_s": float(longest[0] - longest[1])})
     return batch, metrics
 
 
@@ -117,6 +128,7 @@ def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> Da
     chosen = {uid for *_, uid in sorted(g for part in every for g in part)[:want]}
     take = sorted((s for s in pool if s.uid in chosen), key=lambda s: s.order)
     pool[:] = [s for s in pool if s.uid not in chosen]
+    meta = {**meta, "longest_sample_s": max((s.gen_s for s in take), default=0.0)}
     pad = run.tokenizer.pad_token_id
     ids, mask, pos = left_pad([s.prompt for s in take], run.cfg.data.max_prompt_length, pad)
     kept = [s.kept for s in take] if any(s.kept for s in take) else None
