@@ -55,8 +55,9 @@ def dynamic_sampling(run: Run, step: int, batch: DataProto, first: dict, metrics
     m = first
     for round_ in range(a.max_gen_batches):
         if round_:
-            with stage("rollout", metrics):
-                batch, m = generate(run, next_batch(run))
+            with stage("rollout", metrics):  # partial rollouts: the pool's next complete groups
+                batch, m = partial.generate_step(run, step) if cfg.rollout.partial.enabled else \
+                    generate(run, next_batch(run))
             with stage("score", metrics):
                 m.update(score(run, batch))
         if a.filter_groups_metric == "score":  # the task's score, before any overlong penalty
@@ -86,7 +87,7 @@ def dynamic_sampling(run: Run, step: int, batch: DataProto, first: dict, metrics
     merged = {}
     for key in round_metrics[0]:
         values = [rm[key] for rm in round_metrics if key in rm]
-        merged[key] = float(np.sum(values) if key in metric_log.SUMMED_METRICS else np.mean(values))
+        merged[key] = float(np.sum(values) if key in metric_log.SUMMED_METRICS + partial.COUNTS else np.mean(values))
     merged["algorithm/gen_rounds"] = len(kept)
     merged["algorithm/kept_groups"] = len(chosen)
     return batch, merged

@@ -238,8 +238,6 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      "with an environment whose return is the whole reward"),
     ("env-verifiers-data", "train_grpo.py", "--env.verifiers", "['toy'] are not rows of a verifiers environment: "
      "name them as verifiers:ENV_ID"),
-    ("partial-dynamic", "train_grpo.py", "--rollout.partial.enabled --algorithm.filter-groups",
-     "rollout.partial with algorithm.filter_groups: dynamic sampling draws its own extra rounds"),
     ("partial-tools", "train_grpo.py", "--rollout.partial.enabled --multi_turn.tools {reward}:score",
      "rollout.partial with multi_turn.tools: partial rollouts continue single-turn samples"),
     ("partial-bypass", "train_grpo.py", "--rollout.partial.enabled --algorithm.bypass-mode",

@@ -114,6 +114,25 @@ def test_a_partial_run_stopped_or_killed_resumes_to_the_bit(tmp_path):
             assert x == y, (how, {k: (x.get(k), y.get(k)) for k in set(x) | set(y) if x.get(k) != y.get(k)})
 
 
+def test_dynamic_sampling_draws_its_rounds_from_the_pool(tmp_path):
+    """DAPO's dynamic sampling with partial rollouts, 3 steps on 2 ranks: a round that keeps fewer than
+    train_batch_size groups (their scores all alike) is followed by another round of the pool (its carried samples
+    going on, new prompts drawn), until the step keeps train_batch_size groups; the carried samples still train, and
+    the canary over the fresh tokens stays at fp32's floor. Before: refused at start-up (measured after: 2, 1 and 2
+    rounds, 16 groups kept every step)."""
+    args = (*PARTIAL[:-1], "3", "--rollout.partial.over_provision", "2", "--trainer.save_every", "0",
+            "--algorithm.filter_groups")
+    done = subprocess.run(command(tmp_path, *args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    train = [r for r in rows(tmp_path) if "actor/lr" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(r["algorithm/kept_groups"] == 16 for r in train), train
+    assert any(r["algorithm/gen_rounds"] > 1 for r in train), train  # a round kept too few: the pool went on
+    assert any(r["partial/resumed_share"] > 0 and r["partial/stale_token_share"] > 0 for r in train), train
+    for r in train:
+        assert r["rollout/fresh_logp_abs_diff"] < 1e-5, r
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_partial_rollouts_with_the_vllm_engine(tmp_path):

@@ -47,9 +47,6 @@ def config_problems(cfg: Any) -> list[str]:
                                                                  "an environment (env)")):
         if on:
             problems.append(f"rollout.partial with {what}: {why}; a turn in flight is not carried yet: turn one off")
-    if cfg.algorithm.filter_groups:
-        problems.append("rollout.partial with algorithm.filter_groups: dynamic sampling draws its own extra rounds; "
-                        "both choose which groups a step trains: turn one off")
     if cfg.algorithm.bypass_mode:
         problems.append("rollout.partial with algorithm.bypass_mode: the engine's log-probs of a carried sample are "
                         "an older policy's, not the update's old policy: turn bypass_mode off")

@@ -22,6 +22,9 @@ KEY = -7
 """The sampling key's marker (ints only: a tuple of ints hashes alike in every process, so a resumed run draws the
 samples an uninterrupted one would)."""
 
+COUNTS = ("partial/dropped_groups", "partial/reprefill_tokens", "partial/rounds")
+"""The pool's counts among its metrics (over the ranks already): summed over a step's dynamic-sampling rounds."""
+
 
 def _draw(run: Run, step: int, pool: list[Sample]) -> None:
     """The next data batch's prompts into the pool, n samples each."""
