@@ -318,9 +318,6 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, pro
         if envs.enabled(cfg):
             raise ValueError("an environment's episodes with image prompts are not built yet: train on text rows, or "
                              "without env")
-        if cfg.rollout.partial.enabled:
-            raise ValueError("rollout.partial with image prompts: a carried sample's images are not carried yet (it "
-                             "would continue without them): train on text rows, or turn rollout.partial off")
         check_vision_modes(cfg, train, val, need_critic)
     elif has_vision(model_config) and uses_vllm(cfg):
         # vLLM builds the whole class, vision tower included, and text rows train the language model alone: the

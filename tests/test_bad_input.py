@@ -242,8 +242,6 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      "rollout.partial with multi_turn.tools: partial rollouts continue single-turn samples"),
     ("partial-bypass", "train_grpo.py", "--rollout.partial.enabled --algorithm.bypass-mode",
      "rollout.partial with algorithm.bypass_mode"),
-    ("partial-vision", "train_grpo.py", "--config {vision_preset} --rollout.partial.enabled",
-     "rollout.partial with image prompts: a carried sample's images are not carried yet"),
     ("partial-staleness", "train_grpo.py", "--rollout.partial.enabled --rollout.partial.max_staleness 0",
      "rollout.partial.max_staleness=0 must be >= 1"),
     ("resume-off", "train_grpo.py", "--trainer.run_name existing --trainer.no-resume", "trainer.resume is off"),

@@ -38,6 +38,9 @@ class Sample:
     kept: list[int] = field(default_factory=list)
     """Top-k/top-p sampling: the engine's kept set's size at each token (lib.engine.Turn.kept)."""
     ended: bool = False
+    media: Any = None
+    """A vision-language prompt's images and rope rows (lib.engine.PromptImages): every chunk's request carries them,
+    as every turn of a multi-turn episode does; None for a text prompt."""
     gen_s: float = 0.0
     """Wall seconds of the engine calls it generated in, every step's (what a step that waited for it would have
     taken to generate it: timing/partial_longest_sample_s)."""

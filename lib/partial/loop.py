@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lib.data import left_pad
 from lib.dist import sum_over_ranks
-from lib.engine import build_output
+from lib.engine import ENGINE_INPUTS, build_output, prompt_images
 from lib.partial.carry import Sample, groups
 from lib.protocol import DataProto
 from lib.rollout import generate, next_batch
@@ -32,13 +32,15 @@ def _draw(run: Run, step: int, pool: list[Sample]) -> None:
     index = data.meta_info["seed_key"]
     ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
     nt = data.non_tensor_batch
+    media = prompt_images(data) or [None] * len(data)  # an image prompt's images and rope rows go with its samples
     first = run.topo.rank * len(data)  # the rank's rows are its contiguous share of the data batch (lib.data.Sampler)
     for row in range(len(data)):
         prompt = ids[row][mask[row].bool()].tolist()
-        columns = {k: v[row] for k, v in nt.items()}
+        columns = {k: v[row] for k, v in nt.items() if k not in ENGINE_INPUTS}
         for k in range(run.cfg.rollout.n):
             # the row's place in the whole data batch: the stream's order is the same on any number of ranks
-            pool.append(Sample(str(nt["uid"][row]), step, (index, first + row, k), prompt, columns))
+            pool.append(Sample(str(nt["uid"][row]), step, (index, first + row, k), prompt, columns,
+                               media=media[row]))
 
 
 def _counts(pool: list[Sample]) -> tuple[int, int]:
@@ -81,8 +83,9 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
                 inputs = [s.prompt + s.ids for s in cohort]
                 caps = [min(chunk, width - len(s.ids)) for s in cohort]
                 t_call = time.perf_counter()
+                images = [s.media for s in cohort] if any(s.media for s in cohort) else None
                 # every rank calls both (a vLLM TP group generates its gathered rows together, empty ones included)
-                outs += engine.generate_ids(inputs, caps, False, (step, KEY, tally["rounds"], part))
+                outs += engine.generate_ids(inputs, caps, False, (step, KEY, tally["rounds"], part), images)
                 for s in cohort:
                     s.gen_s += time.perf_counter() - t_call
             for s, out in zip(todo, outs):
@@ -135,7 +138,13 @@ def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> Da
     pad = run.tokenizer.pad_token_id
     ids, mask, pos = left_pad([s.prompt for s in take], run.cfg.data.max_prompt_length, pad)
     kept = [s.kept for s in take] if any(s.kept for s in take) else None
-    fields = build_output(ids, mask, pos, [s.ids for s in take], [s.logps for s in take], pad, kept=kept)
+    rope = None
+    if take and take[0].media is not None and take[0].media.rope is not None:  # Qwen-VL: 0 on padding, as collated
+        rope = torch.zeros(len(take), 3, ids.shape[1], dtype=torch.long)
+        for i, s in enumerate(take):
+            rope[i, :, ids.shape[1] - len(s.prompt):] = s.media.rope
+    fields = build_output(ids, mask, pos, [s.ids for s in take], [s.logps for s in take], pad, prompt_rope=rope,
+                          kept=kept)
     width = fields["responses"].shape[1]
     versions = torch.full((len(take), width), step, dtype=torch.long)
     for i, s in enumerate(take):
