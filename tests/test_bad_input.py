@@ -102,6 +102,7 @@ def files(tmp_path_factory, shared_assets_dir):
     (d / "broken_reward.py").write_text("import not_a_module_anywhere\n")
     (d / "reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
     out["broken_reward"], out["reward"] = str(d / "broken_reward.py"), str(d / "reward.py")
+    out["vault"] = os.path.join(ROOT, "tests", "data", "mt_tools.py") + ":Vault"  # a tool environment
     out["root"] = str(d / "runs")
     # a run folder holding a finished run of another config, and one holding any run (for resume off)
     for name, lr in (("other", 0.5), ("existing", 0.5)):
@@ -238,8 +239,10 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      "with an environment whose return is the whole reward"),
     ("env-verifiers-data", "train_grpo.py", "--env.verifiers", "['toy'] are not rows of a verifiers environment: "
      "name them as verifiers:ENV_ID"),
-    ("partial-tools", "train_grpo.py", "--rollout.partial.enabled --multi_turn.tools {reward}:score",
-     "rollout.partial with multi_turn.tools: partial rollouts continue single-turn samples"),
+    ("partial-tools-env", "train_grpo.py", "--rollout.partial.enabled --multi_turn.tools {vault}",
+     "mt_tools.py:Vault, an environment: its instances live in the tool workers"),
+    ("partial-env", "train_grpo.py", "--rollout.partial.enabled --env.url http://127.0.0.1:9",
+     "rollout.partial with an environment (env): an episode's session lives in its server"),
     ("partial-bypass", "train_grpo.py", "--rollout.partial.enabled --algorithm.bypass-mode",
      "rollout.partial with algorithm.bypass_mode"),
     ("partial-staleness", "train_grpo.py", "--rollout.partial.enabled --rollout.partial.max_staleness 0",

@@ -311,3 +311,171 @@ def test_the_pools_batches_do_not_depend_on_the_number_of_ranks(tmp_path):
     for world in (1, 4):
         got = run_distributed(_pool_body, str(tmp_path), steps, 0, 3, world_size=world)[0]
         assert got == ref[3:], world
+
+
+# ---- multi-turn episodes in the pool: a turn in flight is carried, each tool call runs once
+
+MT_KEYS = 48
+
+
+def _script(key: int) -> list[str]:
+    """Key k's turns: an answer at once, or after one or two calls (arguments unique to the key and the turn)."""
+    from tests.test_multi_turn import call
+
+    return [call("add", a=key, b=100 + t) for t in range(key % 3)] + [str(key)]
+
+
+class _TurnEngine:
+    """generate_ids' contract, the episode's script: the turn is the number of assistant openings in the request
+    after the prompt's, the offset the tokens since the last one, so a turn sampled in any chunks, before or after a
+    checkpoint, is the same turn. Log-probs -(sampled position + 1) / 100."""
+
+    def __init__(self, tok):
+        from lib.engine import SamplingConfig
+
+        self.tok, self.sampling, self.calls = tok, SamplingConfig(n=1), {False: 0, True: 0}
+        self.end = tok.convert_tokens_to_ids("<|im_end|>")
+        self.opening = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+
+    def any_active(self, active):
+        return active
+
+    def _turns(self, key: int) -> list[list[int]]:
+        return [self.tok(t, add_special_tokens=False)["input_ids"] + [self.end] for t in _script(key)]
+
+    def generate_ids(self, prompts, max_tokens, validate, key, media=None):
+        from lib.engine import Turn
+
+        outs = []
+        for seq, cap in zip(prompts, max_tokens):
+            text = self.tok.decode(seq, skip_special_tokens=False)
+            who = int(text.split("user\nkey ")[1].split("<|im_end|>")[0])
+            w = len(self.opening)
+            starts = [i + w for i in range(len(seq) - w + 1) if seq[i:i + w] == self.opening]
+            turn, offset = len(starts) - 1, len(seq) - starts[-1]
+            full = self._turns(who)[turn]
+            before = sum(len(t) for t in self._turns(who)[:turn]) + offset
+            ids = full[offset:offset + cap]
+            outs.append(Turn(ids, [-(before + i + 1) / 100 for i in range(len(ids))], offset + len(ids) == len(full)))
+        return outs
+
+
+class _CallLog:
+    """A tool pool (MultiTurn's ``pool``) that runs the calls here and appends each to a file."""
+
+    def __init__(self, path: str, spec: str):
+        from tests.test_multi_turn import LocalPool
+
+        self.path, self.local = path, LocalPool(spec)
+
+    def score(self, items, pin=None):
+        import json
+
+        with open(self.path, "a") as f:
+            for item in items:
+                f.write(json.dumps(item[2:4]) + "\n")
+        return self.local.score(items, pin)
+
+    def close(self):
+        pass
+
+
+def _mt_body(folder: str, steps: int, save_after: int, resume_at: int, reference: bool):
+    """The multi-turn pool (n 2, chunks of 8 tokens, 1.5 x 2 groups) for steps [resume_at, steps), as _pool_body;
+    with ``reference``, MultiTurn.rollout over every key at once instead (whole turns, no pool). Returns per
+    trained row: (key, responses, response_mask, rollout log-probs, versions or None, num_turns, solution_str)."""
+    import json
+    import pathlib
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from lib import toy
+    from lib.config import Config, MultiTurnConfig
+    from lib.data import Sampler
+    from lib.multi_turn.loop import MultiTurn
+    from lib.partial import carry, loop
+    from tests.test_multi_turn import TOOLS, prompts_for, row
+
+    tok = toy.build_tool_tokenizer(os.path.join(folder, "tok"))
+    data = prompts_for(tok, [row(f"key {k}") for k in range(MT_KEYS)], pathlib.Path(folder), TOOLS)
+    mt = MultiTurn(MultiTurnConfig(tools=TOOLS, max_turns=4), tok, 128, pool=_CallLog(f"{folder}/calls.jsonl", TOOLS))
+
+    def rows_of(batch, versions):
+        b, out = batch.batch, []
+        for i in range(len(batch)):
+            width = int(b["attention_mask"][i, b["prompts"].shape[1]:].sum())
+            key = int(tok.decode(b["prompts"][i], skip_special_tokens=True).split("key ")[1].split()[0])
+            out.append((key, b["responses"][i, :width].tolist(), b["response_mask"][i, :width].tolist(),
+                        b["rollout_log_probs"][i, :width].tolist(),
+                        b["rollout_versions"][i, :width].tolist() if versions else None,
+                        int(batch.non_tensor_batch["num_turns"][i]), batch.non_tensor_batch["solution_str"][i]))
+        return out
+
+    if reference:
+        return rows_of(mt.rollout(_TurnEngine(tok), data), False)
+    cfg = Config()
+    cfg.rollout.n, cfg.rollout.max_response_length, cfg.data.max_prompt_length = 2, 128, 32
+    cfg.trainer.train_batch_size = 2
+    p = cfg.rollout.partial
+    p.enabled, p.chunk_tokens, p.over_provision, p.max_staleness = True, 8, 1.5, 20
+    run = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(rank=0, world_size=1), partial=[], data_position=0,
+                          sampler=Sampler(MT_KEYS, 2, seed=5), tokenizer=tok, multi_turn=mt)
+
+    def next_batch(run):
+        index = run.data_position
+        run.data_position += 1
+        rows = run.sampler.rows(index)
+        batch = data.select_idxs(rows)
+        batch.non_tensor_batch["uid"] = np.array([f"{index}-{r}" for r in rows], dtype=object)
+        batch.meta_info["seed_key"] = index
+        return batch
+
+    loop.next_batch = next_batch
+    loop.generate = lambda run, prompts, produce: (produce(_TurnEngine(tok)), {"timing/generate_s": 0.0})
+    if resume_at:
+        run.partial = carry.load(folder, 0, 1)
+        run.data_position = json.load(open(os.path.join(folder, "position.json")))
+    out = []
+    for step in range(resume_at, steps):
+        batch, metrics = loop.generate_step(run, step)
+        assert metrics["multi_turn/turns_mean"] >= 1, metrics
+        out.append(rows_of(batch, True))
+        if step + 1 == save_after:
+            carry.save(run.partial, folder, 0, 1)
+            json.dump(run.data_position, open(os.path.join(folder, "position.json"), "w"))
+    dist.barrier()
+    return out
+
+
+def test_a_multi_turn_episode_is_carried_mid_turn_and_runs_each_tool_call_once(tmp_path):
+    """Tool episodes in the pool, chunks of 8 tokens against turns of up to 35: every trained row (its tokens,
+    response mask, behaviour log-probs, turns and last turn) is the one the multi-turn rollout makes in whole turns,
+    though its turns were sampled over several steps, some split across a step (a turn in flight carried) and across
+    a checkpoint (saved after step 3, resumed); every tool call ran once per sample, none again after a resume."""
+    import json
+
+    from lib.testing import run_distributed
+
+    (ref,) = run_distributed(_mt_body, str(tmp_path / "ref"), 0, 0, 0, True, world_size=1)
+    expect = {r[0]: r[1:4] + r[5:] for r in ref}
+    steps = 6
+    (whole,) = run_distributed(_mt_body, str(tmp_path / "whole"), steps, 0, 0, False, world_size=1)
+    run_distributed(_mt_body, str(tmp_path / "stopped"), 3, 3, 0, False, world_size=1)
+    (resumed,) = run_distributed(_mt_body, str(tmp_path / "stopped"), steps, 0, 3, False, world_size=1)
+    assert resumed == whole[3:]
+    trained = [r for step in whole for r in step]
+    assert len(trained) == 2 * 2 * steps
+    for key, ids, mask, logps, versions, turns, last in trained:
+        assert (ids, mask, logps, turns, last) == expect[key][:3] + expect[key][3:], key
+    calls = [r for r in trained if 0 in r[2]]  # rows with an observation
+    assert any(r[5] == 3 for r in calls), trained  # two calls, then the answer
+    # a turn in flight carried: the version changes between two sampled tokens of one turn
+    assert any(v[i] != v[i + 1] and m[i] and m[i + 1] for _, _, m, _, v, *_ in calls for i in range(len(v) - 1))
+    for run in ("whole", "stopped"):
+        executed = [tuple(json.dumps(x) for x in json.loads(line)) for line in open(tmp_path / run / "calls.jsonl")]
+        assert max(executed.count(c) for c in executed) == 2, run  # each call once per sample (n = 2)
+        for key, *_ in calls:
+            for t in range(key % 3):
+                assert executed.count(('"add"', json.dumps({"a": key, "b": 100 + t}))) == 2, (run, key, t)

@@ -101,7 +101,7 @@ class MultiTurn:
         key = data.meta_info.get("seed_key", engine.calls[validate])
         data = expand_samples(data, sp.n)
         nt = data.non_tensor_batch
-        episodes = self._episodes(data)
+        episodes = self.episodes(data)
         media = prompt_images(data)  # a vision-language prompt's rope rows and images, for every turn of it
         counts = dict.fromkeys(KINDS + ("malformed", "over_limit", "truncations"), 0)
         pin = [e.index for e in episodes] if self.environment else None  # an environment lives in one worker
@@ -112,25 +112,17 @@ class MultiTurn:
             active = [e for e in episodes if not e.finish]
             if not engine.any_active(bool(active)):  # a vLLM TP group goes on while any of its ranks has episodes
                 break
-            caps = [min(self.cfg.max_tokens_per_turn or self.budget, self.budget - len(e.response)) for e in active]
+            caps = [min(self.turn_cap, self.budget - len(e.response)) for e in active]
             inputs = [e.prompt + e.response for e in active]
             t_gen = time.perf_counter()
             outs = engine.generate_ids(inputs, caps, validate, (key, turn),
                                        None if media is None else [media[e.index] for e in active])
             gen_s += time.perf_counter() - t_gen
             turn_rows.append(len(active))
-            calls: list[tuple] = []  # ("call", episode, name, arguments, bound arguments) to run, in order
-            observations = {}  # per episode going on: its stop text, then messages or indices into calls
             for e, ids, out in zip(active, inputs, outs):
                 e.inputs.append(ids)
                 sampled += len(out.ids)
-                planned = self._sampled(e, out, calls, counts)
-                if planned is not None:
-                    observations[e.index] = planned
-            results = self._run(calls, [c[1] for c in calls] if pin is not None else None, counts)
-            for e in active:
-                if e.index in observations:
-                    self._observe(e, observations[e.index], calls, results, counts)
+            self.take_turns(active, outs, counts, pin is not None)
         for e in episodes:
             e.finish = e.finish or "max_turns"
             e.check_inputs("multi-turn rollout")
@@ -150,7 +142,7 @@ class MultiTurn:
             non_tensor["env_reward"] = obj([got.get(i, resets[i]) for i in pin])
             self._run([("close", i) for i in alive], alive, counts)
         elapsed = time.perf_counter() - t0
-        metrics = self._metrics(episodes, counts, sampled, turn_rows)
+        metrics = self.episode_metrics(episodes, counts, sampled, turn_rows)
         # wall clock under timing/ and perf/, as the stages' (resume tests leave those out)
         metrics.update({"timing/multi_turn_generate_s": gen_s, "timing/multi_turn_tools_s": elapsed - gen_s,
                         "perf/multi_turn_sampled_tokens_per_s": sampled / max(gen_s, 1e-9)})
@@ -158,8 +150,25 @@ class MultiTurn:
                 "multi_turn": metrics}
         return DataProto.from_dict(fields, non_tensor, {**data.meta_info, **meta})
 
+    def take_turns(self, episodes: list[Episode], outs: list[Any], counts: dict, pinned: bool = False) -> None:
+        """Each episode's whole turn (lib.engine.Turn: ended on a stop token, or cut by its cap): the episode ends
+        there, or the turn's tool calls run (every episode's together, each call once: ``pinned``, in its
+        episode's worker) and their observation follows."""
+        calls: list[tuple] = []  # ("call", episode, name, arguments, bound arguments) to run, in order
+        # per episode: None (it ended), or its stop text, then messages or indices into calls
+        planned = [self._sampled(e, out, calls, counts) for e, out in zip(episodes, outs)]
+        results = self._run(calls, [c[1] for c in calls] if pinned else None, counts)
+        for e, plan in zip(episodes, planned):
+            if plan is not None:
+                self._observe(e, plan, calls, results, counts)
+
+    @property
+    def turn_cap(self) -> int:
+        """The tokens one turn may sample (multi_turn.max_tokens_per_turn, else the episode's budget)."""
+        return self.cfg.max_tokens_per_turn or self.budget
+
     @staticmethod
-    def _episodes(data: DataProto) -> list[Episode]:
+    def episodes(data: DataProto) -> list[Episode]:
         """One episode per row: its prompt (unpadded), the tools its row offers, its bound tool arguments."""
         nt, n = data.non_tensor_batch, len(data)
         columns = nt.get("columns", np.array([None] * n, dtype=object))
@@ -220,7 +229,7 @@ class MultiTurn:
             e.observed(obs_ids)
 
     @staticmethod
-    def _metrics(episodes: list[Episode], counts: dict, sampled: int, turn_rows: list[int]) -> dict[str, float]:
+    def episode_metrics(episodes: list[Episode], counts: dict, sampled: int, turn_rows: list[int]) -> dict[str, float]:
         n = max(len(episodes), 1)
         metrics = {"multi_turn/turns_mean": sum(e.turns for e in episodes) / n,
                    "multi_turn/turns_max": float(max((e.turns for e in episodes), default=0)),

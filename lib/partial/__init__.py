@@ -33,7 +33,6 @@ def config_problems(cfg: Any) -> list[str]:
     if not enabled(cfg):
         return []
     p, problems = cfg.rollout.partial, []
-    why = "partial rollouts continue single-turn samples"
     if p.over_provision < 1:
         problems.append(f"rollout.partial.over_provision={p.over_provision} must be >= 1: a step's pool needs at "
                         f"least train_batch_size groups")
@@ -43,10 +42,9 @@ def config_problems(cfg: Any) -> list[str]:
     if p.max_staleness < 1:
         problems.append(f"rollout.partial.max_staleness={p.max_staleness} must be >= 1 (a carried sample is at "
                         f"least one step old)")
-    for on, what in ((cfg.multi_turn.tools, "multi_turn.tools"), (cfg.env.url or cfg.env.app or cfg.env.verifiers,
-                                                                 "an environment (env)")):
-        if on:
-            problems.append(f"rollout.partial with {what}: {why}; a turn in flight is not carried yet: turn one off")
+    if cfg.env.url or cfg.env.app or cfg.env.verifiers:
+        problems.append("rollout.partial with an environment (env): an episode's session lives in its server, which "
+                        "neither the pool nor the checkpoint can carry into another step: turn one off")
     if cfg.algorithm.bypass_mode:
         problems.append("rollout.partial with algorithm.bypass_mode: the engine's log-probs of a carried sample are "
                         "an older policy's, not the update's old policy: turn bypass_mode off")

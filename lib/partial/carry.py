@@ -41,6 +41,9 @@ class Sample:
     media: Any = None
     """A vision-language prompt's images and rope rows (lib.engine.PromptImages): every chunk's request carries them,
     as every turn of a multi-turn episode does; None for a text prompt."""
+    episode: Any = None
+    """Multi-turn tools: the episode (lib.multi_turn.loop.Episode) of its whole turns and their observations; the
+    sample's tokens past ``episode.response`` are the turn in flight. None for a single-turn sample."""
     gen_s: float = 0.0
     """Wall seconds of the engine calls it generated in, every step's (what a step that waited for it would have
     taken to generate it: timing/partial_longest_sample_s)."""

@@ -3,6 +3,7 @@ train_batch_size complete groups, the batch of the oldest complete groups, the r
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -12,7 +13,8 @@ import torch.distributed as dist
 
 from lib.data import left_pad
 from lib.dist import sum_over_ranks
-from lib.engine import ENGINE_INPUTS, build_output, prompt_images
+from lib.engine import ENGINE_INPUTS, Turn, build_output, prompt_images
+from lib.multi_turn.loop import SUMMED as TOOL_COUNTS
 from lib.partial.carry import Sample, groups
 from lib.protocol import DataProto
 from lib.rollout import generate, next_batch
@@ -33,6 +35,8 @@ def _draw(run: Run, step: int, pool: list[Sample]) -> None:
     ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
     nt = data.non_tensor_batch
     media = prompt_images(data) or [None] * len(data)  # an image prompt's images and rope rows go with its samples
+    # multi-turn tools: each sample is an episode (lib/multi_turn), carried with its turns so far and a turn in flight
+    episodes = run.multi_turn.episodes(data) if run.multi_turn is not None else [None] * len(data)
     first = run.topo.rank * len(data)  # the rank's rows are its contiguous share of the data batch (lib.data.Sampler)
     for row in range(len(data)):
         prompt = ids[row][mask[row].bool()].tolist()
@@ -40,7 +44,7 @@ def _draw(run: Run, step: int, pool: list[Sample]) -> None:
         for k in range(run.cfg.rollout.n):
             # the row's place in the whole data batch: the stream's order is the same on any number of ranks
             pool.append(Sample(str(nt["uid"][row]), step, (index, first + row, k), prompt, columns,
-                               media=media[row]))
+                               media=media[row], episode=copy.deepcopy(episodes[row])))
 
 
 def _counts(pool: list[Sample]) -> tuple[int, int]:
@@ -65,6 +69,15 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
         _draw(run, step, pool)
     tally = {"rounds": 0, "reprefill": 0, "sampled": 0}
     chunk = p.chunk_tokens or max(1, width // 4)
+    mt = run.multi_turn
+    tools = {k.removeprefix("multi_turn/tool_"): 0 for k in TOOL_COUNTS}  # this step's tool failures, by kind
+    turn_rows: list[int] = []
+
+    def cap(s: Sample) -> int:
+        """A chunk's tokens for ``s``: up to the response's width; an episode's, to its turn's and its budget's."""
+        if s.episode is None:
+            return min(chunk, width - len(s.ids))
+        return min(chunk, mt.turn_cap - (len(s.ids) - len(s.episode.response)), mt.budget - len(s.ids))
 
     def produce(engine) -> DataProto:
         t0 = time.perf_counter()
@@ -81,28 +94,49 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
             outs = []
             for part, cohort in enumerate((todo[:split], todo[split:])):
                 inputs = [s.prompt + s.ids for s in cohort]
-                caps = [min(chunk, width - len(s.ids)) for s in cohort]
+                caps = [cap(s) for s in cohort]
                 t_call = time.perf_counter()
                 images = [s.media for s in cohort] if any(s.media for s in cohort) else None
                 # every rank calls both (a vLLM TP group generates its gathered rows together, empty ones included)
                 outs += engine.generate_ids(inputs, caps, False, (step, KEY, tally["rounds"], part), images)
                 for s in cohort:
                     s.gen_s += time.perf_counter() - t_call
+            whole = []  # multi-turn: the episodes whose turn ended in this chunk, each with its whole turn
             for s, out in zip(todo, outs):
                 tally["reprefill"] += len(s.ids)  # a continued sample's response so far is prefilled again
                 s.ids += out.ids
                 s.logps += out.logps
                 s.versions += [step] * len(out.ids)
-                s.kept += out.kept or []
-                s.ended = out.stopped or len(s.ids) >= width
                 tally["sampled"] += len(out.ids)
+                if s.episode is None:
+                    s.kept += out.kept or []
+                    s.ended = out.stopped or len(s.ids) >= width
+                    continue
+                s.kept += out.kept if out.kept is not None else [0] * len(out.ids)
+                turn = slice(len(s.episode.response), None)  # the turn in flight: its tokens since the last one
+                if out.stopped or len(s.ids[turn]) >= mt.turn_cap or len(s.ids) >= mt.budget:
+                    whole.append((s, Turn(s.ids[turn], s.logps[turn], out.stopped, s.kept[turn])))
+            if whole:  # the turns' tool calls run once, here; their observations join the episodes
+                mt.take_turns([s.episode for s, _ in whole], [t for _, t in whole], tools)
+                for s, _ in whole:
+                    e = s.episode
+                    s.versions += [step] * (len(e.response) - len(s.ids))  # the observation (response_mask 0)
+                    s.ids, s.logps, s.kept = list(e.response), list(e.logps), list(e.kept)
+                    s.ended = bool(e.finish)
+            turn_rows.append(len(todo))
             tally["rounds"] += 1
         elapsed = time.perf_counter() - t0
-        return _batch(run, step, pool, want, {"generate_s": elapsed, "generated_tokens": tally["sampled"],
-                                              "tokens_per_s": tally["sampled"] / max(elapsed, 1e-9)})
+        batch, take = _batch(run, step, pool, want, {"generate_s": elapsed, "generated_tokens": tally["sampled"],
+                                                     "tokens_per_s": tally["sampled"] / max(elapsed, 1e-9)})
+        if mt is not None:  # the trained episodes' figures, as a multi-turn rollout reports them
+            trained = [s.episode for s in take]
+            batch.meta_info["multi_turn"] = mt.episode_metrics(trained, tools, sum(sum(e.mask) for e in trained),
+                                                               turn_rows)
+        return batch
 
     pool_samples = len(pool)
     batch, metrics = generate(run, None, produce=produce)
+    metrics.update(batch.meta_info.pop("multi_turn", {}))
     counts = reduce(torch.tensor([float(len(stale)), float(resumed_in), float(pool_samples), float(len(pool)),
                                   float(tally["reprefill"]), float(tally["rounds"])], dtype=torch.float64)).tolist()
     longest = torch.tensor([batch.meta_info.pop("longest_sample_s"), metrics["timing/generate_s"]])
@@ -124,9 +158,9 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
     return batch, metrics
 
 
-def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> DataProto:
+def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> tuple[DataProto, list[Sample]]:
     """The oldest ``want`` complete groups over the ranks (carried before new, then stream order) as this rank's
-    rollout batch; they leave the pool."""
+    rollout batch, and its samples; they leave the pool."""
     done = [(g[0].born, g[0].order, uid) for uid, g in groups(pool).items() if all(s.ended for s in g)]
     every: list = [None] * run.topo.world_size
     # world: the ranks' complete groups (a few tuples each), to take the same oldest ones everywhere
@@ -137,14 +171,15 @@ def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> Da
     meta = {**meta, "longest_sample_s": max((s.gen_s for s in take), default=0.0)}
     pad = run.tokenizer.pad_token_id
     ids, mask, pos = left_pad([s.prompt for s in take], run.cfg.data.max_prompt_length, pad)
-    kept = [s.kept for s in take] if any(s.kept for s in take) else None
+    kept = [s.kept for s in take] if any(map(any, (s.kept for s in take))) else None
+    episodes = [s.episode for s in take if s.episode is not None]
     rope = None
     if take and take[0].media is not None and take[0].media.rope is not None:  # Qwen-VL: 0 on padding, as collated
         rope = torch.zeros(len(take), 3, ids.shape[1], dtype=torch.long)
         for i, s in enumerate(take):
             rope[i, :, ids.shape[1] - len(s.prompt):] = s.media.rope
     fields = build_output(ids, mask, pos, [s.ids for s in take], [s.logps for s in take], pad, prompt_rope=rope,
-                          kept=kept)
+                          kept=kept, sampled_masks=[e.mask for e in episodes] if episodes else None)
     width = fields["responses"].shape[1]
     versions = torch.full((len(take), width), step, dtype=torch.long)
     for i, s in enumerate(take):
@@ -154,7 +189,11 @@ def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> Da
     keys = list(take[0].columns) if take else []
     obj = lambda v: np.array(list(v) + [None], dtype=object)[:-1]  # noqa: E731
     columns = {k: obj(s.columns[k] for s in take) for k in keys}
-    return DataProto.from_dict(fields, columns, meta)
+    if episodes:  # what the scorer judges (the last turn's text) and the turns, as a multi-turn rollout's rows
+        columns["solution_str"] = obj(run.tokenizer.batch_decode([e.last_turn for e in episodes],
+                                                                 skip_special_tokens=True))
+        columns["num_turns"] = obj(e.turns for e in episodes)
+    return DataProto.from_dict(fields, columns, meta), take
 
 
 def segment_metrics(batch: DataProto, step: int) -> dict[str, float]:
