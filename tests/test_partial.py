@@ -251,6 +251,7 @@ def _pool_body(folder: str, steps: int, save_after: int, resume_at: int):
     p = cfg.rollout.partial
     p.enabled, p.chunk_tokens, p.over_provision, p.max_staleness = True, 4, 2.5, 1
     run = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(rank=rank, world_size=world), partial=[], data_position=0,
+                          multi_turn=None,
                           sampler=Sampler(96, 4, seed=3), tokenizer=SimpleNamespace(pad_token_id=0))
 
     def next_batch(run):
