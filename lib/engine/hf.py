@@ -281,6 +281,9 @@ class HFEngine:
                                                           stop, rope, images)
         return turns_from(responses, logps, max_tokens, set(stop), kept)
 
+    stops_mid_call = False
+    """A static batch: no ``generate_until`` (partial rollouts generate in chunks of ``generate_ids``)."""
+
     def any_active(self, active: bool) -> bool:
         """Whether this rank still has requests (each rank generates alone)."""
         return active

@@ -27,7 +27,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ from lib.engine import awake
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, prompt_images,
                         request_seeds, rollout_columns, stop_ids, turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
-from lib.engine.vllm_adapter import (SHM_DIR, SHM_PREFIX, count_lora_modules, cpu_prefill_kwargs, exact_filter_rule,
+from lib.engine.vllm_adapter import (SHM_DIR, SHM_PREFIX, add_streamed_requests, count_lora_modules, cpu_prefill_kwargs, exact_filter_rule,
                                      image_kwargs, layerwise_reload, logprobs_mode_kwargs, lora_kwargs,
                                      quiet_rotary_reload_warning, refresh_fused_gates, remove_stale_shm, routes_kwargs,
                                      run_on_model, sampled_logprobs, sampling_params, shutdown,
@@ -151,6 +151,7 @@ class VLLMEngine:
         """Every parameter written since the weights last woke from a level-2 sleep (a level-1 sleep keeps them)."""
         self.lora = lora
         self._lora_request: Any = None
+        self.streams = 0  # generate_until's calls (its request ids)
         self._adapter_root = ""
         if lora is not None:
             # adapter folders in memory where the machine has /dev/shm: a few MB per version, removed when replaced;
@@ -298,9 +299,66 @@ class VLLMEngine:
         together (every rank of the group calls, with its own requests or none) and each rank keeps its own. An image
         prompt (``media``) goes with ONE placeholder per image and its images, the turns so far after it, and vLLM's
         expansion is checked against the trainer's ids (check_expansions)."""
+        sp = self.val_sampling if validate else self.sampling
+        prompts, asked, max_tokens, mine = self._group_requests(prompts, max_tokens, media)
+        if not prompts:
+            return []
+        responses, logps, seen = self._generate(asked, sp, call_seed(sp.seed, self.group, validate, key), max_tokens)
+        check_expansions(asked, seen, prompts)
+        return turns_from(responses[mine], logps[mine], max_tokens[mine], set(self.stop_ids(validate)))
+
+    stops_mid_call = True
+    """``generate_until`` stops running requests between engine steps (vLLM's continuous batching)."""
+
+    def generate_until(self, prompts: list[list[int]], max_tokens: list[int], key: Any,
+                       media: list[PromptImages] | None, enough: Callable[[list[bool]], bool], every: int
+                       ) -> list[Turn]:
+        """``generate_ids`` (training sampling), stopped once ``enough``: every ``every`` engine steps (a token for
+        each running request) ``enough(finished)`` is asked with this rank's requests' states; it must reduce over
+        the ranks (each rank asks as often, its engine stepping or idle) and answer True once no rank has a request
+        running. The requests still running then are aborted (vLLM's ``abort_request``) and come back with their
+        tokens and log-probs so far, ``stopped`` False: partial rollouts carry them into the next step."""
+        sp = self.sampling
+        prompts, asked, max_tokens, mine = self._group_requests(prompts, max_tokens, media)
+        seed = call_seed(sp.seed, self.group, False, key)
+        params = sampling_params(sp, self.eos_ids, request_seeds(seed, len(prompts)), self.banned)
+        for p, cap in zip(params, max_tokens):
+            p.max_tokens = cap
+        self.streams += 1
+        ids = [f"until-{self.streams}-{i}" for i in range(len(prompts))]
+        where = {rid: i for i, rid in enumerate(ids)}
+        tokens, logps = [[] for _ in ids], [[] for _ in ids]
+        finished, seen = [False] * len(ids), [[] for _ in ids]
+        engine = self.llm.llm_engine
+        with rng_kept_apart(self.device):
+            torch.manual_seed(seed)
+            if prompts:
+                add_streamed_requests(self.llm, ids, asked, params, self._lora_request)
+            while True:
+                for _ in range(every):
+                    if not engine.has_unfinished_requests():
+                        break
+                    for out in engine.step():
+                        i, done = where[out.request_id], out.outputs[0]
+                        tokens[i] += done.token_ids
+                        logps[i] += sampled_logprobs(done)
+                        seen[i] = list(out.prompt_token_ids or seen[i])
+                        finished[i] = out.finished
+                if enough(finished[mine]):
+                    break
+            running = [rid for rid, f in zip(ids, finished) if not f]
+            if running:
+                engine.abort_request(running)
+        check_expansions(asked, seen, prompts)
+        return turns_from(tokens[mine], logps[mine], max_tokens[mine], set(self.stop_ids()))
+
+    def _group_requests(self, prompts: list[list[int]], max_tokens: list[int], media: list[PromptImages] | None
+                        ) -> tuple[list[list[int]], list[dict], list[int], slice]:
+        """vLLM's requests for ``prompts`` (``turn_request``), with a TP group's every rank's requests in rank order
+        (the group generates together: every rank of it calls, with its own requests or none), and this rank's
+        slice of them."""
         if self.asleep:
             raise RuntimeError(f"generate on a sleeping engine ({sorted(self.asleep)} asleep): call wake_up() first")
-        sp = self.val_sampling if validate else self.sampling
         asked = [turn_request(p, m) for p, m in zip(prompts, media or [None] * len(prompts))]
         topo, mine = self.topo, slice(0, len(prompts))
         if topo.rollout_tp_size > 1:
@@ -311,11 +369,7 @@ class VLLMEngine:
             mine = slice(start, start + len(prompts))
             prompts, asked = [x for p, _, _ in parts for x in p], [a for _, r, _ in parts for a in r]
             max_tokens = [c for _, _, caps in parts for c in caps]
-        if not prompts:
-            return []
-        responses, logps, seen = self._generate(asked, sp, call_seed(sp.seed, self.group, validate, key), max_tokens)
-        check_expansions(asked, seen, prompts)
-        return turns_from(responses[mine], logps[mine], max_tokens[mine], set(self.stop_ids(validate)))
+        return prompts, asked, list(max_tokens), mine
 
     def any_active(self, active: bool) -> bool:
         """Whether any rank of this rank's TP group still has requests: the group generates together, so a rank

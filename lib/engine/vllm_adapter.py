@@ -123,6 +123,19 @@ def sampled_logprobs(completion: Any) -> list[float]:
     return [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
 
 
+def add_streamed_requests(llm: Any, ids: list[str], prompts: list[dict], params: list[Any], lora: Any) -> None:
+    """Requests whose tokens come back at every engine step (``RequestOutputKind.DELTA``), added to ``llm``'s
+    engine under ``ids``: what a call that may stop its requests midway reads them from (LLM.generate only returns
+    finished ones). The prompts are rendered as LLM.generate renders them (its ``_preprocess_cmpl``, the same in
+    0.25 and 0.32; ``LLMEngine.add_request`` warns that raw prompts are deprecated)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    for rid, prompt, p in zip(ids, llm._preprocess_cmpl(prompts), params):
+        p.output_kind = RequestOutputKind.DELTA
+        engine.add_request(rid, prompt, p, lora_request=lora)
+
+
 def run_on_model(llm: Any, fn: Any) -> None:
     """``fn(model)`` on this process's model, inside vLLM's current-config context (weight loaders and layer
     processing read it). In-process (external_launcher), so closures and tensors pass by reference."""

@@ -24,7 +24,7 @@ KEY = -7
 """The sampling key's marker (ints only: a tuple of ints hashes alike in every process, so a resumed run draws the
 samples an uninterrupted one would)."""
 
-COUNTS = ("partial/dropped_groups", "partial/reprefill_tokens", "partial/rounds")
+COUNTS = ("partial/dropped_groups", "partial/reprefill_tokens", "partial/rounds", "partial/stopped_mid_call")
 """The pool's counts among its metrics (over the ranks already): summed over a step's dynamic-sampling rounds."""
 
 
@@ -67,17 +67,28 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
     target = math.ceil(p.over_provision * want)
     while reduce(torch.tensor([float(len(groups(pool)))], dtype=torch.float64))[0] < target:
         _draw(run, step, pool)
-    tally = {"rounds": 0, "reprefill": 0, "sampled": 0}
+    tally = {"rounds": 0, "reprefill": 0, "sampled": 0, "stopped": 0}
     chunk = p.chunk_tokens or max(1, width // 4)
     mt = run.multi_turn
     tools = {k.removeprefix("multi_turn/tool_"): 0 for k in TOOL_COUNTS}  # this step's tool failures, by kind
     turn_rows: list[int] = []
 
-    def cap(s: Sample) -> int:
-        """A chunk's tokens for ``s``: up to the response's width; an episode's, to its turn's and its budget's."""
+    def cap(s: Sample, whole: bool = False) -> int:
+        """A chunk's tokens for ``s`` (``whole``: no chunk), up to the response's width; an episode's, to its
+        turn's and its budget's."""
+        most = width if whole else chunk
         if s.episode is None:
-            return min(chunk, width - len(s.ids))
-        return min(chunk, mt.turn_cap - (len(s.ids) - len(s.episode.response)), mt.budget - len(s.ids))
+            return min(most, width - len(s.ids))
+        return min(most, mt.turn_cap - (len(s.ids) - len(s.episode.response)), mt.budget - len(s.ids))
+
+    def enough(cohort: list[Sample], finished: list[bool]) -> bool:
+        """Between an engine's steps (generate_until): whether the ranks hold ``want`` complete groups, a sample of
+        ``cohort`` counted as ended once its request finished (an episode's ends with its turn only if that was its
+        last: not known until the turn is parsed, so not counted), or no request runs on any rank."""
+        ended = {id(s) for s, f in zip(cohort, finished) if f and s.episode is None}
+        complete = sum(all(s.ended or id(s) in ended for s in g) for g in groups(pool).values())
+        counts = reduce(torch.tensor([float(complete), float(sum(not f for f in finished))], dtype=torch.float64))
+        return bool(counts[1] == 0 or counts[0] >= want)
 
     def produce(engine) -> DataProto:
         t0 = time.perf_counter()
@@ -87,18 +98,27 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
             # left over could fill steps while it waits, staler, until it is dropped)
             if active == 0 or (complete >= want and tally["rounds"]):
                 break
-            # the samples that start and those that go on, apart: one call pads its rows to its longest, and a
-            # continued sample's prefill is as long as its tokens so far
-            todo = [s for s in pool if not s.ended and not s.ids] + [s for s in pool if not s.ended and s.ids]
-            split = sum(not s.ids for s in todo)
+            if engine.stops_mid_call:  # one call, its requests stopped once the step has its groups
+                todo = [s for s in pool if not s.ended]
+                cohorts = [(todo, [cap(s, whole=True) for s in todo])]
+            else:  # a static batch: chunks; the samples that start and those that go on apart (one call pads its
+                # rows to its longest, and a continued sample's prefill is as long as its tokens so far)
+                todo = [s for s in pool if not s.ended and not s.ids] + [s for s in pool if not s.ended and s.ids]
+                split = sum(not s.ids for s in todo)
+                cohorts = [(c, [cap(s) for s in c]) for c in (todo[:split], todo[split:])]
             outs = []
-            for part, cohort in enumerate((todo[:split], todo[split:])):
+            for part, (cohort, caps) in enumerate(cohorts):
                 inputs = [s.prompt + s.ids for s in cohort]
-                caps = [cap(s) for s in cohort]
                 t_call = time.perf_counter()
                 images = [s.media for s in cohort] if any(s.media for s in cohort) else None
-                # every rank calls both (a vLLM TP group generates its gathered rows together, empty ones included)
-                outs += engine.generate_ids(inputs, caps, False, (step, KEY, tally["rounds"], part), images)
+                # every rank calls each (a vLLM TP group generates its gathered rows together, empty ones included)
+                if engine.stops_mid_call:
+                    got = engine.generate_until(inputs, caps, (step, KEY, tally["rounds"], part), images,
+                                                lambda finished: enough(cohort, finished), chunk)
+                    tally["stopped"] += sum(not t.stopped and len(t.ids) < c for t, c in zip(got, caps))
+                    outs += got
+                else:
+                    outs += engine.generate_ids(inputs, caps, False, (step, KEY, tally["rounds"], part), images)
                 for s in cohort:
                     s.gen_s += time.perf_counter() - t_call
             whole = []  # multi-turn: the episodes whose turn ended in this chunk, each with its whole turn
@@ -138,7 +158,8 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
     batch, metrics = generate(run, None, produce=produce)
     metrics.update(batch.meta_info.pop("multi_turn", {}))
     counts = reduce(torch.tensor([float(len(stale)), float(resumed_in), float(pool_samples), float(len(pool)),
-                                  float(tally["reprefill"]), float(tally["rounds"])], dtype=torch.float64)).tolist()
+                                  float(tally["reprefill"]), float(tally["rounds"]), float(tally["stopped"])],
+                                 dtype=torch.float64)).tolist()
     longest = torch.tensor([batch.meta_info.pop("longest_sample_s"), metrics["timing/generate_s"]])
     dist.all_reduce(longest, op=dist.ReduceOp.MAX)  # world: the slowest rank's, as the step waits for it
     versions = batch.batch["rollout_versions"]
@@ -148,7 +169,7 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
                                                                                              dtype=torch.float64)]))
     metrics.update({"partial/dropped_groups": counts[0], "partial/resumed_share": counts[1] / max(counts[2], 1),
                     "partial/carried_share": counts[3] / max(counts[2], 1), "partial/reprefill_tokens": counts[4],
-                    "partial/rounds": counts[5] / run.topo.world_size,
+                    "partial/rounds": counts[5] / run.topo.world_size, "partial/stopped_mid_call": counts[6],
                     "partial/staleness_mean": float(sums[0] / sums[2].clamp(min=1)),
                     "partial/stale_token_share": float(sums[1] / sums[2].clamp(min=1)),
                     # wall clock under timing/ (resume tests leave it out): a step that waited for its samples' end
