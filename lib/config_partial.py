@@ -16,8 +16,9 @@ class PartialConfig:
     """A step's pool of groups (carried and new) is at least this many times trainer.train_batch_size: new prompts are
     drawn, a data batch at a time, until it is."""
     chunk_tokens: int = 0
-    """Tokens a sample generates between two checks of the step's complete groups. 0: a quarter of
-    rollout.max_response_length."""
+    """Tokens a sample generates between two counts of the step's complete groups: vLLM's engine steps between two
+    counts (its requests stopped mid-call once the step has its groups), the HF engine's chunk (one generate call).
+    0: a quarter of rollout.max_response_length."""
     max_staleness: int = 1
     """A carried sample whose first tokens were sampled more than this many steps (policy versions) before the step
     that would train it is dropped with its group (counted in partial/dropped_groups)."""
