@@ -2,12 +2,13 @@
 held-out reward over the same steps, side by side.
 
     python bench/bench_partial.py [--steps 40] [--mix 4 48 0.1] [--partial 50:1 12:8] [--over 1.5] [--prompts 64]
-                                  [--out runs/bench_partial]
+                                  [--engine hf|vllm] [--out runs/bench_partial]
 
 A toy task with a heavy tail (lib/toy.py's digit reversal, built here): a prompt has SHORT digits, or with
 probability SHARE LONG ones, so most responses are about 2 SHORT tokens and a few 2 LONG; its policy warm-started on
 both. GRPO on 2 CPU ranks with the HF engine, whose batch decodes until its longest sample ends (as a GPU batch
-does): one run generates every group to its end each step (full), the others with rollout.partial (chunks of CHUNK
+does), or with ``--engine vllm`` vLLM's continuous batch (its CPU build, eager; the partial runs stop its requests
+mid-call): one run generates every group to its end each step (full), the others with rollout.partial (chunks of CHUNK
 tokens, a pool of --over x train_batch_size groups; the groups still generating when train_batch_size are complete go
 on in the next step, dropped when their first tokens are more than STALENESS steps old). A chunk of half the longest
 response lets a long group end within staleness 1, but a round then decodes as long as the tail does; a short chunk
@@ -51,8 +52,9 @@ def run(out: str, name: str, args: list[str], samples: int) -> dict:
             "partial": {k: round(statistics.mean(r[k] for r in train), 4) for k in train[-1] if k.startswith("partial/")}}
 
 
-def build(path: str, short: int, long: int, share: float, seed: int = 0) -> dict[str, str]:
-    """The heavy-tailed task's tokenizer, warm-started policy and rows (once)."""
+def build(path: str, short: int, long: int, share: float, seed: int = 0, heads: dict | None = None) -> dict[str, str]:
+    """The heavy-tailed task's tokenizer, warm-started policy and rows (once). ``heads``: the policy's attention
+    heads (vLLM's CPU attention takes head size 32: heads 2, kv_heads 1)."""
     import random
 
     def make(tmp: str) -> None:
@@ -65,8 +67,8 @@ def build(path: str, short: int, long: int, share: float, seed: int = 0) -> dict
         tokenizer = toy.build_tokenizer(os.path.join(tmp, "model"))
         toy.write_jsonl(os.path.join(tmp, "data", "train.jsonl"), pairs[:2000], repeats=1)
         toy.write_jsonl(os.path.join(tmp, "data", "val.jsonl"), pairs[2000:], repeats=1)
-        toy.build_policy(tokenizer, pairs[:2000], seed, warm_steps=200, max_positions=4 * long + 16).save_pretrained(
-            os.path.join(tmp, "model"))
+        toy.build_policy(tokenizer, pairs[:2000], seed, warm_steps=200, max_positions=4 * long + 16,
+                         **(heads or {})).save_pretrained(os.path.join(tmp, "model"))
 
     return toy.build_once(path, make)
 
@@ -79,16 +81,21 @@ def main() -> None:
                     help="the partial runs: chunk_tokens and max_staleness of each")
     ap.add_argument("--over", type=float, default=1.5)
     ap.add_argument("--prompts", type=int, default=64, help="train_batch_size (groups of 8 samples a step)")
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                    help="vllm: vLLM's continuous batch (its CPU build here, eager), requests stopped mid-call")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_partial"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     short, hi, share = int(args.mix[0]), int(args.mix[1]), args.mix[2]
-    assets = build(os.path.join(args.out, f"toy_assets_{short}_{hi}_{share:g}"), short, hi, share)
+    vllm = args.engine == "vllm"
+    assets = build(os.path.join(args.out, f"toy_assets_{short}_{hi}_{share:g}" + ("_h32" if vllm else "")), short, hi,
+                   share, heads={"heads": 2, "kv_heads": 1} if vllm else None)
     common = ["--actor.model.path", assets["model"], "--data.train_files", assets["train"], "--data.val_files",
               assets["val"], "--data.max_prompt_length", str(2 * hi + 2), "--rollout.max_response_length",
               str(2 * hi + 2), "--trainer.total_steps", str(args.steps), "--trainer.val_every", str(args.steps // 2),
               "--trainer.train_batch_size", str(args.prompts), "--trainer.log_samples", "0",
-              "--trainer.save_every", "0", "--algorithm.rollout_correction", "token"]
+              "--trainer.save_every", "0", "--algorithm.rollout_correction", "token",
+              *(["--rollout.engine", "vllm", "--rollout.enforce_eager"] if vllm else [])]
     summary = {"args": vars(args)}
     path = os.path.join(args.out, "summary.json")
     variants = [("full", [])]
