@@ -254,7 +254,6 @@ def _pool_body(folder: str, steps: int, save_after: int, resume_at: int, stream:
     import json
     from types import SimpleNamespace
 
-    import numpy as np
     import torch.distributed as dist
 
     from lib.config import Config

@@ -399,7 +399,10 @@ def check_partial(args) -> list[Row]:
                         ratio < 1 if gpu else None,
                         f"generation {mean(part, 'timing/generate_s'):.2f} s against {mean(full, 'timing/generate_s'):.2f}"
                         f" s; response length {mean(part, 'response/length_mean'):.0f} against "
-                        f"{mean(full, 'response/length_mean'):.0f}; steps after the first" + on_cpu(args.device),
+                        f"{mean(full, 'response/length_mean'):.0f}; requests stopped mid-call "
+                        f"{mean(part, 'partial/stopped_mid_call'):.0f} a step, the longest trained sample's "
+                        f"generation {mean(part, 'timing/partial_longest_sample_s'):.2f} s; steps after the first"
+                        + on_cpu(args.device),
                         timed=True))
         resumed = [r.get("partial/resumed_share", 0.0) for r in part]
         fresh = max(r.get("rollout/fresh_logp_abs_diff", 0.0) for r in part)
