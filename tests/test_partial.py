@@ -133,6 +133,23 @@ def test_dynamic_sampling_draws_its_rounds_from_the_pool(tmp_path):
         assert r["rollout/fresh_logp_abs_diff"] < 1e-5, r
 
 
+def test_on_policy_distillation_in_reward_mode_trains_carried_samples(tmp_path):
+    """The distillation preset (reward mode: the teacher's term is the advantage) with partial rollouts, 3 steps on 2
+    ranks: the teacher scores every trained token, carried ones too, and their older students' log-probs go through
+    the rollout correction with the rest (its weights' mean moves off 1); the fresh canary holds. Before: refused
+    (loss mode still is: its term is not importance-weighted)."""
+    args = ("--config", "tiny_cpu_opd", "--trainer.total_steps", "3", "--trainer.val_every", "0",
+            "--rollout.partial.enabled", "--rollout.partial.chunk_tokens", "4", "--rollout.max_response_length", "32")
+    done = subprocess.run(command(tmp_path, *args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    train = [r for r in rows(tmp_path) if "actor/lr" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert any(r["partial/resumed_share"] > 0 and 0 < r["partial/stale_token_share"] < 1 for r in train), train
+    assert any(abs(r["rollout_is_mean"] - 1) > 1e-3 for r in train), train
+    for r in train:
+        assert r["rollout/fresh_logp_abs_diff"] < 1e-5 and r["distill/reverse_kl"] > 0, r
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_partial_rollouts_with_the_vllm_engine(tmp_path):

@@ -50,6 +50,8 @@ def config_problems(cfg: Any) -> list[str]:
                         "an older policy's, not the update's old policy: turn bypass_mode off")
     if cfg.rollout.routing_replay:
         problems.append("rollout.partial with rollout.routing_replay: a carried sample's routes are not kept yet")
-    if cfg.distill.teacher:
-        problems.append("rollout.partial with distillation: not built yet: turn one off")
+    if cfg.distill.teacher and cfg.distill.mode == "loss":
+        problems.append("rollout.partial with distill.mode=loss: its term over the sampled tokens is not weighted by "
+                        "the rollout correction, and a carried sample's tokens were sampled by older students: use "
+                        "distill.mode=reward (the teacher's term is then the advantage, corrected with the rest)")
     return problems
