@@ -246,6 +246,8 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
     ("partial-distill-loss", "train_grpo.py",
      "--distill.teacher {root}/toy_assets/model --distill.mode loss --rollout.partial.enabled",
      "rollout.partial with distill.mode=loss: its term over the sampled tokens is not weighted"),
+    ("partial-routing", "train_grpo.py", "--rollout.partial.enabled --rollout.routing-replay",
+     "rollout.partial with rollout.routing_replay: a continued sample's prefix is prefilled again"),
     ("partial-bypass", "train_grpo.py", "--rollout.partial.enabled --algorithm.bypass-mode",
      "rollout.partial with algorithm.bypass_mode"),
     ("partial-staleness", "train_grpo.py", "--rollout.partial.enabled --rollout.partial.max_staleness 0",

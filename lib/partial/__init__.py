@@ -49,7 +49,9 @@ def config_problems(cfg: Any) -> list[str]:
         problems.append("rollout.partial with algorithm.bypass_mode: the engine's log-probs of a carried sample are "
                         "an older policy's, not the update's old policy: turn bypass_mode off")
     if cfg.rollout.routing_replay:
-        problems.append("rollout.partial with rollout.routing_replay: a carried sample's routes are not kept yet")
+        problems.append("rollout.partial with rollout.routing_replay: a continued sample's prefix is prefilled again "
+                        "under the new weights, so its first tokens were sampled under other routes for the same "
+                        "positions than its later ones, and one route per position cannot replay both: turn one off")
     if cfg.distill.teacher and cfg.distill.mode == "loss":
         problems.append("rollout.partial with distill.mode=loss: its term over the sampled tokens is not weighted by "
                         "the rollout correction, and a carried sample's tokens were sampled by older students: use "
