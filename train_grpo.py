@@ -56,7 +56,7 @@ def dynamic_sampling(run: Run, step: int, batch: DataProto, first: dict, metrics
     for round_ in range(a.max_gen_batches):
         if round_:
             with stage("rollout", metrics):  # partial rollouts: the pool's next complete groups
-                batch, m = partial.generate_step(run, step) if cfg.rollout.partial.enabled else \
+                batch, m = partial.generate_step(run, step, round_) if cfg.rollout.partial.enabled else \
                     generate(run, next_batch(run))
             with stage("score", metrics):
                 m.update(score(run, batch))

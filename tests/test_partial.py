@@ -235,12 +235,13 @@ class _PromptEngine:
     continued in any chunks, on any rank, is the same sample. ``stops_mid_call``: generate_until's too, a token for
     each running request per engine step (vLLM's way)."""
 
-    def __init__(self, stops_mid_call: bool = False):
-        self.stops_mid_call = stops_mid_call
+    def __init__(self, stops_mid_call: bool = False, keys: list | None = None):
+        self.stops_mid_call, self.keys = stops_mid_call, keys if keys is not None else []
 
     def generate_ids(self, prompts, max_tokens, validate, key, media=None):
         from lib.engine import Turn
 
+        self.keys.append(key)
         outs = []
         for seq, cap in zip(prompts, max_tokens):
             row = seq[0] - 10
@@ -255,7 +256,7 @@ class _PromptEngine:
     def generate_until(self, prompts, max_tokens, key, media, enough, every):
         from lib.engine import Turn
 
-        whole = self.generate_ids(prompts, max_tokens, False, key)
+        whole = self.generate_ids(prompts, max_tokens, False, key)  # the key recorded there
         steps = 0
         while True:
             steps += every
@@ -264,18 +265,17 @@ class _PromptEngine:
         return [t if len(t.ids) <= steps else Turn(t.ids[:steps], t.logps[:steps], False) for t in whole]
 
 
-def _pool_body(folder: str, steps: int, save_after: int, resume_at: int, stream: bool = False):
-    """generate_step on this world's ranks for steps [resume_at, steps) (the pool and the data position loaded from
-    ``folder`` when resume_at > 0; saved there after step ``save_after`` - 1 when > 0). Returns per step the trained
-    samples of every rank (uid, response, each token's version and log-prob), sorted, and the pool's metrics."""
-    import json
+def _stand_in_run(stream: bool, keys: list | None = None):
+    """A run of the pool on this world's ranks: the stand-in engine (``keys``: each call's sampling key appended),
+    prompts of the data stream's rows (train_batch_size 4 groups of 2, chunks of 4 tokens, a pool of 2.5 x, staleness
+    1); lib.partial.loop's generate and next_batch replaced by theirs."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
     from lib.config import Config
     from lib.data import Sampler, left_pad
-    from lib.partial import carry, loop
+    from lib.partial import loop
     from lib.protocol import DataProto
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -285,8 +285,7 @@ def _pool_body(folder: str, steps: int, save_after: int, resume_at: int, stream:
     p = cfg.rollout.partial
     p.enabled, p.chunk_tokens, p.over_provision, p.max_staleness = True, 4, 2.5, 1
     run = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(rank=rank, world_size=world), partial=[], data_position=0,
-                          multi_turn=None,
-                          sampler=Sampler(96, 4, seed=3), tokenizer=SimpleNamespace(pad_token_id=0))
+                          multi_turn=None, sampler=Sampler(96, 4, seed=3), tokenizer=SimpleNamespace(pad_token_id=0))
 
     def next_batch(run):
         index = run.data_position
@@ -298,13 +297,31 @@ def _pool_body(folder: str, steps: int, save_after: int, resume_at: int, stream:
                                    {"seed_key": index})
 
     loop.next_batch = next_batch
-    loop.generate = lambda run, prompts, produce: (produce(_PromptEngine(stream)), {"timing/generate_s": 0.0})
+    loop.generate = lambda run, prompts, produce: (produce(_PromptEngine(stream, keys)), {"timing/generate_s": 0.0})
+    return run
+
+
+def _pool_body(folder: str, steps: int, save_after: int, resume_at: int, stream: bool = False):
+    """generate_step on this world's ranks for steps [resume_at, steps) (the pool and the data position loaded from
+    ``folder`` when resume_at > 0; saved there after step ``save_after`` - 1 when > 0). Returns per step the trained
+    samples of every rank (uid, response, each token's version and log-prob), sorted, and the pool's metrics."""
+    import json
+
+    import torch.distributed as dist
+
+    from lib.balance import balance_groups
+    from lib.partial import carry, loop
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = _stand_in_run(stream)
     if resume_at:
         run.partial = carry.load(folder, rank, world)
         run.data_position = json.load(open(os.path.join(folder, "position.json")))
     out = []
     for step in range(resume_at, steps):
         batch, metrics = loop.generate_step(run, step)
+        # dealt out over the ranks as the trainer does (a rank may have trained no group: it builds the same fields)
+        batch, _ = balance_groups(batch)
         b = batch.batch
         mine = []
         for i in range(len(batch)):
@@ -324,6 +341,29 @@ def _pool_body(folder: str, steps: int, save_after: int, resume_at: int, stream:
             if rank == 0:
                 json.dump(run.data_position, open(os.path.join(folder, "position.json"), "w"))
     return out
+
+
+def _rounds_body(stream: bool):
+    """Step 0's first and second dynamic-sampling rounds: the sampling keys of each."""
+    from lib.partial import loop
+
+    keys: list = []
+    run = _stand_in_run(stream, keys)
+    loop.generate_step(run, 0, 0)
+    first = list(keys)
+    loop.generate_step(run, 0, 1)
+    return first, keys[len(first):]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["chunks", "stopped_mid_call"])
+def test_a_steps_dynamic_sampling_rounds_draw_from_other_seeds(stream):
+    """Each generation call of a step's second dynamic-sampling round has a sampling key none of the first round's
+    has. Before the fix both rounds numbered their calls from 0 with the same keys: a prompt drawn again, or a sample
+    continued at the same position, got the same seeds."""
+    from lib.testing import run_distributed
+
+    (first, second), _ = run_distributed(_rounds_body, stream, world_size=2)
+    assert first and second and not set(first) & set(second), (first, second)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["chunks", "stopped_mid_call"])

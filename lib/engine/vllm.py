@@ -342,14 +342,17 @@ class VLLMEngine:
                         i, done = where[out.request_id], out.outputs[0]
                         tokens[i] += done.token_ids
                         logps[i] += sampled_logprobs(done)
-                        seen[i] = list(out.prompt_token_ids or seen[i])
+                        if not seen[i]:  # the prompt vLLM ran, from its first output
+                            seen[i] = list(out.prompt_token_ids or [])
                         finished[i] = out.finished
                 if enough(finished[mine]):
                     break
             running = [rid for rid, f in zip(ids, finished) if not f]
             if running:
                 engine.abort_request(running)
-        check_expansions(asked, seen, prompts)
+        # a request stopped before its first output (queued, or in its prefill) has nothing to check
+        ran = [i for i, ids in enumerate(seen) if ids]
+        check_expansions([asked[i] for i in ran], [seen[i] for i in ran], [prompts[i] for i in ran])
         return turns_from(tokens[mine], logps[mine], max_tokens[mine], set(self.stop_ids()))
 
     def _group_requests(self, prompts: list[list[int]], max_tokens: list[int], media: list[PromptImages] | None

@@ -53,8 +53,9 @@ def _counts(pool: list[Sample]) -> tuple[int, int]:
     return sum(all(s.ended for s in g) for g in every), sum(not s.ended for s in pool)
 
 
-def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
-    """The step's batch (train_batch_size complete groups over the ranks) and its rollout metrics."""
+def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict[str, float]]:
+    """The step's batch (train_batch_size complete groups over the ranks) and its rollout metrics. ``round_``:
+    dynamic sampling's round of the step (its samples drawn from other seeds)."""
     cfg, p = run.cfg, run.cfg.rollout.partial
     want, width = cfg.trainer.train_batch_size, cfg.rollout.max_response_length
     reduce = sum_over_ranks()
@@ -113,12 +114,13 @@ def generate_step(run: Run, step: int) -> tuple[DataProto, dict[str, float]]:
                 images = [s.media for s in cohort] if any(s.media for s in cohort) else None
                 # every rank calls each (a vLLM TP group generates its gathered rows together, empty ones included)
                 if engine.stops_mid_call:
-                    got = engine.generate_until(inputs, caps, (step, KEY, tally["rounds"], part), images,
+                    got = engine.generate_until(inputs, caps, (step, KEY, round_, tally["rounds"], part), images,
                                                 lambda finished: enough(cohort, finished), chunk)
                     tally["stopped"] += sum(not t.stopped and len(t.ids) < c for t, c in zip(got, caps))
                     outs += got
                 else:
-                    outs += engine.generate_ids(inputs, caps, False, (step, KEY, tally["rounds"], part), images)
+                    outs += engine.generate_ids(inputs, caps, False, (step, KEY, round_, tally["rounds"], part),
+                                                images)
                 for s in cohort:
                     s.gen_s += time.perf_counter() - t_call
             whole = []  # multi-turn: the episodes whose turn ended in this chunk, each with its whole turn
@@ -189,13 +191,20 @@ def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> tu
     chosen = {uid for *_, uid in sorted(g for part in every for g in part)[:want]}
     take = sorted((s for s in pool if s.uid in chosen), key=lambda s: s.order)
     pool[:] = [s for s in pool if s.uid not in chosen]
+    traits: list = [None] * run.topo.world_size
+    # world: the batch's columns, kept-set sizes and rope rows, so that a rank that trains no group builds the same
+    # fields as the others (the batch is then dealt out over the ranks)
+    dist.all_gather_object(traits, (list(take[0].columns) if take else [], any(map(any, (s.kept for s in take))),
+                                    any(s.media is not None and s.media.rope is not None for s in take)))
+    keys = next((k for k, _, _ in traits if k), [])
+    kept_sets, ropes = any(t[1] for t in traits), any(t[2] for t in traits)
     meta = {**meta, "longest_sample_s": max((s.gen_s for s in take), default=0.0)}
     pad = run.tokenizer.pad_token_id
     ids, mask, pos = left_pad([s.prompt for s in take], run.cfg.data.max_prompt_length, pad)
-    kept = [s.kept for s in take] if any(map(any, (s.kept for s in take))) else None
+    kept = [s.kept for s in take] if kept_sets else None
     episodes = [s.episode for s in take if s.episode is not None]
     rope = None
-    if take and take[0].media is not None and take[0].media.rope is not None:  # Qwen-VL: 0 on padding, as collated
+    if ropes:  # Qwen-VL: 0 on padding, as collated
         rope = torch.zeros(len(take), 3, ids.shape[1], dtype=torch.long)
         for i, s in enumerate(take):
             rope[i, :, ids.shape[1] - len(s.prompt):] = s.media.rope
@@ -207,10 +216,10 @@ def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> tu
         versions[i, :len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
     fields["rollout_versions"] = versions
     fields["fresh_mask"] = (versions == step).to(torch.float32) * fields["response_mask"]
-    keys = list(take[0].columns) if take else []
     obj = lambda v: np.array(list(v) + [None], dtype=object)[:-1]  # noqa: E731
     columns = {k: obj(s.columns[k] for s in take) for k in keys}
-    if episodes:  # what the scorer judges (the last turn's text) and the turns, as a multi-turn rollout's rows
+    if run.multi_turn is not None:  # what the scorer judges (the last turn's text) and the turns, as a multi-turn
+        # rollout's rows
         columns["solution_str"] = obj(run.tokenizer.batch_decode([e.last_turn for e in episodes],
                                                                  skip_special_tokens=True))
         columns["num_turns"] = obj(e.turns for e in episodes)
