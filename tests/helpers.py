@@ -127,3 +127,52 @@ def run_outputs(stdout: str) -> dict[str, str]:
         elif name is not None:
             parts[name] += line
     return parts
+
+
+# ---- multi-turn tools (tests/test_multi_turn.py, tests/test_partial.py)
+
+TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "mt_tools.py") + ":TOOLS"
+"""The multi-turn tests' tools: well-behaved ones and ones that misbehave in each way a tool can."""
+
+
+def call(name: str, **args) -> str:
+    """A Hermes tool call's text."""
+    import json
+
+    return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+
+
+class LocalPool:
+    """Runs calls in this process (the scripted tests that do not test the workers)."""
+
+    def __init__(self, spec):
+        from lib.multi_turn.tools import ToolHost
+
+        self.host = ToolHost(spec)
+
+    def score(self, items, pin=None):
+        return [self.host(*item) for item in items]
+
+    def close(self):
+        pass
+
+
+def prompts_for(tokenizer, rows, tmp_path, spec):
+    """The rows (chat prompts offering ``spec``'s tools), loaded and collated as a run's prompts."""
+    import json
+
+    import numpy as np
+
+    from lib.data import collate, load_prompts
+    from lib.multi_turn.tools import load_tools, schemas
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ps = load_prompts([str(path)], tokenizer, 32, known_sources=None, tool_schemas=schemas(load_tools(spec)))
+    return collate(ps, np.arange(len(ps)), 32, tokenizer.pad_token_id)
+
+
+def row(key, **extra):
+    """A data row whose user message is ``key``."""
+    return {"prompt": [{"role": "user", "content": key}], "data_source": "toy",
+            "reward_model": {"ground_truth": "x"}, **extra}

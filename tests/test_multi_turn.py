@@ -18,10 +18,9 @@ from lib.multi_turn.loop import MultiTurn
 from lib.multi_turn.parsers import parse_hermes, parse_llama3_json
 from lib.multi_turn.render import ObservationRenderer, tool_message
 from tests.conftest import shared_assets
-from tests.helpers import launch_runs, run_rows
+from tests.helpers import TOOLS, LocalPool, call, launch_runs, prompts_for, row, run_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOOLS = os.path.join(HERE, "data", "mt_tools.py") + ":TOOLS"
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +29,6 @@ def tokenizer(tmp_path_factory):
     return toy.build_tool_tokenizer(str(tmp_path_factory.mktemp("tok")))
 
 
-def call(name, **args):
-    return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
 
 
 class ScriptedEngine:
@@ -74,37 +71,8 @@ class ScriptedEngine:
         return out
 
 
-class LocalPool:
-    """Runs calls in this process (the scripted tests that do not test the workers)."""
-
-    def __init__(self, spec):
-        from lib.multi_turn.tools import ToolHost
-
-        self.host = ToolHost(spec)
-
-    def score(self, items, pin=None):
-        return [self.host(*item) for item in items]
-
-    def close(self):
-        pass
-
-
 def prompts(tokenizer, rows, tmp_path):
     return prompts_for(tokenizer, rows, tmp_path, TOOLS)
-
-
-def prompts_for(tokenizer, rows, tmp_path, spec):
-    from lib.multi_turn.tools import load_tools, schemas
-
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ps = load_prompts([str(path)], tokenizer, 32, known_sources=None, tool_schemas=schemas(load_tools(spec)))
-    return collate(ps, np.arange(len(ps)), 32, tokenizer.pad_token_id)
-
-
-def row(key, **extra):
-    return {"prompt": [{"role": "user", "content": key}], "data_source": "toy",
-            "reward_model": {"ground_truth": "x"}, **extra}
 
 
 def enc(tokenizer, text):
