@@ -19,6 +19,10 @@ class PartialConfig:
     """Tokens a sample generates between two counts of the step's complete groups: vLLM's engine steps between two
     counts (its requests stopped mid-call once the step has its groups), the HF engine's chunk (one generate call).
     0: a quarter of rollout.max_response_length."""
+    step_token_budget: int = 0
+    """Tokens the ranks may sample in one step's generation (0: no budget). Once it is spent, generation stops as soon
+    as the ranks hold a complete group per rank, and the step trains the complete groups it holds, rounded down to a
+    multiple of the ranks (each rank trains as many, as dynamic sampling rounds), at most trainer.train_batch_size."""
     max_staleness: int = 1
     """A carried sample whose first tokens were sampled more than this many steps (policy versions) before the step
     that would train it is dropped with its group (counted in partial/dropped_groups)."""

@@ -250,6 +250,8 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      "rollout.partial with rollout.routing_replay: a continued sample's prefix is prefilled again"),
     ("partial-bypass", "train_grpo.py", "--rollout.partial.enabled --algorithm.bypass-mode",
      "rollout.partial with algorithm.bypass_mode"),
+    ("partial-budget", "train_grpo.py", "--rollout.partial.enabled --rollout.partial.step_token_budget -1",
+     "rollout.partial.step_token_budget=-1 must be >= 0"),
     ("partial-staleness", "train_grpo.py", "--rollout.partial.enabled --rollout.partial.max_staleness 0",
      "rollout.partial.max_staleness=0 must be >= 1"),
     ("resume-off", "train_grpo.py", "--trainer.run_name existing --trainer.no-resume", "trainer.resume is off"),

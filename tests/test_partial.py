@@ -133,6 +133,21 @@ def test_dynamic_sampling_draws_its_rounds_from_the_pool(tmp_path):
         assert r["rollout/fresh_logp_abs_diff"] < 1e-5, r
 
 
+def test_a_step_token_budget_trains_the_groups_the_step_holds(tmp_path):
+    """PARTIAL's run, 3 steps on 2 ranks, with a budget of 600 tokens a step (a chunk of the 48-group pool samples
+    ~1,500): each step stops at the first count that holds a group per rank, and the update trains the complete
+    groups held, an even number below train_batch_size (measured 10, 6, 4), with the canary at fp32's floor."""
+    args = (*PARTIAL[:-1], "3", "--trainer.save_every", "0", "--rollout.partial.step_token_budget", "600")
+    done = subprocess.run(command(tmp_path, *args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    train = [r for r in rows(tmp_path) if "actor/lr" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    trained = [r["partial/trained_groups"] for r in train]
+    assert all(2 <= n < 16 and n % 2 == 0 for n in trained), trained
+    for r in train:
+        assert r["rollout/fresh_logp_abs_diff"] < 1e-5 and abs(r["actor/pg_loss"]) > 0, r
+
+
 def test_on_policy_distillation_in_reward_mode_trains_carried_samples(tmp_path):
     """The distillation preset (reward mode: the teacher's term is the advantage) with partial rollouts, 3 steps on 2
     ranks: the teacher scores every trained token, carried ones too, and their older students' log-probs go through

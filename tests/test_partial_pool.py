@@ -53,7 +53,7 @@ class _PromptEngine:
         steps = 0
         while True:
             steps += every
-            if enough([len(t.ids) <= steps for t in whole]):
+            if enough([len(t.ids) <= steps for t in whole], sum(min(len(t.ids), steps) for t in whole)):
                 break
         return [t if len(t.ids) <= steps else Turn(t.ids[:steps], t.logps[:steps], False) for t in whole]
 
@@ -351,3 +351,39 @@ def test_a_multi_turn_episode_is_carried_mid_turn_and_runs_each_tool_call_once(t
         for key, *_ in calls:
             for t in range(key % 3):
                 assert executed.count(('"add"', json.dumps({"a": key, "b": 100 + t}))) == 2, (run, key, t)
+
+
+def _budget_body(stream: bool, budget: int):
+    """Four steps of the stand-in pool with a step token budget: per step, the groups trained (over the ranks) and
+    the pool's figures."""
+    import torch.distributed as dist
+
+    from lib.balance import balance_groups
+    from lib.partial import loop
+
+    run = _stand_in_run(stream)
+    run.cfg.rollout.partial.step_token_budget = budget
+    out = []
+    for step in range(4):
+        batch, metrics = loop.generate_step(run, step)
+        batch, _ = balance_groups(batch)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(set(batch.non_tensor_batch["uid"].tolist())))
+        out.append((sum(map(len, every)), metrics))
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["chunks", "stopped_mid_call"])
+def test_a_step_token_budget_stops_generation_with_the_groups_it_holds(stream):
+    """A budget of 24 tokens a step (a chunk of 4 tokens over 20 samples is 80): every step stops at its first count,
+    and trains the complete groups it holds, a multiple of the 2 ranks, at least one a rank, at most
+    train_batch_size; the figures say how many."""
+    from lib.testing import run_distributed
+
+    steps = run_distributed(_budget_body, stream, 24, world_size=2)[0]
+    trained = [n for n, _ in steps]
+    assert all(n % 2 == 0 and 2 <= n <= 4 for n in trained) and min(trained) < 4, trained
+    assert [m["partial/trained_groups"] for _, m in steps] == trained
+    assert all(m["partial/rounds"] == 1 for _, m in steps), steps
+    # without a budget every step trains train_batch_size groups
+    assert [n for n, _ in run_distributed(_budget_body, stream, 0, world_size=2)[0]] == [4] * 4

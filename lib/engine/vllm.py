@@ -311,12 +311,12 @@ class VLLMEngine:
     """``generate_until`` stops running requests between engine steps (vLLM's continuous batching)."""
 
     def generate_until(self, prompts: list[list[int]], max_tokens: list[int], key: Any,
-                       media: list[PromptImages] | None, enough: Callable[[list[bool]], bool], every: int
+                       media: list[PromptImages] | None, enough: Callable[[list[bool], int], bool], every: int
                        ) -> list[Turn]:
         """``generate_ids`` (training sampling), stopped once ``enough``: every ``every`` engine steps (a token for
-        each running request) ``enough(finished)`` is asked with this rank's requests' states; it must reduce over
-        the ranks (each rank asks as often, its engine stepping or idle) and answer True once no rank has a request
-        running. The requests still running then are aborted (vLLM's ``abort_request``) and come back with their
+        each running request) ``enough(finished, sampled)`` is asked with this rank's requests' states and the tokens
+        they sampled in the call so far; it must reduce over the ranks (each rank asks as often, its engine stepping
+        or idle) and answer True once no rank has a request running. The requests still running then are aborted (vLLM's ``abort_request``) and come back with their
         tokens and log-probs so far, ``stopped`` False: partial rollouts carry them into the next step."""
         sp = self.sampling
         prompts, asked, max_tokens, mine = self._group_requests(prompts, max_tokens, media)
@@ -345,7 +345,7 @@ class VLLMEngine:
                         if not seen[i]:  # the prompt vLLM ran, from its first output
                             seen[i] = list(out.prompt_token_ids or [])
                         finished[i] = out.finished
-                if enough(finished[mine]):
+                if enough(finished[mine], sum(map(len, tokens[mine]))):
                     break
             running = [rid for rid, f in zip(ids, finished) if not f]
             if running:

@@ -39,6 +39,8 @@ def config_problems(cfg: Any) -> list[str]:
     if p.chunk_tokens < 0:
         problems.append(f"rollout.partial.chunk_tokens={p.chunk_tokens} must be >= 0 (0: a quarter of "
                         f"rollout.max_response_length)")
+    if p.step_token_budget < 0:
+        problems.append(f"rollout.partial.step_token_budget={p.step_token_budget} must be >= 0 (0: no budget)")
     if p.max_staleness < 1:
         problems.append(f"rollout.partial.max_staleness={p.max_staleness} must be >= 1 (a carried sample is at "
                         f"least one step old)")

@@ -68,7 +68,8 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
     target = math.ceil(p.over_provision * want)
     while reduce(torch.tensor([float(len(groups(pool)))], dtype=torch.float64))[0] < target:
         _draw(run, step, pool)
-    tally = {"rounds": 0, "reprefill": 0, "sampled": 0, "stopped": 0}
+    tally = {"rounds": 0, "reprefill": 0, "sampled": 0, "stopped": 0, "trained": want}
+    world = run.topo.world_size
     chunk = p.chunk_tokens or max(1, width // 4)
     mt = run.multi_turn
     tools = {k.removeprefix("multi_turn/tool_"): 0 for k in TOOL_COUNTS}  # this step's tool failures, by kind
@@ -82,22 +83,30 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
             return min(most, width - len(s.ids))
         return min(most, mt.turn_cap - (len(s.ids) - len(s.episode.response)), mt.budget - len(s.ids))
 
-    def enough(cohort: list[Sample], finished: list[bool]) -> bool:
-        """Between an engine's steps (generate_until): whether the ranks hold ``want`` complete groups, a sample of
-        ``cohort`` counted as ended once its request finished (an episode's ends with its turn only if that was its
-        last: not known until the turn is parsed, so not counted), or no request runs on any rank."""
+    def done(complete: float, sampled: float) -> bool:
+        """Whether the step has what it trains: ``want`` complete groups over the ranks, or with the token budget
+        spent (``sampled`` over the ranks this step) a complete group per rank."""
+        return complete >= want or bool(p.step_token_budget) and sampled >= p.step_token_budget and complete >= world
+
+    def enough(cohort: list[Sample], finished: list[bool], sampled: int) -> bool:
+        """Between an engine's steps (generate_until): ``done``, a sample of ``cohort`` counted as ended once its
+        request finished (an episode's ends with its turn only if that was its last: not known until the turn is
+        parsed, so not counted), ``sampled`` this rank's tokens of the call so far; or no request runs on any
+        rank."""
         ended = {id(s) for s, f in zip(cohort, finished) if f and s.episode is None}
         complete = sum(all(s.ended or id(s) in ended for s in g) for g in groups(pool).values())
-        counts = reduce(torch.tensor([float(complete), float(sum(not f for f in finished))], dtype=torch.float64))
-        return bool(counts[1] == 0 or counts[0] >= want)
+        counts = reduce(torch.tensor([float(complete), float(sum(not f for f in finished)),
+                                      float(tally["sampled"] + sampled)], dtype=torch.float64)).tolist()
+        return counts[1] == 0 or done(counts[0], counts[2])
 
     def produce(engine) -> DataProto:
         t0 = time.perf_counter()
         while True:
-            complete, active = reduce(torch.tensor(_counts(pool), dtype=torch.float64)).tolist()
+            complete, active, sampled = reduce(torch.tensor([*_counts(pool), tally["sampled"]],
+                                                            dtype=torch.float64)).tolist()
             # at least one chunk while any sample generates: a carried one goes on every step (else complete groups
             # left over could fill steps while it waits, staler, until it is dropped)
-            if active == 0 or (complete >= want and tally["rounds"]):
+            if active == 0 or (tally["rounds"] and done(complete, sampled)):
                 break
             if engine.stops_mid_call:  # one call, its requests stopped once the step has its groups
                 todo = [s for s in pool if not s.ended]
@@ -115,7 +124,7 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
                 # every rank calls each (a vLLM TP group generates its gathered rows together, empty ones included)
                 if engine.stops_mid_call:
                     got = engine.generate_until(inputs, caps, (step, KEY, round_, tally["rounds"], part), images,
-                                                lambda finished: enough(cohort, finished), chunk)
+                                                lambda finished, sampled: enough(cohort, finished, sampled), chunk)
                     tally["stopped"] += sum(not t.stopped and len(t.ids) < c for t, c in zip(got, caps))
                     outs += got
                 else:
@@ -148,7 +157,9 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
             turn_rows.append(len(todo))
             tally["rounds"] += 1
         elapsed = time.perf_counter() - t0
-        batch, take = _batch(run, step, pool, want, {"generate_s": elapsed, "generated_tokens": tally["sampled"],
+        # the budget's stop: the complete groups held, a multiple of the ranks (each trains as many)
+        tally["trained"] = want if complete >= want else int(complete) // world * world
+        batch, take = _batch(run, step, pool, tally["trained"], {"generate_s": elapsed, "generated_tokens": tally["sampled"],
                                                      "tokens_per_s": tally["sampled"] / max(elapsed, 1e-9)})
         if mt is not None:  # the trained episodes' figures, as a multi-turn rollout reports them
             trained = [s.episode for s in take]
@@ -172,6 +183,7 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
     metrics.update({"partial/dropped_groups": counts[0], "partial/resumed_share": counts[1] / max(counts[2], 1),
                     "partial/carried_share": counts[3] / max(counts[2], 1), "partial/reprefill_tokens": counts[4],
                     "partial/rounds": counts[5] / run.topo.world_size, "partial/stopped_mid_call": counts[6],
+                    "partial/trained_groups": float(tally["trained"]),
                     "partial/staleness_mean": float(sums[0] / sums[2].clamp(min=1)),
                     "partial/stale_token_share": float(sums[1] / sums[2].clamp(min=1)),
                     # wall clock under timing/ (resume tests leave it out): a step that waited for its samples' end
