@@ -299,11 +299,11 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, pro
     if multi_turn.enabled(cfg):
         tool_schemas = schemas(load_tools(cfg.multi_turn.tools), cfg.multi_turn.tools)
         ObservationRenderer(tokenizer)  # a template that cannot render tool messages is refused here
-        if is_environment(cfg.multi_turn.tools) and cfg.rollout.partial.enabled:
-            raise ValueError(f"rollout.partial with multi_turn.tools {cfg.multi_turn.tools}, an environment: its "
-                             f"instances live in the tool workers, which neither the pool nor the checkpoint can carry "
-                             f"into another step; use tool functions, or turn rollout.partial off")
         if is_environment(cfg.multi_turn.tools):
+            if cfg.rollout.partial.enabled:
+                raise ValueError(f"rollout.partial with multi_turn.tools {cfg.multi_turn.tools}, an environment: its "
+                                 f"instances live in the tool workers, which neither the pool nor the checkpoint can "
+                                 f"carry into another step; use tool functions, or turn rollout.partial off")
             if cfg.reward.custom_fn:
                 raise ValueError(f"multi_turn.tools {cfg.multi_turn.tools} is an environment: its reward() scores the "
                                  f"episodes; drop --reward.custom_fn")

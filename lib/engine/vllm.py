@@ -41,11 +41,11 @@ from lib.engine import awake
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, prompt_images,
                         request_seeds, rollout_columns, stop_ids, turns_from)
 from lib.engine import kv_cache_bytes as engine_kv_cache_bytes
-from lib.engine.vllm_adapter import (SHM_DIR, SHM_PREFIX, add_streamed_requests, count_lora_modules, cpu_prefill_kwargs, exact_filter_rule,
-                                     image_kwargs, layerwise_reload, logprobs_mode_kwargs, lora_kwargs,
-                                     quiet_rotary_reload_warning, refresh_fused_gates, remove_stale_shm, routes_kwargs,
-                                     run_on_model, sampled_logprobs, sampling_params, shutdown,
-                                     unique_cpu_shm_names)
+from lib.engine.vllm_adapter import (SHM_DIR, SHM_PREFIX, add_streamed_requests, count_lora_modules,
+                                     cpu_prefill_kwargs, exact_filter_rule, image_kwargs, layerwise_reload,
+                                     logprobs_mode_kwargs, lora_kwargs, quiet_rotary_reload_warning,
+                                     refresh_fused_gates, remove_stale_shm, routes_kwargs, run_on_model,
+                                     sampled_logprobs, sampling_params, shutdown, unique_cpu_shm_names)
 from lib.engine.vllm_sync import EngineSync
 from lib.lora import check_engine_load, save_adapter
 from lib.protocol import DataProto
@@ -316,8 +316,9 @@ class VLLMEngine:
         """``generate_ids`` (training sampling), stopped once ``enough``: every ``every`` engine steps (a token for
         each running request) ``enough(finished, sampled)`` is asked with this rank's requests' states and the tokens
         they sampled in the call so far; it must reduce over the ranks (each rank asks as often, its engine stepping
-        or idle) and answer True once no rank has a request running. The requests still running then are aborted (vLLM's ``abort_request``) and come back with their
-        tokens and log-probs so far, ``stopped`` False: partial rollouts carry them into the next step."""
+        or idle) and answer True once no rank has a request running. The requests still running then are aborted
+        (vLLM's ``abort_request``) and come back with their tokens and log-probs so far, ``stopped`` False: partial
+        rollouts carry them into the next step."""
         sp = self.sampling
         prompts, asked, max_tokens, mine = self._group_requests(prompts, max_tokens, media)
         seed = call_seed(sp.seed, self.group, False, key)

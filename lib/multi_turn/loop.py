@@ -103,7 +103,7 @@ class MultiTurn:
         nt = data.non_tensor_batch
         episodes = self.episodes(data)
         media = prompt_images(data)  # a vision-language prompt's rope rows and images, for every turn of it
-        counts = dict.fromkeys(KINDS + ("malformed", "over_limit", "truncations"), 0)
+        counts = dict.fromkeys(COUNT_KINDS, 0)
         pin = [e.index for e in episodes] if self.environment else None  # an environment lives in one worker
         if pin is not None:
             resets = self._run([("reset", i, self._row(nt, i)) for i in pin], pin, counts)
@@ -229,7 +229,8 @@ class MultiTurn:
             e.observed(obs_ids)
 
     @staticmethod
-    def episode_metrics(episodes: list[Episode], counts: dict, sampled: int, turn_rows: list[int]) -> dict[str, float]:
+    def episode_metrics(episodes: list[Episode], counts: dict, sampled: int, turn_rows: list[int]
+                        ) -> dict[str, float]:
         n = max(len(episodes), 1)
         metrics = {"multi_turn/turns_mean": sum(e.turns for e in episodes) / n,
                    "multi_turn/turns_max": float(max((e.turns for e in episodes), default=0)),
@@ -276,5 +277,7 @@ def refuse(observation: list, counts: dict, kind: str, name: str, message: str) 
     observation.append(tool_message(name, failed(kind, message)[0]))
 
 
-SUMMED = tuple(f"multi_turn/tool_{k}" for k in KINDS + ("malformed", "over_limit", "truncations"))
+COUNT_KINDS = KINDS + ("malformed", "over_limit", "truncations")
+"""What a multi-turn rollout counts of its tool calls (``take_turns``' ``counts``)."""
+SUMMED = tuple(f"multi_turn/tool_{k}" for k in COUNT_KINDS)
 """The counts among the metrics (summed over ranks and rounds)."""

@@ -1,5 +1,6 @@
-"""One step of partial rollouts (see lib/partial/__init__.py): the pool's generation in chunks until the ranks hold
-train_batch_size complete groups, the batch of the oldest complete groups, the rest carried."""
+"""One step of partial rollouts (see lib/partial/__init__.py): the pool's generation (in chunks, or one call whose
+requests stop mid-way) until the ranks hold train_batch_size complete groups, the batch of the oldest complete
+groups, the rest carried."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch.distributed as dist
 
 from lib.data import left_pad
 from lib.dist import sum_over_ranks
-from lib.engine import ENGINE_INPUTS, Turn, build_output, prompt_images
-from lib.multi_turn.loop import SUMMED as TOOL_COUNTS
+from lib.engine import Turn, build_output, prompt_images, rollout_columns
+from lib.multi_turn.loop import COUNT_KINDS
 from lib.partial.carry import Sample, groups
 from lib.protocol import DataProto
 from lib.rollout import generate, next_batch
@@ -33,14 +34,14 @@ def _draw(run: Run, step: int, pool: list[Sample]) -> None:
     data = next_batch(run)
     index = data.meta_info["seed_key"]
     ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
-    nt = data.non_tensor_batch
+    nt, kept_on = data.non_tensor_batch, rollout_columns(data)
     media = prompt_images(data) or [None] * len(data)  # an image prompt's images and rope rows go with its samples
     # multi-turn tools: each sample is an episode (lib/multi_turn), carried with its turns so far and a turn in flight
     episodes = run.multi_turn.episodes(data) if run.multi_turn is not None else [None] * len(data)
     first = run.topo.rank * len(data)  # the rank's rows are its contiguous share of the data batch (lib.data.Sampler)
     for row in range(len(data)):
         prompt = ids[row][mask[row].bool()].tolist()
-        columns = {k: v[row] for k, v in nt.items() if k not in ENGINE_INPUTS}
+        columns = {k: v[row] for k, v in kept_on.items()}
         for k in range(run.cfg.rollout.n):
             # the row's place in the whole data batch: the stream's order is the same on any number of ranks
             pool.append(Sample(str(nt["uid"][row]), step, (index, first + row, k), prompt, columns,
@@ -72,7 +73,7 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
     world = run.topo.world_size
     chunk = p.chunk_tokens or max(1, width // 4)
     mt = run.multi_turn
-    tools = {k.removeprefix("multi_turn/tool_"): 0 for k in TOOL_COUNTS}  # this step's tool failures, by kind
+    tools = dict.fromkeys(COUNT_KINDS, 0)  # this step's tool failures, by kind
     turn_rows: list[int] = []
 
     def cap(s: Sample, whole: bool = False) -> int:
@@ -108,21 +109,20 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
             # left over could fill steps while it waits, staler, until it is dropped)
             if active == 0 or (tally["rounds"] and done(complete, sampled)):
                 break
-            if engine.stops_mid_call:  # one call, its requests stopped once the step has its groups
-                todo = [s for s in pool if not s.ended]
-                cohorts = [(todo, [cap(s, whole=True) for s in todo])]
+            stream = engine.stops_mid_call
+            if stream:  # one call, its requests stopped once the step has its groups
+                cohorts = [[s for s in pool if not s.ended]]
             else:  # a static batch: chunks; the samples that start and those that go on apart (one call pads its
                 # rows to its longest, and a continued sample's prefill is as long as its tokens so far)
-                todo = [s for s in pool if not s.ended and not s.ids] + [s for s in pool if not s.ended and s.ids]
-                split = sum(not s.ids for s in todo)
-                cohorts = [(c, [cap(s) for s in c]) for c in (todo[:split], todo[split:])]
+                cohorts = [[s for s in pool if not s.ended and not s.ids], [s for s in pool if not s.ended and s.ids]]
+            todo = [s for c in cohorts for s in c]
             outs = []
-            for part, (cohort, caps) in enumerate(cohorts):
-                inputs = [s.prompt + s.ids for s in cohort]
+            for part, cohort in enumerate(cohorts):
+                inputs, caps = [s.prompt + s.ids for s in cohort], [cap(s, whole=stream) for s in cohort]
                 t_call = time.perf_counter()
                 images = [s.media for s in cohort] if any(s.media for s in cohort) else None
                 # every rank calls each (a vLLM TP group generates its gathered rows together, empty ones included)
-                if engine.stops_mid_call:
+                if stream:
                     got = engine.generate_until(inputs, caps, (step, KEY, round_, tally["rounds"], part), images,
                                                 lambda finished, sampled: enough(cohort, finished, sampled), chunk)
                     tally["stopped"] += sum(not t.stopped and len(t.ids) < c for t, c in zip(got, caps))
@@ -159,8 +159,9 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
         elapsed = time.perf_counter() - t0
         # the budget's stop: the complete groups held, a multiple of the ranks (each trains as many)
         tally["trained"] = want if complete >= want else int(complete) // world * world
-        batch, take = _batch(run, step, pool, tally["trained"], {"generate_s": elapsed, "generated_tokens": tally["sampled"],
-                                                     "tokens_per_s": tally["sampled"] / max(elapsed, 1e-9)})
+        batch, take = _batch(run, step, pool, tally["trained"], {
+            "generate_s": elapsed, "generated_tokens": tally["sampled"],
+            "tokens_per_s": tally["sampled"] / max(elapsed, 1e-9)})
         if mt is not None:  # the trained episodes' figures, as a multi-turn rollout reports them
             trained = [s.episode for s in take]
             batch.meta_info["multi_turn"] = mt.episode_metrics(trained, tools, sum(sum(e.mask) for e in trained),
@@ -197,19 +198,18 @@ def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> tu
     """The oldest ``want`` complete groups over the ranks (carried before new, then stream order) as this rank's
     rollout batch, and its samples; they leave the pool."""
     done = [(g[0].born, g[0].order, uid) for uid, g in groups(pool).items() if all(s.ended for s in g)]
+    # and what the pool's samples hold (columns, kept-set sizes, rope rows), so that a rank that trains no group
+    # builds the same fields as the others (the batch is then dealt out over the ranks)
+    traits = (list(pool[0].columns) if pool else [], any(map(any, (s.kept for s in pool))),
+              any(s.media is not None and s.media.rope is not None for s in pool))
     every: list = [None] * run.topo.world_size
     # world: the ranks' complete groups (a few tuples each), to take the same oldest ones everywhere
-    dist.all_gather_object(every, done)
-    chosen = {uid for *_, uid in sorted(g for part in every for g in part)[:want]}
+    dist.all_gather_object(every, (done, traits))
+    chosen = {uid for *_, uid in sorted(g for part, _ in every for g in part)[:want]}
     take = sorted((s for s in pool if s.uid in chosen), key=lambda s: s.order)
     pool[:] = [s for s in pool if s.uid not in chosen]
-    traits: list = [None] * run.topo.world_size
-    # world: the batch's columns, kept-set sizes and rope rows, so that a rank that trains no group builds the same
-    # fields as the others (the batch is then dealt out over the ranks)
-    dist.all_gather_object(traits, (list(take[0].columns) if take else [], any(map(any, (s.kept for s in take))),
-                                    any(s.media is not None and s.media.rope is not None for s in take)))
-    keys = next((k for k, _, _ in traits if k), [])
-    kept_sets, ropes = any(t[1] for t in traits), any(t[2] for t in traits)
+    keys = next((t[0] for _, t in every if t[0]), [])
+    kept_sets, ropes = any(t[1] for _, t in every), any(t[2] for _, t in every)
     meta = {**meta, "longest_sample_s": max((s.gen_s for s in take), default=0.0)}
     pad = run.tokenizer.pad_token_id
     ids, mask, pos = left_pad([s.prompt for s in take], run.cfg.data.max_prompt_length, pad)
