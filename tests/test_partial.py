@@ -114,6 +114,13 @@ def test_a_partial_run_stopped_or_killed_resumes_to_the_bit(tmp_path):
             assert x == y, (how, {k: (x.get(k), y.get(k)) for k in set(x) | set(y) if x.get(k) != y.get(k)})
 
 
+def _train_rows(tmp_path, *args) -> list[dict]:
+    """One run of train_grpo.py on 2 ranks with ``args``: its training steps' metric rows."""
+    done = subprocess.run(command(tmp_path, *args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [r for r in rows(tmp_path) if "actor/lr" in r]
+
+
 def test_dynamic_sampling_draws_its_rounds_from_the_pool(tmp_path):
     """DAPO's dynamic sampling with partial rollouts, 3 steps on 2 ranks: a round that keeps fewer than
     train_batch_size groups (their scores all alike) is followed by another round of the pool (its carried samples
@@ -122,9 +129,7 @@ def test_dynamic_sampling_draws_its_rounds_from_the_pool(tmp_path):
     rounds, 16 groups kept every step)."""
     args = (*PARTIAL[:-1], "3", "--rollout.partial.over_provision", "2", "--trainer.save_every", "0",
             "--algorithm.filter_groups")
-    done = subprocess.run(command(tmp_path, *args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    train = [r for r in rows(tmp_path) if "actor/lr" in r]
+    train = _train_rows(tmp_path, *args)
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["algorithm/kept_groups"] == 16 for r in train), train
     assert any(r["algorithm/gen_rounds"] > 1 for r in train), train  # a round kept too few: the pool went on
@@ -138,9 +143,7 @@ def test_a_step_token_budget_trains_the_groups_the_step_holds(tmp_path):
     ~1,500): each step stops at the first count that holds a group per rank, and the update trains the complete
     groups held, an even number below train_batch_size (measured 10, 6, 4), with the canary at fp32's floor."""
     args = (*PARTIAL[:-1], "3", "--trainer.save_every", "0", "--rollout.partial.step_token_budget", "600")
-    done = subprocess.run(command(tmp_path, *args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    train = [r for r in rows(tmp_path) if "actor/lr" in r]
+    train = _train_rows(tmp_path, *args)
     assert [r["step"] for r in train] == [1, 2, 3]
     trained = [r["partial/trained_groups"] for r in train]
     assert all(2 <= n < 16 and n % 2 == 0 for n in trained), trained
@@ -155,9 +158,7 @@ def test_on_policy_distillation_in_reward_mode_trains_carried_samples(tmp_path):
     (loss mode still is: its term is not importance-weighted)."""
     args = ("--config", "tiny_cpu_opd", "--trainer.total_steps", "3", "--trainer.val_every", "0",
             "--rollout.partial.enabled", "--rollout.partial.chunk_tokens", "4", "--rollout.max_response_length", "32")
-    done = subprocess.run(command(tmp_path, *args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    train = [r for r in rows(tmp_path) if "actor/lr" in r]
+    train = _train_rows(tmp_path, *args)
     assert [r["step"] for r in train] == [1, 2, 3]
     assert any(r["partial/resumed_share"] > 0 and 0 < r["partial/stale_token_share"] < 1 for r in train), train
     assert any(abs(r["rollout_is_mean"] - 1) > 1e-3 for r in train), train
