@@ -495,3 +495,27 @@ def test_a_stop_in_the_moment_a_check_starts_finds_it_recorded(monkeypatch, tmp_
             signal.signal(s, h)
     assert exit_.value.code == 128 + signal.SIGTERM
     assert started == ["update"] and finished == ["update"]  # started, then stopped and reported
+
+
+def test_the_sync_share_is_taken_over_steps_2_on_and_the_proof_is_reported_apart():
+    """The grpo rows' "sync <= 2% of a step" (review 2026-11-29 (e2)): step 1's sync is the sync plan's record and
+    proof (two passes, two host copies of the weights, ~1 s on the 0.5B shape) and is no steady-state figure. The
+    share is taken over steps 2 on, as tokens/s is, and step 1's sync and its proof stand in a row of their own.
+    Before, the mean over every step put step 1's second into each step's figure: 2.7% here, a FAIL."""
+    import argparse
+
+    from bench.acceptance.run_checks import step_rows
+
+    def step(sync_s: float, passes: float) -> dict:
+        return {"rollout/logp_abs_diff": 1e-3, "timing/step_s": 5.0, "perf/tokens_per_s": 100.0,
+                "sync/seconds": sync_s, "sync/passes": passes, "sync/gb": 0.92,
+                "sync/plan_proof_seconds": 0.6}  # the engine's metrics keep the proof's seconds after step 1
+
+    train = [step(1.0, 2.0)] + [step(0.01, 1.0) for _ in range(7)]
+    rows = step_rows(argparse.Namespace(device="cuda"), "grpo vllm engine", train, timed=True)
+    share = next(r for r in rows if r.figure.startswith("grpo vllm engine: the weight sync's share of a step"))
+    assert share.value.startswith("0.2% (10 ms of 5.00 s)") and share.passed is True, share
+    assert "steps 2 on" in share.figure, share
+    first = next(r for r in rows if r.figure.startswith("grpo vllm engine: step 1's sync"))
+    assert first.value.startswith("1.00 s, the proof 0.60 s") and first.passed is None and first.timed, first
+    assert "2 passes" in first.note, first
