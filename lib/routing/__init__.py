@@ -250,16 +250,18 @@ def moe_layers(model: nn.Module) -> list[int]:
 
 def from_vllm(rows: list[Any], prompt_lens: list[int], prompt_width: int, width: int, layers: list[int],
               k: int) -> Tensor:
-    """vLLM's ``CompletionOutput.routed_experts`` of each request (numpy, [prompt + response - 1 tokens, decoder
-    layers or MoE layers, k]; a dense layer's rows zero; None where the request returned none) -> (rows, width,
-    MoE layers, k) in the batch's layout: a prompt of ``prompt_lens[i]`` tokens sits left-padded in
+    """vLLM's ``CompletionOutput.routed_experts`` of each request (numpy, [prompt + response - 1 tokens, every
+    decoder layer or the MoE layers alone, k]; a dense layer's rows zero; None where the request returned none) ->
+    (rows, width, MoE layers, k) in the batch's layout: a prompt of ``prompt_lens[i]`` tokens sits left-padded in
     ``prompt_width`` columns, its response after them; the last sampled token has no row (vLLM never feeds it)."""
     out = none_routes(len(rows), width, len(layers), k)
     for i, (arr, plen) in enumerate(zip(rows, prompt_lens)):
         if arr is None:
             continue
         arr = torch.as_tensor(arr)
-        if arr.dim() != 3 or arr.shape[2] != k or arr.shape[1] not in (len(layers), max(layers) + 1):
+        # every decoder layer (0.25, 0.32): as many as the model has, more than its last MoE layer where the last
+        # decoder layers are dense (mlp_only_layers, decoder_sparse_step)
+        if arr.dim() != 3 or arr.shape[2] != k or (arr.shape[1] != len(layers) and arr.shape[1] <= max(layers)):
             raise ValueError(f"vLLM returned routes of shape {tuple(arr.shape)}; the trainer has {len(layers)} MoE "
                              f"layers (decoder layers {layers}) of top-{k}")
         if arr.shape[1] != len(layers):  # every decoder layer: keep the MoE ones
