@@ -119,21 +119,23 @@ def sync(es: EngineSync, weights, size: int = 5) -> int:
 # ---- (a) 1: a padded, tied embedding under 0.25's reload counting
 
 
-def test_a_padded_tied_embedding_processed_at_the_reloads_close_goes_through_the_plan(monkeypatch):
+@pytest.mark.parametrize("head", ["module", "shared"], ids=["head-is-embedding", "head-shares-parameter"])
+def test_a_padded_tied_embedding_processed_at_the_reloads_close_goes_through_the_plan(monkeypatch, head):
     """The Qwen2.5-VL toy on 0.25: vocabulary 34 padded to 64, the head its language model's, tied as the embedding
     module. 0.25 counts at most a parameter's numel per load, so the embedding (34 of 64 rows copied) is processed
     only when the reload closes, inside the record sync's recorder, from the sent tensor its buffered load holds:
     the copy and the padding's zero fill are recorded there, the zeros under the embedding's name."""
     monkeypatch.setattr(fakes, "VOCAB", 34)
     monkeypatch.setattr(fakes, "PADDED", 64)
-    top = VisionLanguage("module", packed_head_layer=False, vision=True)
+    top = VisionLanguage(head, packed_head_layer=False, vision=True)
     embedding = inner(top).embed_tokens
     es, reload = engine_sync_025(top)
     for step in range(3):
         weights = hf_weights(70 + step, vision=True)
         assert sync(es, weights) == (2 if step == 0 else 1)
         if step == 0:
-            assert reload.delayed == [embedding]  # the one layer processed at the close, not on arrival
+            # the layers processed at the close, not on arrival: the embedding, and a head module of its own
+            assert set(reload.delayed) == {embedding, top.language_model.lm_head}
         reference = FakeEngineModel(packed_head_layer=False, vision=True)  # the loader alone
         reference.load_weights(weights)
         ours, theirs = state(inner(top)), state(reference)
@@ -144,10 +146,13 @@ def test_a_padded_tied_embedding_processed_at_the_reloads_close_goes_through_the
             assert es.counts == {"plan": len(weights), "loader": 0}, es.counts  # every tensor through the plan
     plan = es.plan
     assert plan.proven and not plan.fallback and not plan.loader, plan.summary()
-    rows, zeros = plan.writes["model.embed_tokens.weight"]
-    assert rows.value is None and rows.view.shape == (34, HIDDEN)
-    assert zeros.value == 0.0 and zeros.view.shape == (30, HIDDEN) and zeros.module is embedding
-    assert {rows.name, zeros.name} == {"language_model.model.embed_tokens.weight"}
+    # the sent rows and the padding's zeros, both under the embedding's name (a head module sharing the parameter
+    # repeats them: its own delayed load, from the same sent tensor, into the same tensor)
+    targets = plan.writes["model.embed_tokens.weight"]
+    assert {(t.view.storage_offset(), tuple(t.view.shape), t.value) for t in targets} == {
+        (0, (34, HIDDEN), None), (34 * HIDDEN, (30, HIDDEN), 0.0)}
+    assert {t.name for t in targets} == {"language_model.model.embed_tokens.weight"}
+    assert all(t.view.untyped_storage().data_ptr() == embedding.weight.untyped_storage().data_ptr() for t in targets)
 
 
 # ---- (a) 2: Transformers 5's fused experts through 0.25's RoutedExperts
