@@ -70,7 +70,8 @@ def main() -> None:
     ap.add_argument("--mirror", default="", help="a second folder the report is written to after every check")
     ap.add_argument("--grpo-steps", type=int, default=0, help=f"GRPO steps (0: {GRPO_STEPS})")
     ap.add_argument("--lanes", type=int, default=1, help="checks that judge neither time nor memory run this many at "
-                    f"once (the others, {', '.join(TIMED)}, alone)")
+                    f"once (the others, {', '.join(TIMED)}, alone; on a GPU also every check with a vLLM engine: "
+                    "bench/acceptance/schedule.py VLLM_ENGINE)")
     ap.add_argument("--gpu-gib", type=float, default=70.0, help="the device memory the lanes' checks may hold "
                     "together, GiB (their sizes: bench/acceptance/schedule.py GPU_GIB)")
     ap.add_argument("--missing", action="store_true", help="only the checks without a complete result in --out")

@@ -20,15 +20,18 @@
 #
 # A part that fails its checksum, or an install that fails, costs the vLLM rows only: they then say "not run".
 # Settings (defaults for the device machine): STAGE=/tmp/stage SITE=/tmp/site ACC=/tmp/acc VSTAGE=.vstage
-# DEVICE=cuda PY=python3 BG_BUDGET_S=300 WAIT_S=150 CHECK_BUDGET_S=240 (one vLLM check) LANES=4 (checks that judge
-# neither time nor memory, run at once on the GPU) STOP_GRACE_S=50 (the background's SIGTERM to SIGKILL).
+# DEVICE=cuda PY=python3 BG_BUDGET_S=300 (the background's checks together) BG_CHECK_BUDGET_S=300 (one of them)
+# WAIT_S=150 CHECK_BUDGET_S=240 (one vLLM check) LANES=4 (checks that judge neither time nor memory and run no vLLM
+# engine, at once on the GPU: none of the lists below today, bench/acceptance/schedule.py VLLM_ENGINE; on CPU the
+# untimed ones) STOP_GRACE_S=50 (the background's SIGTERM to SIGKILL).
 set -uo pipefail
 STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} ACC=${ACC:-/tmp/acc} VSTAGE=${VSTAGE:-.vstage}
-DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} WAIT_S=${WAIT_S:-150}
-CHECK_BUDGET_S=${CHECK_BUDGET_S:-240} LANES=${LANES:-4} STOP_GRACE_S=${STOP_GRACE_S:-50}
+DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} BG_CHECK_BUDGET_S=${BG_CHECK_BUDGET_S:-300}
+WAIT_S=${WAIT_S:-150} CHECK_BUDGET_S=${CHECK_BUDGET_S:-240} LANES=${LANES:-4} STOP_GRACE_S=${STOP_GRACE_S:-50}
 OUT=${OUT:-$ACC/out}
-# the last two calls' checks, most telling first: those that judge time or memory run alone (correctness .. trl,
-# TRL right after our own GRPO run), then the others LANES at a time
+# the last two calls' checks, most telling first: those that judge time or memory (correctness .. trl, TRL right
+# after our own GRPO run), then the feature rows; on the GPU each alone (each runs a vLLM engine, whose sleep and
+# start read the device's free memory: schedule.py VLLM_ENGINE), on CPU the feature rows LANES at a time
 VLLM_CHECKS=(correctness sleep_wake rollout grpo_vllm trl lora_sleep grpo_lora_vllm ppo distill tools vision qwen3_5
              gemma4 moe judge partial)
 # the background's checks (the fifth call runs again what it left unfinished); levers last: it may not finish there
@@ -122,7 +125,7 @@ background)
   # its interval, for the report: a timed check that ran beside it is void
   echo "{\"name\": \"pytest -m gpu\", \"interval\": [$t0, $(date +%s.%N)]}" >> "$ACC/activities.jsonl"
   "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${BG_CHECKS[@]}" \
-    --budget-s $((BG_BUDGET_S - (SECONDS - start)))
+    --budget-s $((BG_BUDGET_S - (SECONDS - start))) --check-budget-s "$BG_CHECK_BUDGET_S"
   touch "$ACC/background.done"
   ;;
 finish)

@@ -519,3 +519,52 @@ def test_the_sync_share_is_taken_over_steps_2_on_and_the_proof_is_reported_apart
     first = next(r for r in rows if r.figure.startswith("grpo vllm engine: step 1's sync"))
     assert first.value.startswith("1.00 s, the proof 0.60 s") and first.passed is None and first.timed, first
     assert "2 passes" in first.note, first
+
+
+def _session_list(name: str) -> list[str]:
+    """One of bench/gpu_session.sh's lists of checks (VLLM_CHECKS, BG_CHECKS)."""
+    import re
+
+    return re.search(rf"\n{name}=\(([^)]*)\)", open(SESSION).read()).group(1).split()
+
+
+def test_on_a_gpu_a_check_with_a_vllm_engine_never_runs_beside_another(monkeypatch, tmp_path):
+    """vLLM 0.25 reads the device's free memory, not its own: Worker.sleep asserts it grew across the release (no
+    retry) and an engine's start wants gpu_memory_utilization x the device free, so another process's allocation
+    meanwhile fails a row at random (review 2026-11-29 (e3)). The GPU session's calls scheduled as on the device
+    (--lanes 4, --gpu-gib 70; each check a short process here): no check starts while a check with a vLLM engine
+    runs, and none with a vLLM engine starts beside another. Before, the feature rows ran four at a time. On CPU the
+    lanes still pair the untimed checks (test_lanes_run_the_untimed_checks_together_and_a_timed_one_alone)."""
+    import argparse
+
+    from bench.acceptance import schedule
+
+    beside: list[tuple[str, list[str]]] = []
+    procs: dict[str, subprocess.Popen] = {}
+
+    def launch(name, args, budget):
+        beside.append((name, [n for n, p in procs.items() if p.poll() is None]))
+        procs[name] = subprocess.Popen(["sleep", "0.3"])
+        return schedule.Running(procs[name], "", time.perf_counter(), budget, time.time())
+
+    monkeypatch.setattr(schedule, "launch", launch)
+    monkeypatch.setattr(schedule, "collect", lambda name, args, run: ([], 0.3, True))
+    monkeypatch.setattr(schedule, "save_result", lambda *a: None)
+    monkeypatch.setattr(schedule, "report", lambda *a: None)
+    monkeypatch.setattr(schedule, "cannot_run", lambda name, args: [])  # vLLM installed, as on the GPU
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    args = argparse.Namespace(device="cuda", check_budget_s=240.0, budget_s=3600.0, lanes=4, gpu_gib=70.0,
+                              out=str(tmp_path))
+    finish, more = _session_list("VLLM_CHECKS"), _session_list("VLLM_CHECKS") + _session_list("BG_CHECKS")
+    try:
+        for names in (finish, more):  # the fourth call's list, then the fifth's (--missing: all of them at worst)
+            procs.clear()
+            schedule.run_all(args, names)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert [n for n, _ in beside] == finish + more
+    engines = set(finish)  # the checks the finish runs once vLLM is installed: each runs a vLLM engine
+    shared = [(n, others) for n, others in beside if others and (n in engines or any(o in engines for o in others))]
+    assert not shared, shared
+    assert engines <= set(schedule.VLLM_ENGINE), engines - set(schedule.VLLM_ENGINE)

@@ -1,7 +1,8 @@
-"""Which check runs when: each in a child process of its own session; the timed ones (their figures are times or
-device-memory readings) alone, the others side by side in lanes whose device memory is counted in bytes; each within
-its budget, stopped with SIGTERM a grace before it ends (the check writes the rows of what it measured, a training
-child finishes its step) and killed, its whole process tree, at the end. The report is written after every check."""
+"""Which check runs when: each in a child process of its own session; alone, the timed ones (their figures are times
+or device-memory readings) and, on a GPU, every one that runs a vLLM engine; the others side by side in lanes whose
+device memory is counted in bytes; each within its budget, stopped with SIGTERM a grace before it ends (the check
+writes the rows of what it measured, a training child finishes its step) and killed, its whole process tree, at the
+end. The report is written after every check."""
 
 from __future__ import annotations
 
@@ -19,9 +20,20 @@ from bench.acceptance.report import report, save_result
 
 # Checks whose figures are times or device-memory readings: alone on the GPU.
 TIMED = ("correctness", "sleep_wake", "rollout", "grpo_vllm", "grpo_hf", "update", "trl", "partial", "levers")
+# Checks that run a vLLM engine (ours, TRL's, the judge's child): alone on a GPU as well, whatever --lanes says.
+# vLLM 0.25 reads the device's free memory, which other processes move: Worker.sleep asserts that it grew across the
+# release, with no retry ("Memory usage increased after sleeping", v1/worker/gpu_worker.py:200-210), and an engine's
+# start wants gpu_memory_utilization x the device free (utils.py:405-425). A lane's allocation inside a sleep's window
+# (its step re-allocating after empty_cache, its engine's wake mapping GBs, a CUDA context) fails the first whatever
+# memory share each holds: a lower rollout.gpu_memory_utilization would fix only the start. The toy rows free a few
+# MB a sleep and would fail first, at random, looking like an engine bug (review 2026-11-29 (e3)). The cost: the
+# feature rows run one after another (~1100 s, not ~400 s in lanes of four; bench/README.md, the window's schedule).
+VLLM_ENGINE = ("correctness", "sleep_wake", "lora_sleep", "rollout", "grpo_vllm", "grpo_lora_vllm", "ppo", "distill",
+               "trl", "tools", "vision", "qwen3_5", "gemma4", "moe", "judge", "partial")
 # What the others hold on a GPU at most, in GiB (weights, gradients, Adam, the engine's weights and its KV cache
 # sized in bytes by lib.engine.plan_kv_cache, activations), from the 0.5B shape's ~15 GiB a GRPO run on the H100
-# (2026-11-27) and the models' sizes; lanes start a check only where the sum fits --gpu-gib.
+# (2026-11-27) and the models' sizes; lanes start a check only where the sum fits --gpu-gib. On a GPU every check
+# below runs a vLLM engine today (VLLM_ENGINE: alone), so there the sizes bind only a check that runs none.
 GPU_GIB = {"lora_sleep": 8, "grpo_lora_vllm": 14, "ppo": 20, "distill": 26, "tools": 3, "vision": 3, "qwen3_5": 8,
            "gemma4": 10, "moe": 12, "judge": 24}
 
@@ -136,12 +148,17 @@ def missing(out: str, names: list[str]) -> list[str]:
             or not json.load(open(result_path(out, n))).get("complete", True)]
 
 
+def alone(name: str, args) -> bool:
+    """Whether ``name`` runs with no other check beside it: a timed check; on a GPU, a check with a vLLM engine."""
+    return name in TIMED or (args.device == "cuda" and name in VLLM_ENGINE)
+
+
 def fits(name: str, running: dict[str, Running], args) -> bool:
-    """Whether ``name`` may start beside ``running``: a timed check alone; the others up to --lanes at once, their
-    device memory (GPU_GIB) within --gpu-gib on a GPU."""
+    """Whether ``name`` may start beside ``running``: a timed check, or a vLLM engine's on a GPU, alone (``alone``);
+    the others up to --lanes at once, their device memory (GPU_GIB) within --gpu-gib on a GPU."""
     if not running:
         return True
-    if name in TIMED or any(n in TIMED for n in running) or len(running) >= args.lanes:
+    if alone(name, args) or any(alone(n, args) for n in running) or len(running) >= args.lanes:
         return False
     if args.device != "cuda":
         return True
