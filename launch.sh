@@ -5,6 +5,20 @@
 #   NPROC=8 bash launch.sh train_grpo.py ...         # ranks per node (default: GPUs, or 2 on CPU)
 # Under SLURM (SLURM_JOB_ID set, one task per node via srun) the node count, node rank and rendezvous
 # address come from SLURM's variables; see slurm/.
+# A stop signal that comes before the ranks can take it (while the environment is set up, the input is checked or
+# the ranks start: SLURM's pre-emption warning comes once, whenever the clock says) is kept in this file, which every
+# rank reads once its own handlers are in place (lib/stops.py); a later one is kept too, then passed on.
+stop_request="${SPMD_RL_STOP_REQUEST:-$(mktemp "${TMPDIR:-/tmp}/spmd-rl-request.XXXXXX")}"
+export SPMD_RL_STOP_REQUEST="$stop_request"
+runner=
+keep() {  # SIGNAL: keep it for the ranks, then pass it on to those running
+  echo "$1" > "$stop_request"
+  if [ -z "$runner" ]; then
+    echo "launch.sh: SIG$1 before the ranks started: they stop after their first step, with a checkpoint" >&2
+  else pkill "-$1" -P "$runner" 2>/dev/null || true; fi
+}
+trap 'keep USR1' USR1
+trap 'rm -f "$stop_request"' EXIT
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 
 script=train_grpo.py
@@ -28,7 +42,8 @@ fi
 # A CPU rank per core: more threads per rank than cores makes gloo runs slower, not faster.
 has_gpu || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 # Every check of the input (config, paths, data rows, custom reward) in one process: one message, before any rank.
-python -m lib.check "$script" "$(( NPROC * ${SLURM_NNODES:-1} ))" "$@" || exit $?
+# (SIGUSR1 ignored there, as in torchrun: this script keeps it)
+(trap '' USR1; exec python -m lib.check "$script" "$(( NPROC * ${SLURM_NNODES:-1} ))" "$@") || exit $?
 export SPMD_RL_CHECKED=1  # the ranks check again, but do not probe the judge's endpoint a second time
 # Stopping: each rank finishes its step, every rank saves a checkpoint, and the run exits 0. Whichever processes the
 # signal reaches:
@@ -44,13 +59,11 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 # one message: it writes the code here and exits 0, so torchrun adds no traceback of its own; this script exits with
 # the code. A crash still fails torchrun, which shows all it shows.
 stop_file=$(mktemp "${TMPDIR:-/tmp}/spmd-rl-stop.XXXXXX")
-trap 'rm -f "$stop_file"' EXIT
+trap 'rm -f "$stop_file" "$stop_request"' EXIT
 (trap '' USR1; SPMD_RL_STOP_FILE="$stop_file" exec setsid torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "$script" "$@") &
 runner=$!
-stop() { pkill "-$1" -P "$runner" 2>/dev/null || true; }
-trap 'stop INT' INT
-trap 'stop TERM' TERM
-trap 'stop USR1' USR1
+trap 'pkill -INT -P "$runner" 2>/dev/null || true' INT  # Ctrl-C: a rank still starting aborts
+trap 'keep TERM' TERM
 status=0
 while true; do
   status=0; wait "$runner" || status=$?  # (set -e is on: a failing wait must not end this script)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from lib import config, preflight
+from lib import config, preflight, stops
 from lib.runfolder import run_dir
 from lib.startup import check_inputs, resolve_generated, resolve_toy
 
@@ -23,6 +23,7 @@ SCRIPTS = {"train_grpo.py": ("tiny_cpu_grpo", False), "train_ppo.py": ("tiny_cpu
 
 def main(argv: list[str]) -> int:
     script, world_size, args = argv[0], int(argv[1]), argv[2:]
+    stops.hold_for_a_test("check")
     if os.path.basename(script) not in SCRIPTS:
         return 0
     if any(a in ("-h", "--help") for a in args):

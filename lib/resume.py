@@ -4,8 +4,9 @@ Everything that decides the next step is checkpointed: models, optimizers, lr sc
 also keys the rollout seeds, dynamic-sampling rounds included) and the KL coefficient. A run killed at any moment
 and started again with the same command therefore logs the same numbers as one never interrupted.
 
-SIGTERM, SIGUSR1 (SLURM pre-emption, scancel) and SIGINT (Ctrl-C) let the step in flight finish; then every rank
-agrees to stop, a checkpoint is written and the run exits 0 naming it. Steps whose update was skipped (a non-finite
+SIGTERM, SIGUSR1 (SLURM pre-emption, scancel) and SIGINT (Ctrl-C) let the step in flight finish (lib.stops takes
+them, from the start of start-up); then every rank agrees to stop, a checkpoint is written and the run exits 0
+naming it. Steps whose update was skipped (a non-finite
 loss or grad norm) are counted; after ``trainer.max_bad_steps`` in a row the run stops, naming the last checkpoint.
 """
 
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lib import checkpoint, exits
+from lib import checkpoint, exits, stops
 from lib.partial import carry
 from lib.runfolder import latest_step, step_dir
 from lib.runlog import stage
@@ -31,27 +32,10 @@ if TYPE_CHECKING:
     from lib.startup import Run
     from lib.update import Trainee
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-_requested: list[int] = []  # the signals received, in order
 PAUSE = "SPMD_RL_TEST_PAUSE"
 """Test hook, ``STEP:FILE``: at the end of step STEP (its metrics logged, before the stop check) rank 0 creates FILE
 and every rank waits until a stop signal reaches it (a kill ends the wait too). A test that signals or kills a run
 waits for FILE first, so its signal can never come too late (after the last step) on a loaded machine."""
-
-
-def _on_signal(signum, _frame) -> None:
-    if not _requested and os.environ.get("RANK", "0") == "0":
-        print(f"{signal.Signals(signum).name}: finishing the step in flight, then saving a checkpoint",
-              file=sys.stderr, flush=True)
-    _requested.append(signum)
-    if signum == signal.SIGINT:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
-
-
-def install_stop_handlers() -> None:
-    _requested.clear()
-    for s in STOP_SIGNALS:
-        signal.signal(s, _on_signal)
 
 
 def _parts(trainees: dict[str, Trainee]) -> dict:
@@ -60,7 +44,7 @@ def _parts(trainees: dict[str, Trainee]) -> dict:
 
 def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
     """Load the run folder's latest checkpoint (if resuming); validate first on a fresh start. Returns the step."""
-    install_stop_handlers()
+    stops.take_interrupts()
     last = latest_step(run.path) if run.cfg.trainer.resume else None
     if last is None:
         if run.val is not None:
@@ -134,7 +118,7 @@ def _pause_for_a_test(run: Run, step: int) -> None:
     if run.topo.is_main:
         with open(marker, "w") as f:
             f.write(f"{step}\n")
-    while not _requested:
+    while not stops.requested():
         time.sleep(0.05)
 
 
@@ -146,7 +130,7 @@ def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metr
     skipped = sum(v for k, v in metrics.items() if k.endswith("/skipped_steps"))
     run.bad_steps = run.bad_steps + 1 if skipped else 0
     diff = metrics.get("rollout/logp_abs_diff", 0.0)
-    flags = torch.tensor([_requested[0] if _requested else 0, run.bad_steps, diff], dtype=torch.float64)
+    flags = torch.tensor([stops.requested(), run.bad_steps, diff], dtype=torch.float64)
     # world: a signal, a bad step or an engine that computes another model on any rank stops every rank
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     signum, bad, diff = int(flags[0]), int(flags[1]), float(flags[2])

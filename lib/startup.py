@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import budget, distill, envs, exits, export, judges, lora, multi_turn, routing, selfcheck, toy
+from lib import budget, distill, envs, exits, export, judges, lora, multi_turn, routing, selfcheck, stops, toy
 from lib.envs import openenv, verifiers_play
 from lib.envs import reasoning_gym as rg_data
 from lib.envs import verifiers_data as vf_data
@@ -117,6 +117,7 @@ class Run:
 def start(cfg: Config, need_critic: bool = False) -> Run:
     """Process group, toy assets, config checks, run folder, data and logger: everything that can fail on user
     input, before any model is loaded."""
+    stops.install()  # first: a stop signal from here on finishes the step in flight (and one kept from before)
     if uses_vllm(cfg):
 
         strip_expandable_segments()  # before CUDA's allocator starts: it reads the setting once

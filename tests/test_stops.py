@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -80,3 +81,41 @@ def test_a_stop_reaching_any_process_ends_in_a_checkpoint(tmp_path, reference, t
     assert again.returncode == 0, again.stderr[-4000:]
     assert f"resumed from step {step}" in again.stdout
     assert rows(tmp_path / "run" / "metrics.jsonl") == reference
+
+
+def wait_for_files(paths, proc, limit=600):
+    """Until every path exists (the processes named by lib.stops.HOLD are held); fail at once if the run ended."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if all(os.path.isfile(p) for p in paths):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise TimeoutError(paths)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["check", "start"])
+def test_a_warning_before_the_ranks_can_take_it_is_kept(tmp_path, where):
+    """SLURM sends its pre-emption warning once, when its clock says; on a loaded machine it can come while launch.sh
+    checks the input (``check``) or while the ranks start, before their handlers are in place (``start``). The run
+    is held there (lib.stops.HOLD) and every process of it gets SIGUSR1, as from SLURM. Before issue 78's fix the
+    first killed launch.sh (no trap yet: exit 138, the job FAILED) and the second was ignored (the ranks inherit
+    torchrun's SIG_IGN): the run went on into the job's time limit. Now it stops after its first step, exit 0."""
+    hold = tmp_path / "hold"
+    hold.write_text("")
+    proc = subprocess.Popen(launch(tmp_path, "run"), cwd=ROOT, env={**env(), "SPMD_RL_TEST_HOLD": f"{where}:{hold}"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    arrived = [f"{hold}.check"] if where == "check" else [f"{hold}.rank0", f"{hold}.rank1"]
+    wait_for_files(arrived, proc)
+    for pid in [proc.pid] + descendants(proc.pid):  # every process of the job, as SLURM signals a job step
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    hold.unlink()
+    out, err = proc.communicate(timeout=600)
+    text = out + err
+    assert proc.returncode == 0, text[-4000:]
+    assert "stopped by SIGUSR1 after step 1:" in text, text[-4000:]
+    assert int(open(tmp_path / "run" / "checkpoints" / "latest").read()) == 1
