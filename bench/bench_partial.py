@@ -48,6 +48,8 @@ def run(out: str, name: str, args: list[str], samples: int) -> dict:
             "generate_s": statistics.mean(r["timing/generate_s"] for r in later),
             "response_length_mean": statistics.mean(r["response/length_mean"] for r in train),
             "trained_tokens": round(sum(r["response/length_mean"] for r in train) * samples),
+            "dropped_groups": round(sum(r.get("partial/dropped_groups", 0) for r in train)),
+            "generated_tokens": round(sum(r.get("partial/generated_tokens", 0) for r in train)),  # partial runs
             "val": [(r["step"], round(r["val/score_mean"], 4)) for r in rows if "val/score_mean" in r],
             "partial": {k: round(statistics.mean(r[k] for r in train), 4) for k in train[-1] if k.startswith("partial/")}}
 
@@ -110,11 +112,12 @@ def main() -> None:
             json.dump(summary, f, indent=1)
         print(name, json.dumps(summary[name]), flush=True)
     full = summary["full"]
-    print(f"\n{'':16}{'s/step':>8}{'x full':>8}{'generate s':>12}{'length':>8}  held-out (step, reward)")
+    print(f"\n{'':16}{'s/step':>8}{'x full':>8}{'generate s':>12}{'length':>8}{'trained':>9}{'dropped':>9}"
+          f"  held-out (step, reward)")
     for name, _ in variants:
         r = summary[name]
         print(f"{name:16}{r['s_per_step']:8.3f}{r['s_per_step'] / full['s_per_step']:8.2f}{r['generate_s']:12.3f}"
-              f"{r['response_length_mean']:8.1f}  {r['val']}")
+              f"{r['response_length_mean']:8.1f}{r['trained_tokens']:9}{r['dropped_groups']:9}  {r['val']}")
     for name, _ in variants[1:]:
         print(f"{name}'s pool: {summary[name]['partial']}")
 

@@ -24,5 +24,7 @@ class PartialConfig:
     as the ranks hold a complete group per rank, and the step trains the complete groups it holds, rounded down to a
     multiple of the ranks (each rank trains as many, as dynamic sampling rounds), at most trainer.train_batch_size."""
     max_staleness: int = 1
-    """A carried sample whose first tokens were sampled more than this many steps (policy versions) before the step
-    that would train it is dropped with its group (counted in partial/dropped_groups)."""
+    """A carried group still generating whose first tokens were sampled more than this many steps (policy versions)
+    before the step is dropped whole (counted in partial/dropped_groups). A complete group is judged in the step it
+    completed, the first that could train it, and never dropped after: one left over at a step's end trains first in
+    the next step, its tokens then up to this many steps + 1 old."""

@@ -387,3 +387,44 @@ def test_a_step_token_budget_stops_generation_with_the_groups_it_holds(stream):
     assert all(m["partial/rounds"] == 1 for _, m in steps), steps
     # without a budget every step trains train_batch_size groups
     assert [n for n, _ in run_distributed(_budget_body, stream, 0, world_size=2)[0]] == [4] * 4
+
+
+# ---- no finished work wasted: a complete group left over at a step's end trains in the next step
+
+def _waste_body(stream: bool, steps: int):
+    """``steps`` steps of the stand-in pool in chunks of 3 (the issue's shape: responses up to 24, a pool of 2.5 x,
+    staleness 1): the finished samples that never trained (complete groups dropped from the pool), the trained
+    samples, and each step's oldest trained token's age, over the ranks."""
+    import torch.distributed as dist
+
+    from lib.partial import loop
+    from lib.partial.carry import groups
+
+    run = _stand_in_run(stream)
+    run.cfg.rollout.partial.chunk_tokens = 3
+    wasted, trained, oldest = 0, 0, []
+    for step in range(steps):
+        complete = {uid: len(g) for uid, g in groups(run.partial).items() if all(s.ended for s in g)}
+        batch, _ = loop.generate_step(run, step)
+        kept = {s.uid for s in run.partial} | set(batch.non_tensor_batch["uid"].tolist())
+        wasted += sum(n for uid, n in complete.items() if uid not in kept)
+        trained += len(batch)
+        versions = batch.batch["rollout_versions"][batch.batch["response_mask"].bool()]
+        oldest.append(step - int(versions.min()) if versions.numel() else 0)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (wasted, trained, oldest))
+    return sum(w for w, _, _ in every), sum(t for _, t, _ in every), [max(o) for o in zip(*(o for *_, o in every))]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["chunks", "stopped_mid_call"])
+def test_no_finished_sample_goes_untrained(stream):
+    """Over 12 steps on 2 ranks, every complete group left over at a step's end trains in the next one: no finished
+    sample is dropped as stale, and a trained token is at most max_staleness + 1 steps old (a group completed under
+    the cap, then one step in the queue). Before the fix the staleness drop judged a complete group as it judged one
+    still generating, by its first tokens against the step: a group carried once and completed, left over, was
+    dropped at the next step's start (the issue: 256 finished samples of one step never trained)."""
+    from lib.testing import run_distributed
+
+    wasted, trained, oldest = run_distributed(_waste_body, stream, 12, world_size=2)[0]
+    assert wasted == 0 and trained == 12 * 8, (wasted, trained, oldest)
+    assert max(oldest) == 2, oldest  # some trained groups waited a step, none longer

@@ -5,8 +5,9 @@ response, continued under the current weights) and new prompts of the data strea
 pool holds ``over_provision`` x train_batch_size groups. The pool generates in chunks of ``chunk_tokens`` a sample
 (``generate_ids``: token ids in, the engines' multi-turn contract, so both engines take it); after each chunk the
 ranks count the complete groups (every sample of the group ended), and generation stops once they hold
-train_batch_size of them. The oldest complete groups train (carried before new, then in data order); the rest of the
-pool is carried, its tokens, the engine's per-token log-probs and the policy version of each token kept on the host.
+train_batch_size of them. The oldest complete groups train (completed in an earlier step first, then carried before
+new, then in data order); the rest of the pool is carried, its tokens, the engine's per-token log-probs and the
+policy version of each token kept on the host.
 
 - ``carry.py``: a sample in the pool, and the pool's save and load (the checkpoint holds it: a resumed run continues
   the carried samples exactly);

@@ -57,6 +57,19 @@ def groups(pool: list[Sample]) -> dict[str, list[Sample]]:
     return out
 
 
+def first_version(group: list[Sample], step: int) -> int:
+    """The step whose weights sampled the group's first tokens (``step`` where none has started)."""
+    return min((s.versions[0] for s in group if s.versions), default=step)
+
+
+def completed(group: list[Sample]) -> int | None:
+    """The step the group completed in (its last sample ended: that step's weights sampled its last token); None
+    while one still generates."""
+    if not all(s.ended for s in group):
+        return None
+    return max((s.versions[-1] for s in group if s.versions), default=min(s.born for s in group))
+
+
 def save(pool: list[Sample], folder: str, rank: int, world: int) -> None:
     """This rank's pool, into ``folder`` (the checkpoint being written)."""
     torch.save([vars(s) for s in pool], os.path.join(folder, FILE.format(rank=rank, world=world)))

@@ -16,7 +16,7 @@ from lib.data import left_pad
 from lib.dist import sum_over_ranks
 from lib.engine import Turn, build_output, prompt_images, rollout_columns
 from lib.multi_turn.loop import COUNT_KINDS
-from lib.partial.carry import Sample, groups
+from lib.partial.carry import Sample, completed, first_version, groups
 from lib.protocol import DataProto
 from lib.rollout import generate, next_batch
 from lib.startup import Run
@@ -25,7 +25,8 @@ KEY = -7
 """The sampling key's marker (ints only: a tuple of ints hashes alike in every process, so a resumed run draws the
 samples an uninterrupted one would)."""
 
-COUNTS = ("partial/dropped_groups", "partial/reprefill_tokens", "partial/rounds", "partial/stopped_mid_call")
+COUNTS = ("partial/dropped_groups", "partial/reprefill_tokens", "partial/rounds", "partial/stopped_mid_call",
+          "partial/generated_tokens")
 """The pool's counts among its metrics (over the ranks already): summed over a step's dynamic-sampling rounds."""
 
 
@@ -61,9 +62,12 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
     want, width = cfg.trainer.train_batch_size, cfg.rollout.max_response_length
     reduce = sum_over_ranks()
     pool: list[Sample] = run.partial
-    # a group whose first tokens are older than the cap leaves whole (one not started yet is never stale)
+    # a group still generating whose first tokens are older than the cap leaves whole (one not started yet is never
+    # stale). A complete group is judged once, in the step it completed, the first that could train it: it passed
+    # the cap then (it was still generating at that step's start), and a group left over waits only for room in a
+    # batch (it trains first in the next step), its tokens then a step older (partial/staleness_mean counts it)
     stale = [uid for uid, g in groups(pool).items()
-             if min((s.versions[0] for s in g if s.versions), default=step) < step - p.max_staleness]
+             if completed(g) is None and first_version(g, step) < step - p.max_staleness]
     pool[:] = [s for s in pool if s.uid not in stale]
     resumed_in = sum(bool(s.ids) for s in pool)
     target = math.ceil(p.over_provision * want)
@@ -172,7 +176,8 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
     batch, metrics = generate(run, None, produce=produce)
     metrics.update(batch.meta_info.pop("multi_turn", {}))
     counts = reduce(torch.tensor([float(len(stale)), float(resumed_in), float(pool_samples), float(len(pool)),
-                                  float(tally["reprefill"]), float(tally["rounds"]), float(tally["stopped"])],
+                                  float(tally["reprefill"]), float(tally["rounds"]), float(tally["stopped"]),
+                                  float(tally["sampled"])],
                                  dtype=torch.float64)).tolist()
     longest = torch.tensor([batch.meta_info.pop("longest_sample_s"), metrics["timing/generate_s"]])
     dist.all_reduce(longest, op=dist.ReduceOp.MAX)  # world: the slowest rank's, as the step waits for it
@@ -184,7 +189,7 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
     metrics.update({"partial/dropped_groups": counts[0], "partial/resumed_share": counts[1] / max(counts[2], 1),
                     "partial/carried_share": counts[3] / max(counts[2], 1), "partial/reprefill_tokens": counts[4],
                     "partial/rounds": counts[5] / run.topo.world_size, "partial/stopped_mid_call": counts[6],
-                    "partial/trained_groups": float(tally["trained"]),
+                    "partial/trained_groups": float(tally["trained"]), "partial/generated_tokens": counts[7],
                     "partial/staleness_mean": float(sums[0] / sums[2].clamp(min=1)),
                     "partial/stale_token_share": float(sums[1] / sums[2].clamp(min=1)),
                     # wall clock under timing/ (resume tests leave it out): a step that waited for its samples' end
@@ -195,9 +200,11 @@ def generate_step(run: Run, step: int, round_: int = 0) -> tuple[DataProto, dict
 
 
 def _batch(run: Run, step: int, pool: list[Sample], want: int, meta: dict) -> tuple[DataProto, list[Sample]]:
-    """The oldest ``want`` complete groups over the ranks (carried before new, then stream order) as this rank's
+    """The oldest ``want`` complete groups over the ranks (those completed in an earlier step first, so that one
+    left over trains in the next step; then drawn earlier, carried before new; then stream order) as this rank's
     rollout batch, and its samples; they leave the pool."""
-    done = [(g[0].born, g[0].order, uid) for uid, g in groups(pool).items() if all(s.ended for s in g)]
+    done = [(completed(g), g[0].born, g[0].order, uid) for uid, g in groups(pool).items()
+            if completed(g) is not None]
     # and what the pool's samples hold (columns, kept-set sizes, rope rows), so that a rank that trains no group
     # builds the same fields as the others (the batch is then dealt out over the ranks)
     traits = (list(pool[0].columns) if pool else [], any(map(any, (s.kept for s in pool))),
