@@ -6,7 +6,6 @@ The sync fakes are tests/test_sync_plan.py's."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -316,10 +315,11 @@ def test_routes_shaped_as_vllm_025_returns_them_align_with_the_batch(layers):
 
 @pytest.mark.vllm
 def test_the_exact_filter_rule_keeps_vllms_triton_kernel_out(monkeypatch):
-    """``exact_filter_rule`` turns 0.25's Triton top-k/top-p kernel off (16 rows: over the 8 from which 0.25 takes
-    it): with the kernel made to raise, ``apply_top_k_top_p`` runs the sort-based rule, equal to it and to the
-    trainer's kept sets (lib.logprobs.kept_mask)."""
+    """``exact_filter_rule`` turns vLLM's Triton top-k/top-p kernel off (16 rows: over the 8 from which 0.25 takes
+    it on CUDA; 0.32 takes it always): with the kernel made to raise, ``apply_top_k_top_p`` runs the sort-based rule,
+    equal to it and to the trainer's kept sets (lib.logprobs.kept_mask), for the V1 and the V2 model runner."""
     from vllm.v1.sample.ops import topk_topp_sampler
+    from vllm.v1.worker.gpu.sample import states
 
     from lib.engine import SamplingConfig
     from lib.engine.vllm_adapter import exact_filter_rule
@@ -335,9 +335,8 @@ def test_the_exact_filter_rule_keeps_vllms_triton_kernel_out(monkeypatch):
     top_k = torch.full((16,), 20, dtype=torch.long)
     top_p = torch.full((16,), 0.8)
     top_k[::4], top_p[1::4] = 300, 1.0  # rows with only one of the two filters
-    if topk_topp_sampler.apply_top_k_top_p.__code__.co_names.count("HAS_TRITON"):  # the switch this release has
-        with pytest.raises(AssertionError, match="Triton"):
-            topk_topp_sampler.apply_top_k_top_p(logits.clone(), top_k, top_p)
+    with pytest.raises(AssertionError, match="Triton"):  # the module's switch, read at every call
+        topk_topp_sampler.apply_top_k_top_p(logits.clone(), top_k, top_p)
     exact_filter_rule(torch.device("cuda"), SamplingConfig(temperature=1.0, top_k=20, top_p=0.8))
     assert topk_topp_sampler.HAS_TRITON is False
     out = topk_topp_sampler.apply_top_k_top_p(logits.clone(), top_k, top_p)
@@ -345,6 +344,8 @@ def test_the_exact_filter_rule_keeps_vllms_triton_kernel_out(monkeypatch):
     assert torch.equal(out, exact)
     kept = torch.stack([kept_mask(logits[i:i + 1], int(top_k[i]), float(top_p[i]))[0] for i in range(16)])
     assert torch.equal(out > float("-inf"), kept)
+    # the V2 model runner imports the function, not the switch: the same function, reading the same module's switch
+    assert states.apply_top_k_top_p.__globals__ is vars(topk_topp_sampler)
 
 
 def _logprobs_mode_body(path):
@@ -355,18 +356,19 @@ def _logprobs_mode_body(path):
     topo = init_topology()
     eng = VLLMEngine(path, topo, 0, [2], SamplingConfig(max_new_tokens=2), max_model_len=64, max_num_seqs=2,
                      dtype="float32", enforce_eager=True)
-    mode = str(eng.llm.llm_engine.vllm_config.model_config.logprobs_mode)
+    mode = eng.llm.llm_engine.vllm_config.model_config.logprobs_mode
     eng.close()
     return mode
 
 
 @pytest.mark.vllm
-def test_the_engine_asks_vllm_for_processed_log_probs(tmp_path):
+def test_the_engine_asks_vllm_for_processed_log_probs(tmp_path_factory):
     """0.25's default is raw_logprobs (before the temperature and the filter): the engine asks for the processed
-    ones, which the trainer rebuilds (lib.logprobs)."""
+    ones, which the trainer rebuilds (lib.logprobs). One engine of the tiny model (no toy task: no tmp_path)."""
     from lib.testing import run_distributed
     from tests.helpers import save_tiny_model
 
-    path = save_tiny_model(str(tmp_path / "m"), "qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    path = save_tiny_model(str(tmp_path_factory.mktemp("m")), "qwen2", hidden_size=64, num_attention_heads=2,
+                           num_key_value_heads=1)  # head_dim 32: the smallest vLLM's CPU attention takes
     (mode,) = run_distributed(_logprobs_mode_body, path, world_size=1, timeout=600)
-    assert mode.split(".")[-1].lower() == "processed_logprobs", mode
+    assert mode == "processed_logprobs", mode
