@@ -318,7 +318,10 @@ class VLLMEngine:
         they sampled in the call so far; it must reduce over the ranks (each rank asks as often, its engine stepping
         or idle) and answer True once no rank has a request running. The requests still running then are aborted
         (vLLM's ``abort_request``) and come back with their tokens and log-probs so far, ``stopped`` False: partial
-        rollouts carry them into the next step."""
+        rollouts carry them into the next step. On CUDA vLLM schedules one batch ahead (async scheduling): a call's
+        first step returns nothing, the abort leaves one batch queued, and the next call's first step pops it and
+        drops its tokens for the aborted ids (as if they stopped a token earlier); tests/test_vllm_async.py steps this
+        call through a stand-in engine that does so."""
         sp = self.sampling
         prompts, asked, max_tokens, mine = self._group_requests(prompts, max_tokens, media)
         seed = call_seed(sp.seed, self.group, False, key)
