@@ -181,6 +181,50 @@ def test_two_ranks_ask_enough_equally_often_and_stop_together(monkeypatch, promp
     assert engines[1].llm.llm_engine.in_flight() == 1 and engines[1].llm.llm_engine.stale > 0
 
 
+def _tp_body():
+    """A TP-2 group (the 2 ranks): each rank's engine runs the group's gathered requests, as external_launcher's do;
+    ``enough`` sums over the ranks. Two calls; returns per call this rank's (ids, log-probs, stopped), enough's calls,
+    and the request ids its engine ran."""
+    import torch
+    import torch.distributed as dist
+
+    fake.install()
+    rank = dist.get_rank()
+    engine = fake.vllm_engine(_toy, [EOS], max_new_tokens=40, tp_size=2)
+    engine.topo.rollout_tp_rank = rank
+    own = [[[10], [11]], [[14]]][rank]
+    out, calls = [], []
+    for key in (0, 1):
+        calls.append(0)
+
+        def enough(finished, sampled):
+            calls[-1] += 1
+            counts = torch.tensor([float(sum(not f for f in finished)), float(sampled)])
+            dist.all_reduce(counts)  # world (the TP group here): what every rank's requests sampled
+            return counts[0] == 0 or counts[1] >= 12
+        got = engine.generate_until(own, [40] * len(own), key, None, enough, 2)
+        out.append([(t.ids, t.logps, t.stopped) for t in got])
+    return out, calls, engine.llm.llm_engine.added, engine.llm.llm_engine.stale
+
+
+def test_a_tp2_group_generates_its_gathered_requests_and_each_rank_keeps_its_own():
+    """Tensor parallel 2: both ranks' engines run the group's gathered requests under the same ids, step alike, stop
+    at the same call, and each rank gets exactly its own requests' delivered tokens and log-probs; the stop left a
+    batch in flight that the second call popped and dropped."""
+    from lib.testing import run_distributed
+
+    ranks = run_distributed(_tp_body, world_size=2)
+    (out0, calls0, added0, stale0), (out1, calls1, added1, stale1) = ranks
+    assert calls0 == calls1 and added0 == added1 == [f"until-{c}-{i}" for c in (1, 2) for i in range(3)]
+    assert stale0 == stale1 > 0
+    for out, own in ((out0, [[10], [11]]), (out1, [[14]])):
+        for call in out:
+            assert len(call) == len(own)
+            for p, (ids, logps, stopped) in zip(own, call):
+                assert (ids, logps) == _expected(p, len(ids)) and stopped == (len(ids) == _length(p[0]))
+    assert [len(ids) for ids, *_ in out0[0] + out1[0]] == [3, 5, 5]  # stopped at 3 rounds of 2 steps: 5 delivered
+
+
 # ---- the partial pool (lib/partial/loop.py) through the engine: its vLLM branch, one generate_until a round
 
 def _stand_in_model(seq: list[int], position: int) -> tuple[int, float]:
