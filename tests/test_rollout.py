@@ -353,8 +353,10 @@ def _vllm_body(path, tp):
     hf = HFEngine(model.config, topo.device, 0, eos, sampling, greedy, dtype=torch.float32)
     enter_rollout(model, hf, torch.float32)
     ref = hf.generate(mine, validate=True)
+    # 0.25's default is raw_logprobs (before the temperature and the filter): the engine asks for the processed ones
+    logprobs_mode = eng.llm.llm_engine.vllm_config.model_config.logprobs_mode
     eng.close()
-    return {"greedy_same": torch.equal(g1.batch["responses"], g2.batch["responses"]),
+    return {"logprobs_mode": logprobs_mode, "greedy_same": torch.equal(g1.batch["responses"], g2.batch["responses"]),
             "match_hf": torch.equal(g1.batch["responses"].cpu(), ref.batch["responses"].cpu()),
             "match_hf_fields": all(torch.equal(g1.batch[k].cpu(), ref.batch[k].cpu()) for k in
                                    ("input_ids", "attention_mask", "position_ids", "response_mask")),
@@ -422,6 +424,7 @@ def test_vllm_engine_after_a_step(tmp_path, tp, ballast):
         assert not set(left) & set(os.listdir(SHM_DIR))  # the dead launch's segments were removed
     for r in ranks:
         assert r["greedy_same"] and r["match_hf"] and r["match_hf_fields"] and r["rows"] == 3
+        assert r["logprobs_mode"] == "processed_logprobs", r["logprobs_mode"]
         assert r["reproducible"] and r["rng_untouched"] and r["sync_gb"] > 0 and r["refused_asleep"] == [True, True]
         assert sum(r["lengths"]) > 0 and r["logp_diff"] < 1e-4 and r["filtered_diff"] < 1e-4, r
         assert len(set(r["lengths"])) > 1, r["lengths"]  # ragged: some responses ended on a stop token

@@ -1,8 +1,9 @@
 """The CUDA path's shapes as vLLM 0.25 hands them over, checked on CPU (review of 2026-11-29, sections (a), (c) and
 (d), their "smallest CPU test"): the sync plan under 0.25's layerwise reload counting (a padded, tied embedding only
 processed when the reload closes) and Transformers 5's fused experts loaded as per-expert views; routes shaped as 0.25
-returns them; and, with vLLM's CPU build, the top-k/top-p rule the engine pins and the log-probs mode it asks for.
-The sync fakes are tests/test_sync_plan.py's."""
+returns them; and, with vLLM's CPU build, the top-k/top-p rule the engine pins (the log-probs mode it asks for is
+asserted in tests/test_rollout.py's vLLM engine test, which starts an engine anyway). The sync fakes are
+tests/test_sync_plan.py's."""
 
 from __future__ import annotations
 
@@ -347,28 +348,3 @@ def test_the_exact_filter_rule_keeps_vllms_triton_kernel_out(monkeypatch):
     # the V2 model runner imports the function, not the switch: the same function, reading the same module's switch
     assert states.apply_top_k_top_p.__globals__ is vars(topk_topp_sampler)
 
-
-def _logprobs_mode_body(path):
-    from lib.dist import init_topology
-    from lib.engine import SamplingConfig
-    from lib.engine.vllm import VLLMEngine
-
-    topo = init_topology()
-    eng = VLLMEngine(path, topo, 0, [2], SamplingConfig(max_new_tokens=2), max_model_len=64, max_num_seqs=2,
-                     dtype="float32", enforce_eager=True)
-    mode = eng.llm.llm_engine.vllm_config.model_config.logprobs_mode
-    eng.close()
-    return mode
-
-
-@pytest.mark.vllm
-def test_the_engine_asks_vllm_for_processed_log_probs(tmp_path_factory):
-    """0.25's default is raw_logprobs (before the temperature and the filter): the engine asks for the processed
-    ones, which the trainer rebuilds (lib.logprobs). One engine of the tiny model (no toy task: no tmp_path)."""
-    from lib.testing import run_distributed
-    from tests.helpers import save_tiny_model
-
-    path = save_tiny_model(str(tmp_path_factory.mktemp("m")), "qwen2", hidden_size=64, num_attention_heads=2,
-                           num_key_value_heads=1)  # head_dim 32: the smallest vLLM's CPU attention takes
-    (mode,) = run_distributed(_logprobs_mode_body, path, world_size=1, timeout=600)
-    assert mode == "processed_logprobs", mode
