@@ -24,6 +24,8 @@
 # WAIT_S=150 CHECK_BUDGET_S=240 (one vLLM check) LANES=4 (checks that judge neither time nor memory and run no vLLM
 # engine, at once on the GPU: none of the lists below today, bench/acceptance/schedule.py VLLM_ENGINE; on CPU the
 # untimed ones) STOP_GRACE_S=50 (the background's SIGTERM to SIGKILL).
+# ONLY="CHECK ..." (a later window: the rows an earlier one did not reach, set on every call): the background, the
+# finish and the fifth call run only those of their lists named there (the gpu-marked tests still run).
 set -uo pipefail
 STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} ACC=${ACC:-/tmp/acc} VSTAGE=${VSTAGE:-.vstage}
 DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} BG_CHECK_BUDGET_S=${BG_CHECK_BUDGET_S:-300}
@@ -39,6 +41,18 @@ BG_CHECKS=(update grpo_hf levers)
 # every file with gpu-marked tests (tests/test_acceptance.py checks that none is left out)
 GPU_TESTS=(tests/test_gpu_engine.py tests/test_attention.py tests/test_rollout.py tests/test_selfcheck.py
            tests/test_reward_model.py tests/test_world_size_invariance.py tests/test_partial.py)
+if [ -n "${ONLY:-}" ]; then
+  named() { local c; for c in "$@"; do [[ " $ONLY " == *" $c "* ]] && echo "$c"; done; return 0; }
+  mapfile -t VLLM_CHECKS < <(named "${VLLM_CHECKS[@]}")
+  mapfile -t BG_CHECKS < <(named "${BG_CHECKS[@]}")
+fi
+acceptance() {  # gpu_acceptance.py over the checks named before `--`, the flags after (none named: nothing to run;
+  local names=()  # an empty --only would run every check)
+  while [ "$1" != -- ]; do names+=("$1"); shift; done
+  shift
+  [ ${#names[@]} -gt 0 ] || { echo "nothing to run: no check of this call's list is named in ONLY"; return 0; }
+  "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${names[@]}" "$@"
+}
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p "$STAGE" "$SITE" "$ACC" "$OUT"
@@ -124,8 +138,7 @@ background)
   echo "pytest -m gpu: exit $?" >> "$ACC/pytest_gpu.txt"
   # its interval, for the report: a timed check that ran beside it is void
   echo "{\"name\": \"pytest -m gpu\", \"interval\": [$t0, $(date +%s.%N)]}" >> "$ACC/activities.jsonl"
-  "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${BG_CHECKS[@]}" \
-    --budget-s $((BG_BUDGET_S - (SECONDS - start))) --check-budget-s "$BG_CHECK_BUDGET_S"
+  acceptance "${BG_CHECKS[@]}" -- --budget-s $((BG_BUDGET_S - (SECONDS - start))) --check-budget-s "$BG_CHECK_BUDGET_S"
   touch "$ACC/background.done"
   ;;
 finish)
@@ -152,19 +165,18 @@ finish)
     sleep 2
   done
   if [ "$pid" != 0 ] && kill -0 "$pid" 2>/dev/null; then
-    echo "BACKGROUND NOT STOPPED (pid $pid): the timed rows that run beside it will be void"
+    echo "BACKGROUND NOT STOPPED (pid $pid): vLLM's sleep check may fail the checks beside it, their timed rows void"
   fi
   left=$((limit - (SECONDS - start) - 15))  # 15 s for the copies below
   echo "vLLM checks: ${left} s"
-  "$PY" bench/gpu_acceptance.py --out "$ACC" --mirror "$OUT" --device "$DEVICE" --only "${VLLM_CHECKS[@]}" \
-    --budget-s "$left" --check-budget-s "$CHECK_BUDGET_S" --lanes "$LANES"
+  acceptance "${VLLM_CHECKS[@]}" -- --mirror "$OUT" --budget-s "$left" --check-budget-s "$CHECK_BUDGET_S" \
+    --lanes "$LANES"
   bring_back
   ;;
 more)
   limit=${2:?usage: gpu_session.sh more SECONDS}
-  "$PY" bench/gpu_acceptance.py --out "$ACC" --mirror "$OUT" --device "$DEVICE" --missing \
-    --only "${VLLM_CHECKS[@]}" "${BG_CHECKS[@]}" --budget-s $((limit - 15)) --check-budget-s "$CHECK_BUDGET_S" \
-    --lanes "$LANES"
+  acceptance "${VLLM_CHECKS[@]}" "${BG_CHECKS[@]}" -- --mirror "$OUT" --missing --budget-s $((limit - 15)) \
+    --check-budget-s "$CHECK_BUDGET_S" --lanes "$LANES"
   bring_back
   ;;
 stop)

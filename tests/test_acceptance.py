@@ -4,6 +4,7 @@ comes back whatever a check does."""
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 
 import pytest
 
+from bench.acceptance.schedule import missing
 from bench.gpu_acceptance import CHECKS
 from tests.conftest import shared_assets
 from tests.test_e2e import ROOT
@@ -52,14 +54,18 @@ def _stage(folder, parts: int) -> None:
 @pytest.mark.slow
 def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
     """bench/gpu_session.sh as the lease runs it, on CPU: part 0 starts the checks that need no vLLM and the
-    gpu-marked tests in the background and returns; the finish waits for them (a state: their process ends),
-    runs the vLLM checks (three lanes for those that judge neither time nor memory) and writes one report with
-    every check into OUT; the fifth call finds nothing left to run. Each check in its own process: the HF engine's
-    correctness after an update and a sync (greedy tokens = the model's own decode, the fp32 canary, seeds) on the
-    0.5B layout, Qwen3.5 and Gemma-4; 2 steps each of GRPO in the 0.5B preset's configuration, PPO, distillation,
-    multi-turn tools, vision-language GRPO on a Qwen2.5-VL layout, TRL's GRPOTrainer, a Qwen3-MoE with routing
-    replay off and on, and GRPO rewarded by a judge model alone; the update's packed/padded
-    ratio; all measured and passing; the rows that need vLLM (or its GPU sleep mode) not run, with the reason."""
+    gpu-marked tests in the background and returns; the finish waits for them (a state: their process ends), runs
+    the vLLM checks (four lanes for those that judge neither time nor memory) and writes one report with every check
+    into OUT; the fifth call runs exactly what the finish left incomplete (the checks' results on disk, a state):
+    here nothing. The budgets keep their form, not their size: on a busy machine (load 8-18) the finish's 900 s ran
+    out during `partial`, and the fifth call's verdict followed how far a call got in its time; what a budget does
+    to a check has tests of its own (test_a_check_past_its_budget_*, test_a_stopped_training_*). Each check in its
+    own process: the HF engine's correctness after an update and a sync (greedy tokens = the model's own decode, the
+    fp32 canary, seeds) on the 0.5B layout, Qwen3.5 and Gemma-4; 2 steps each of GRPO in the 0.5B preset's
+    configuration (the sync's share over steps 2 on, step 1's sync apart), PPO, distillation, multi-turn tools,
+    vision-language GRPO on a Qwen2.5-VL layout, TRL's GRPOTrainer, a Qwen3-MoE with routing replay off and on, and
+    GRPO rewarded by a judge model alone; the update's packed/padded ratio; all measured and passing; the rows that
+    need vLLM (or its GPU sleep mode) not run, with the reason."""
     _stage(tmp_path, parts=2)
     # the session's builds of the tool and visual tasks (tests/conftest.py) where the checks build theirs
     (tmp_path / "acc").mkdir()
@@ -67,11 +73,14 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
         os.symlink(shared_assets(shared_assets_dir, build), tmp_path / "acc" / name)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DEVICE": "cpu", "PY": sys.executable,
            "STAGE": str(tmp_path / "stage"), "SITE": str(tmp_path / "site"), "ACC": str(tmp_path / "acc"),
-           "VSTAGE": str(tmp_path / "vstage"), "OUT": str(tmp_path / "out"), "WAIT_S": "3000"}
-    said = []
-    for call in (["part", "0"], ["part", "1"], ["finish", "900"], ["more", "300"]):
+           "VSTAGE": str(tmp_path / "vstage"), "OUT": str(tmp_path / "out"), "WAIT_S": "36000",
+           "BG_BUDGET_S": "36000", "BG_CHECK_BUDGET_S": "36000", "CHECK_BUDGET_S": "36000"}  # budgets that never bind
+    said, left = [], []
+    for call in (["part", "0"], ["part", "1"], ["finish", "36000"], ["more", "36000"]):
+        if call[0] == "more":  # what the finish (and the background) left: no complete result on disk
+            left = missing(str(tmp_path / "acc"), list(CHECKS))
         done = subprocess.run(["bash", SESSION, *call], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=1200)
+                              timeout=7200)  # a hang's guard, not a budget
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         assert "FAILED" not in done.stdout, done.stdout
         said.append(done.stdout)
@@ -104,7 +113,14 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
         assert rows[name]["passed"] is True, rows.get(name)
     trl = rows["trl 1.16.0 colocate (CPU: transformers' generate): ours (grpo hf engine) / TRL tokens/s"]["value"]
     assert float(trl.split("x")[0]) > 0, trl  # both measured in this run (a figure on CPU)
-    assert "nothing to run" in said[3]
+    # the fifth call runs what was left, no more (nothing, where no budget binds), and leaves nothing
+    ran = re.findall(r"^(\w+) \(\d+ s\): ", said[3], re.M)
+    assert ran == [n for n in CHECKS if n in left] and ("nothing to run" in said[3]) == (not left), (left, said[3])
+    assert not missing(str(tmp_path / "acc"), list(CHECKS)), said[3]
+    # the share row over steps 2 on, step 1's sync (the record and proof, where a plan runs) beside it
+    share = rows["grpo hf engine: the weight sync's share of a step (steps 2 on)"]
+    assert share["value"].endswith(" s)") and "steps 2-2" in share["note"], share
+    assert rows["grpo hf engine: step 1's sync (the sync plan's record and proof)"]["value"].endswith("(no proof)")
     # what comes back: at most 8 files, none in a folder (the device call's limit); the logs in one archive
     back = sorted(os.listdir(tmp_path / "out"))
     assert len(back) <= 8 and all((tmp_path / "out" / f).is_file() for f in back), back
@@ -296,8 +312,6 @@ def test_the_greedy_judge_passes_a_synced_engine_and_fails_a_stale_head_and_a_wr
 def test_the_gpu_session_runs_every_file_with_gpu_marked_tests():
     """The acceptance run executes the gpu-marked tests of the files it names (bench/gpu_session.sh GPU_TESTS): a new
     file of them must be named there, or its tests never run anywhere."""
-    import re
-
     text = open(SESSION).read()
     named = set(re.findall(r"tests/test_\w+\.py", re.search(r"GPU_TESTS=\(([^)]*)\)", text).group(1)))
     marked = {f"tests/{f}" for f in os.listdir(os.path.join(ROOT, "tests")) if f.startswith("test_")
@@ -404,8 +418,6 @@ def test_the_gpu_marked_tests_import_only_what_the_gpu_machine_has():
     tests/zoo.py reads its templates from and the deps left out. vLLM is staged by the session's own calls;
     flash_attn is imported only where installed (lib/attention.py)."""
     import ast
-    import re
-
     staged = {"vllm": "the session's own calls", "flash_attn": "lib.attention imports it only where installed"}
     deps = open(os.path.join(ROOT, "bench", "gpu_deps.txt")).read()
     image = set(re.search(r"^# image: (.*)$", deps, re.M).group(1).split())
@@ -523,8 +535,6 @@ def test_the_sync_share_is_taken_over_steps_2_on_and_the_proof_is_reported_apart
 
 def _session_list(name: str) -> list[str]:
     """One of bench/gpu_session.sh's lists of checks (VLLM_CHECKS, BG_CHECKS)."""
-    import re
-
     return re.search(rf"\n{name}=\(([^)]*)\)", open(SESSION).read()).group(1).split()
 
 
@@ -568,3 +578,20 @@ def test_on_a_gpu_a_check_with_a_vllm_engine_never_runs_beside_another(monkeypat
     shared = [(n, others) for n, others in beside if others and (n in engines or any(o in engines for o in others))]
     assert not shared, shared
     assert engines <= set(schedule.VLLM_ENGINE), engines - set(schedule.VLLM_ENGINE)
+
+
+def test_a_later_window_runs_only_the_checks_named(tmp_path):
+    """The rows one window does not reach (its vLLM checks run one at a time: bench/README.md) run in the next with
+    ONLY on every call: the finish and the fifth call pass only those of their lists to the run, and a call whose
+    list names none runs nothing (an empty --only would run every check). The run itself is `echo` here."""
+    env = {**os.environ, "PY": "echo", "DEVICE": "cpu", "STAGE": str(tmp_path / "stage"), "SITE": str(tmp_path / "site"),
+           "ACC": str(tmp_path / "acc"), "OUT": str(tmp_path / "out"), "VSTAGE": str(tmp_path / "vstage")}
+
+    def call(only: str, *what: str) -> str:
+        done = subprocess.run(["bash", SESSION, *what], cwd=ROOT, env={**env, "ONLY": only}, capture_output=True,
+                              text=True, timeout=60)
+        return done.stdout
+
+    more = call("ppo levers judge", "more", "100")
+    assert "--only ppo judge levers --mirror" in more and "--missing" in more, more
+    assert "nothing to run: no check" in call("nosuchcheck", "more", "100")
