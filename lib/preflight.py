@@ -243,7 +243,8 @@ def _value_problems(cfg: Config) -> list[str]:
         (rw.num_workers < 1, f"reward.num_workers={rw.num_workers} must be >= 1 (worker processes per rank)"),
         (bool(set(t.logger) - set(LOGGERS)), f"trainer.logger has unknown name(s) {sorted(set(t.logger) - set(LOGGERS))}; "
                                              f"use any of {list(LOGGERS)}"),
-        (al.bypass_mode and al.rollout_correction != "off",
+        # with partial rollouts, theirs says it (they set the correction, and refuse bypass_mode whatever it is)
+        (al.bypass_mode and al.rollout_correction != "off" and not cfg.rollout.partial.enabled,
          f"algorithm.bypass_mode with rollout_correction={al.rollout_correction}: bypass makes the old log-probs the "
          f"engine's, so the correction weights would all be 1; use one of the two"),
         (cfg.critic.fsdp.shard_size not in (0, cfg.actor.fsdp.shard_size),

@@ -248,8 +248,11 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      "rollout.partial with distill.mode=loss: its term over the sampled tokens is not weighted"),
     ("partial-routing", "train_grpo.py", "--rollout.partial.enabled --rollout.routing-replay",
      "rollout.partial with rollout.routing_replay: a continued sample's prefix is prefilled again"),
+    # partial rollouts' reason first: before, a refusal of rollout_correction=token came first, a value partial
+    # rollouts set, not the user
     ("partial-bypass", "train_grpo.py", "--rollout.partial.enabled --algorithm.bypass-mode",
-     "rollout.partial with algorithm.bypass_mode"),
+     "cannot run:\n  - rollout.partial with algorithm.bypass_mode: the engine's log-probs of a carried sample are an "
+     "older policy's, not the update's old policy: turn bypass_mode off"),
     ("partial-budget", "train_grpo.py", "--rollout.partial.enabled --rollout.partial.step_token_budget -1",
      "rollout.partial.step_token_budget=-1 must be >= 0"),
     ("partial-staleness", "train_grpo.py", "--rollout.partial.enabled --rollout.partial.max_staleness 0",
