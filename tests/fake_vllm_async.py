@@ -94,8 +94,9 @@ class AsyncEngine:
     ``step``. ``steps`` counts the steps; ``dropped`` lists the request ids of outputs that a popped batch held for
     requests no longer there (aborted, or finished by an earlier batch), suppressed; ``stale`` is their number."""
 
-    def __init__(self, model: Model, depth: int = 2):
-        self.model, self.depth = model, depth
+    def __init__(self, model: Model, depth: int = 2, max_num_seqs: int = 0):
+        """``max_num_seqs``: the most requests a batch holds (0: any number); the others wait, in arrival order."""
+        self.model, self.depth, self.max_num_seqs = model, depth, max_num_seqs
         self.requests: dict[str, _Request] = {}  # the scheduler's (unfinished) requests
         self.states: dict[str, _State] = {}  # the output processor's
         self.queue: deque[list[tuple[str, int, float]]] = deque()  # batches in flight, newest left
@@ -139,7 +140,9 @@ class AsyncEngine:
 
     def _schedule(self) -> list[tuple[str, int, float]]:
         batch = []
-        for rid, r in self.requests.items():
+        # running requests were admitted before waiting ones: arrival order, finished ones gone, approximates vLLM's
+        admitted = list(self.requests.items())[:self.max_num_seqs or None]
+        for rid, r in admitted:
             position = len(r.sampled) + r.in_flight
             if position >= r.params.max_tokens:  # sure to be finished by the batches in flight: not scheduled
                 continue
@@ -225,9 +228,10 @@ def install(setattr_: Callable[[Any, str, Any], None] = setattr) -> None:
     setattr_(vllm, "add_streamed_requests", add_streamed_requests)
 
 
-def vllm_engine(model: Model, eos_ids: list[int], max_new_tokens: int = 64, depth: int = 2, tp_size: int = 1
-                ) -> Any:
-    """A VLLMEngine (built without its __init__, so without vLLM) around ``AsyncEngine(model, depth)``: awake, no LoRA,
+def vllm_engine(model: Model, eos_ids: list[int], max_new_tokens: int = 64, depth: int = 2, tp_size: int = 1,
+                max_num_seqs: int = 0) -> Any:
+    """A VLLMEngine (built without its __init__, so without vLLM) around ``AsyncEngine(model, depth, max_num_seqs)``:
+    awake, no LoRA,
     no images, tensor parallel size ``tp_size`` (> 1 needs a process group: _group_requests all-gathers), training
     sampling at temperature 1."""
     import torch
@@ -242,5 +246,5 @@ def vllm_engine(model: Model, eos_ids: list[int], max_new_tokens: int = 64, dept
     e.val_sampling = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens)
     e.banned, e.images, e.route_layers, e.group = [], False, None, 0
     e.calls, e.asleep, e.metrics, e.streams, e._lora_request = {False: 0, True: 0}, set(), {}, 0, None
-    e.llm = LLM(AsyncEngine(model, depth))
+    e.llm = LLM(AsyncEngine(model, depth, max_num_seqs))
     return e

@@ -125,6 +125,20 @@ def test_a_plain_generate_after_a_stopped_call_sees_no_stray_request(engine):
         assert out.batch["rollout_log_probs"][row, :width].tolist() == pytest.approx(logps)
 
 
+def test_requests_stopped_before_their_first_output_come_back_empty(monkeypatch):
+    """With room for 2 sequences, 4 requests stopped after one round of 4 steps: the 2 running ones bring their 3
+    delivered tokens, the 2 still waiting none (``stopped`` False: carried whole); the next call runs clean."""
+    fake.install(monkeypatch.setattr)
+    engine = fake.vllm_engine(_toy, [EOS], max_new_tokens=40, max_num_seqs=2)
+    prompts = [[12], [13], [14], [11]]
+    got = engine.generate_until(prompts, [40] * 4, 0, None, _stop_after(1, []), 4)
+    assert [len(t.ids) for t in got] == [3, 3, 0, 0] and not any(t.stopped for t in got)
+    for p, t in zip(prompts, got):
+        assert (t.ids, t.logps) == _expected(p, len(t.ids))
+    again = engine.generate_until([[10], [11]], [40, 40], 1, None, _stop_after(100, []), 4)
+    assert [(t.ids, t.logps) for t in again] == [_expected([10], 3), _expected([11], 9)]
+
+
 class _SumOverThreads:
     """An all-reduce (sum) over ``n`` threads standing in for ranks; a rank that stops asking while another asks
     breaks the barrier (an error here, a hang on real ranks)."""
@@ -240,11 +254,11 @@ def _stand_in_model(seq: list[int], position: int) -> tuple[int, float]:
     return (EOS if j == length(row) - 1 else (row * 31 + j) % 50 + 2), -0.01 * (row + j + 1)
 
 
-def _pool_body(steps: int):
+def _pool_body(steps: int, max_num_seqs: int = 0):
     """generate_step on this world's ranks for ``steps`` steps through one fake-vLLM VLLMEngine per rank (kept across
-    steps, as a run keeps its engine: a stale batch crosses into the next step). Returns the trained samples of every
-    rank per step (uid, tokens, versions, log-probs), the pool's metrics, and this rank's (enough's calls per
-    generate_until, stale outputs dropped)."""
+    steps, as a run keeps its engine: a stale batch crosses into the next step; ``max_num_seqs``: its room). Returns
+    the trained samples of every rank per step (uid, tokens, versions, log-probs), the pool's metrics, and this rank's
+    (enough's calls per generate_until, stale outputs dropped, requests that came back without a token)."""
     import torch.distributed as dist
 
     from lib.balance import balance_groups
@@ -253,7 +267,7 @@ def _pool_body(steps: int):
 
     fake.install()
     run = _stand_in_run(True)
-    engine = fake.vllm_engine(_stand_in_model, [EOS], max_new_tokens=24)
+    engine = fake.vllm_engine(_stand_in_model, [EOS], max_new_tokens=24, max_num_seqs=max_num_seqs)
     asked: list[int] = []
     until = engine.generate_until
 
@@ -263,8 +277,11 @@ def _pool_body(steps: int):
         def counting(finished, sampled):
             asked[-1] += 1
             return enough(finished, sampled)
-        return until(prompts, max_tokens, key, media, counting, every)
+        got = until(prompts, max_tokens, key, media, counting, every)
+        empty[0] += sum(not t.ids for t in got)
+        return got
 
+    empty = [0]
     engine.generate_until = counted
     loop.generate = lambda run, prompts, produce: (produce(engine), {"timing/generate_s": 0.0})
     out = []
@@ -281,24 +298,28 @@ def _pool_body(steps: int):
         dist.all_gather_object(every, mine)
         out.append((sorted(x for part in every for x in part),
                     {k: v for k, v in metrics.items() if not k.startswith("timing/")}))
-    return out, asked, engine.llm.llm_engine.stale
+    return out, asked, engine.llm.llm_engine.stale, empty[0]
 
 
-def test_the_partial_pools_vllm_branch_carries_samples_stopped_with_a_batch_in_flight():
-    """Six steps of the pool, one generate_until a round through the lagging engine, on 1 and 2 ranks: every trained
-    sample is its row's whole sample (tokens and log-probs, one per token, as the stand-in's full sequence) though
-    it was stopped mid-call and continued, its tokens' versions never decrease, and some samples were carried over
-    a step; the 2-rank run trains what the 1-rank run does; both ranks ask ``enough`` as often in every call; stale
-    outputs (a batch popped after an abort) were dropped, never delivered."""
+@pytest.mark.parametrize("max_num_seqs", [0, 6], ids=["all_admitted", "some_waiting"])
+def test_the_partial_pools_vllm_branch_carries_samples_stopped_with_a_batch_in_flight(max_num_seqs):
+    """Six steps of the pool, one generate_until a round through the lagging engine: every trained sample is its
+    row's whole sample (tokens and log-probs, one per token, as the stand-in's full sequence) though it was stopped
+    mid-call and continued, its tokens' versions never decrease, and some samples were carried over a step; stale
+    outputs (a batch popped after an abort) were dropped, never delivered. Every request admitted: the 2-rank run
+    trains what the 1-rank run does, and both ranks ask ``enough`` as often in every call. Room for 6 sequences (1
+    rank): some requests are stopped while still waiting, before any output."""
     from lib.testing import run_distributed
     from tests.test_partial_pool import _length as length
 
     steps = 6
-    (ref, ref_asked, ref_stale), = run_distributed(_pool_body, steps, world_size=1)
-    two = run_distributed(_pool_body, steps, world_size=2)
-    assert two[0][0] == two[1][0] == ref
-    assert two[0][1] == two[1][1] and len(two[0][1]) >= steps, (two[0][1], two[1][1])
-    assert ref_stale > 0 and two[0][2] + two[1][2] > 0
+    (ref, ref_asked, ref_stale, empty), = run_distributed(_pool_body, steps, max_num_seqs, world_size=1)
+    assert ref_stale > 0 and (empty > 0) == bool(max_num_seqs), empty
+    if not max_num_seqs:
+        two = run_distributed(_pool_body, steps, world_size=2)
+        assert two[0][0] == two[1][0] == ref
+        assert two[0][1] == two[1][1] and len(two[0][1]) >= steps, (two[0][1], two[1][1])
+        assert two[0][2] + two[1][2] > 0
     carried = 0
     for samples, metrics in ref:
         assert len(samples) == 8
