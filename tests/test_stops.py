@@ -94,6 +94,18 @@ def wait_for_files(paths, proc, limit=600):
     raise TimeoutError(paths)
 
 
+def wait_for_request(path, proc, limit=60):
+    """Until launch.sh has kept a stop signal in ``path`` (lib.stops.REQUEST_ENV): it never did before issue 78."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if os.path.isfile(path) and open(path).read().strip():
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    raise AssertionError(f"launch.sh kept no stop signal in {path} within {limit} s: a warning it got while the ranks "
+                         f"started would be lost (they ignore SIGUSR1 until their handlers are in)")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["check", "start"])
 def test_a_warning_before_the_ranks_can_take_it_is_kept(tmp_path, where):
@@ -102,10 +114,11 @@ def test_a_warning_before_the_ranks_can_take_it_is_kept(tmp_path, where):
     is held there (lib.stops.HOLD) and every process of it gets SIGUSR1, as from SLURM. Before issue 78's fix the
     first killed launch.sh (no trap yet: exit 138, the job FAILED) and the second was ignored (the ranks inherit
     torchrun's SIG_IGN): the run went on into the job's time limit. Now it stops after its first step, exit 0."""
-    hold = tmp_path / "hold"
+    hold, request = tmp_path / "hold", tmp_path / "request"
     hold.write_text("")
-    proc = subprocess.Popen(launch(tmp_path, "run"), cwd=ROOT, env={**env(), "SPMD_RL_TEST_HOLD": f"{where}:{hold}"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(launch(tmp_path, "run"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**env(), "SPMD_RL_TEST_HOLD": f"{where}:{hold}",
+                                            "SPMD_RL_STOP_REQUEST": str(request)})
     arrived = [f"{hold}.check"] if where == "check" else [f"{hold}.rank0", f"{hold}.rank1"]
     wait_for_files(arrived, proc)
     for pid in [proc.pid] + descendants(proc.pid):  # every process of the job, as SLURM signals a job step
@@ -113,7 +126,9 @@ def test_a_warning_before_the_ranks_can_take_it_is_kept(tmp_path, where):
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
-    hold.unlink()
+    if where == "start":  # the ranks go on once launch.sh has taken the signal (else its copy could come after them)
+        wait_for_request(request, proc)
+    hold.unlink()  # at "check", launch.sh takes it once lib.check has ended (bash runs a trap between commands)
     out, err = proc.communicate(timeout=600)
     text = out + err
     assert proc.returncode == 0, text[-4000:]
