@@ -156,10 +156,10 @@ def sync_rows(name: str, train: list[dict], judged: bool, cpu_note: str) -> list
     if train:
         first = train[0]
         proof = first.get("sync/plan_proof_seconds")
+        proved = f", the proof {proof:.2f} s" if proof is not None else ", no sync plan (no proof)"
         out.append(Row(f"{name}: step 1's sync (the sync plan's record and proof)",
-                       f"{first.get('sync/seconds', 0.0):.2f} s" + (f", the proof {proof:.2f} s" if proof is not None
-                                                                    else ", no sync plan (no proof)"),
-                       "", None, f"{first.get('sync/passes', 1.0):.0f} passes of {first.get('sync/gb', 0.0):.2f} GB"
+                       f"{first.get('sync/seconds', 0.0):.2f} s{proved}", "", None,
+                       f"passes {first.get('sync/passes', 1.0):.0f}, {first.get('sync/gb', 0.0):.2f} GB a pass"
                        + cpu_note, timed=True))
     return out
 
