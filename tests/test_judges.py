@@ -560,8 +560,8 @@ JUDGE_MIN_GAIN = 0.05
 ENDPOINT_STEPS = 3
 JUDGE_STEPS = 60
 HANG_S = 3600
-"""A hung run's end, not a speed bound: the learning test's run took 271 s on a quiet 2-core machine and 922 s at a
-load of 9-13 (its 900 s bound failed it there)."""
+"""A hung run's end, not a speed bound: the learning test's run takes 271 s on a quiet 2-core machine, and took 922 s
+there at a load of 9-13 (validating every 10 steps, beside another run): past the 900 s it was once held to."""
 
 
 def _judged_run(tmp_path, preset, steps, *more, timeout=900):
