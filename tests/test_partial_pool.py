@@ -252,41 +252,31 @@ class _CallLog:
         pass
 
 
-def _mt_body(folder: str, steps: int, save_after: int, resume_at: int, reference: bool):
-    """The multi-turn pool (n 2, chunks of 8 tokens, 1.5 x 2 groups) for steps [resume_at, steps), as _pool_body;
-    with ``reference``, MultiTurn.rollout over every key at once instead (whole turns, no pool). Returns per
-    trained row: (key, responses, response_mask, rollout log-probs, versions or None, num_turns, solution_str)."""
-    import json
-    import pathlib
+def _mt_rows(tok, batch, versions: bool) -> list[tuple]:
+    """Per row of a multi-turn batch: (key, responses, response_mask, rollout log-probs, versions or None, num_turns,
+    solution_str)."""
+    b, out = batch.batch, []
+    for i in range(len(batch)):
+        width = int(b["attention_mask"][i, b["prompts"].shape[1]:].sum())
+        key = int(tok.decode(b["prompts"][i], skip_special_tokens=True).split("key ")[1].split()[0])
+        out.append((key, b["responses"][i, :width].tolist(), b["response_mask"][i, :width].tolist(),
+                    b["rollout_log_probs"][i, :width].tolist(),
+                    b["rollout_versions"][i, :width].tolist() if versions else None,
+                    int(batch.non_tensor_batch["num_turns"][i]), batch.non_tensor_batch["solution_str"][i]))
+    return out
+
+
+def _mt_pool_run(tok, data, mt, engine):
+    """The multi-turn pool's run (n 2, chunks of 8 tokens, 1.5 x 2 groups, staleness 20) over ``data``, with
+    lib.partial.loop's hooks set: the sampler's rows as batches, and each generation through ``engine()``."""
     from types import SimpleNamespace
 
     import numpy as np
-    import torch.distributed as dist
 
-    from lib import toy
-    from lib.config import Config, MultiTurnConfig
+    from lib.config import Config
     from lib.data import Sampler
-    from lib.multi_turn.loop import MultiTurn
-    from lib.partial import carry, loop
-    from tests.helpers import TOOLS, prompts_for, row
+    from lib.partial import loop
 
-    tok = toy.build_tool_tokenizer(os.path.join(folder, "tok"))
-    data = prompts_for(tok, [row(f"key {k}") for k in range(MT_KEYS)], pathlib.Path(folder), TOOLS)
-    mt = MultiTurn(MultiTurnConfig(tools=TOOLS, max_turns=4), tok, 128, pool=_CallLog(f"{folder}/calls.jsonl", TOOLS))
-
-    def rows_of(batch, versions):
-        b, out = batch.batch, []
-        for i in range(len(batch)):
-            width = int(b["attention_mask"][i, b["prompts"].shape[1]:].sum())
-            key = int(tok.decode(b["prompts"][i], skip_special_tokens=True).split("key ")[1].split()[0])
-            out.append((key, b["responses"][i, :width].tolist(), b["response_mask"][i, :width].tolist(),
-                        b["rollout_log_probs"][i, :width].tolist(),
-                        b["rollout_versions"][i, :width].tolist() if versions else None,
-                        int(batch.non_tensor_batch["num_turns"][i]), batch.non_tensor_batch["solution_str"][i]))
-        return out
-
-    if reference:
-        return rows_of(mt.rollout(_TurnEngine(tok), data), False)
     cfg = Config()
     cfg.rollout.n, cfg.rollout.max_response_length, cfg.data.max_prompt_length = 2, 128, 32
     cfg.trainer.train_batch_size = 2
@@ -305,7 +295,31 @@ def _mt_body(folder: str, steps: int, save_after: int, resume_at: int, reference
         return batch
 
     loop.next_batch = next_batch
-    loop.generate = lambda run, prompts, produce: (produce(_TurnEngine(tok)), {"timing/generate_s": 0.0})
+    loop.generate = lambda run, prompts, produce: (produce(engine()), {"timing/generate_s": 0.0})
+    return run
+
+
+def _mt_body(folder: str, steps: int, save_after: int, resume_at: int, reference: bool):
+    """The multi-turn pool (n 2, chunks of 8 tokens, 1.5 x 2 groups) for steps [resume_at, steps), as _pool_body;
+    with ``reference``, MultiTurn.rollout over every key at once instead (whole turns, no pool). Returns per
+    trained row: (key, responses, response_mask, rollout log-probs, versions or None, num_turns, solution_str)."""
+    import json
+    import pathlib
+
+    import torch.distributed as dist
+
+    from lib import toy
+    from lib.config import MultiTurnConfig
+    from lib.multi_turn.loop import MultiTurn
+    from lib.partial import carry, loop
+    from tests.helpers import TOOLS, prompts_for, row
+
+    tok = toy.build_tool_tokenizer(os.path.join(folder, "tok"))
+    data = prompts_for(tok, [row(f"key {k}") for k in range(MT_KEYS)], pathlib.Path(folder), TOOLS)
+    mt = MultiTurn(MultiTurnConfig(tools=TOOLS, max_turns=4), tok, 128, pool=_CallLog(f"{folder}/calls.jsonl", TOOLS))
+    if reference:
+        return _mt_rows(tok, mt.rollout(_TurnEngine(tok), data), False)
+    run = _mt_pool_run(tok, data, mt, lambda: _TurnEngine(tok))
     if resume_at:
         run.partial = carry.load(folder, 0, 1)
         run.data_position = json.load(open(os.path.join(folder, "position.json")))
@@ -313,7 +327,7 @@ def _mt_body(folder: str, steps: int, save_after: int, resume_at: int, reference
     for step in range(resume_at, steps):
         batch, metrics = loop.generate_step(run, step)
         assert metrics["multi_turn/turns_mean"] >= 1, metrics
-        out.append(rows_of(batch, True))
+        out.append(_mt_rows(tok, batch, True))
         if step + 1 == save_after:
             carry.save(run.partial, folder, 0, 1)
             json.dump(run.data_position, open(os.path.join(folder, "position.json"), "w"))

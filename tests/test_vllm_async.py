@@ -341,17 +341,13 @@ def _mt_body(folder: str, steps: int):
     sampling is that file's _TurnEngine one position at a time. Returns the trained rows per step, as its _mt_body,
     and the stale outputs dropped."""
     import pathlib
-    from types import SimpleNamespace
-
-    import numpy as np
 
     from lib import toy
-    from lib.config import Config, MultiTurnConfig
-    from lib.data import Sampler
+    from lib.config import MultiTurnConfig
     from lib.multi_turn.loop import MultiTurn
     from lib.partial import loop
     from tests.helpers import TOOLS, prompts_for, row
-    from tests.test_partial_pool import MT_KEYS, _CallLog, _TurnEngine
+    from tests.test_partial_pool import MT_KEYS, _CallLog, _mt_pool_run, _mt_rows, _TurnEngine
 
     tok = toy.build_tool_tokenizer(f"{folder}/tok")
     data = prompts_for(tok, [row(f"key {k}") for k in range(MT_KEYS)], pathlib.Path(folder), TOOLS)
@@ -364,36 +360,11 @@ def _mt_body(folder: str, steps: int):
 
     fake.install()
     engine = fake.vllm_engine(model, [turns.end], max_new_tokens=128)
-    cfg = Config()
-    cfg.rollout.n, cfg.rollout.max_response_length, cfg.data.max_prompt_length = 2, 128, 32
-    cfg.trainer.train_batch_size = 2
-    p = cfg.rollout.partial
-    p.enabled, p.chunk_tokens, p.over_provision, p.max_staleness = True, 8, 1.5, 20
-    run = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(rank=0, world_size=1), partial=[], data_position=0,
-                          sampler=Sampler(MT_KEYS, 2, seed=5), tokenizer=tok, multi_turn=mt)
-
-    def next_batch(run):
-        index = run.data_position
-        run.data_position += 1
-        rows = run.sampler.rows(index)
-        batch = data.select_idxs(rows)
-        batch.non_tensor_batch["uid"] = np.array([f"{index}-{r}" for r in rows], dtype=object)
-        batch.meta_info["seed_key"] = index
-        return batch
-
-    loop.next_batch = next_batch
-    loop.generate = lambda run, prompts, produce: (produce(engine), {"timing/generate_s": 0.0})
+    run = _mt_pool_run(tok, data, mt, lambda: engine)
     out = []
     for step in range(steps):
         batch, _ = loop.generate_step(run, step)
-        b, rows = batch.batch, []
-        for i in range(len(batch)):
-            width = int(b["attention_mask"][i, b["prompts"].shape[1]:].sum())
-            key = int(tok.decode(b["prompts"][i], skip_special_tokens=True).split("key ")[1].split()[0])
-            rows.append((key, b["responses"][i, :width].tolist(), b["response_mask"][i, :width].tolist(),
-                         b["rollout_log_probs"][i, :width].tolist(), b["rollout_versions"][i, :width].tolist(),
-                         int(batch.non_tensor_batch["num_turns"][i]), batch.non_tensor_batch["solution_str"][i]))
-        out.append(rows)
+        out.append(_mt_rows(tok, batch, True))
     return out, engine.llm.llm_engine.stale
 
 
