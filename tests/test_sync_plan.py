@@ -505,10 +505,11 @@ def engine_sync(top: nn.Module, use_plan: bool = True) -> EngineSync:
                       use_plan=use_plan)
 
 
-def sync(es: EngineSync, top: nn.Module, weights, size: int = 5) -> int:
+def sync(es: EngineSync, top: nn.Module | None, weights, size: int = 5) -> int:
     """One sync as lib.sync.sync_weights runs it (again while finish asks), then the KV wake's close. Returns the
-    passes."""
-    inner(top).expect(weights)
+    passes. ``top``: the fake engine model told what each layer waits for (None: a reload that counts for itself)."""
+    if top is not None:
+        inner(top).expect(weights)
     passes, again = 0, True
     while again:
         for bucket in bucketed(weights, size):

@@ -15,7 +15,7 @@ from torch import nn
 from lib import routing
 from lib.engine.vllm_sync import EngineSync
 from tests import test_sync_plan as fakes
-from tests.test_sync_plan import (EXPERTS, HIDDEN, INTER, Experts, FakeEngineModel, Plain, VisionLanguage, bucketed,
+from tests.test_sync_plan import (EXPERTS, HIDDEN, INTER, Experts, FakeEngineModel, Plain, VisionLanguage,
                                   hf_weights, inner, state)
 
 # ---- vLLM 0.25's layerwise reload (model_loader/reload/layerwise.py, meta.py), as a fake around the fakes' loaders
@@ -104,18 +104,6 @@ def engine_sync_025(top: nn.Module) -> tuple[EngineSync, LayerwiseReload025]:
                       use_plan=True), reload
 
 
-def sync(es: EngineSync, weights, size: int = 5) -> int:
-    """One sync as lib.sync.sync_weights runs it (again while finish asks), then the KV wake's close."""
-    passes, again = 0, True
-    while again:
-        for bucket in bucketed(weights, size):
-            es.load(bucket)
-        again = es.finish()
-        passes += 1
-    es.finish_load()
-    return passes
-
-
 # ---- (a) 1: a padded, tied embedding under 0.25's reload counting
 
 
@@ -132,7 +120,7 @@ def test_a_padded_tied_embedding_processed_at_the_reloads_close_goes_through_the
     es, reload = engine_sync_025(top)
     for step in range(3):
         weights = hf_weights(70 + step, vision=True)
-        assert sync(es, weights) == (2 if step == 0 else 1)
+        assert fakes.sync(es, None, weights) == (2 if step == 0 else 1)
         if step == 0:
             # the layers processed at the close, not on arrival: the embedding, and a head module of its own
             assert set(reload.delayed) == {embedding, top.language_model.lm_head}
@@ -257,7 +245,7 @@ def test_transformers_5s_fused_experts_loaded_as_per_expert_views_go_through_the
                     use_plan=True)
     for step in range(3):
         weights = moe_weights(80 + step)
-        assert sync(es, weights, size=2) == (2 if step == 0 else 1)
+        assert fakes.sync(es, None, weights, size=2) == (2 if step == 0 else 1)
         if step == 0:
             assert reload.delayed == []  # every layer reached its numel on arrival
         else:
