@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from lib import checkpoint, exits, stops
 from lib.partial import carry
-from lib.runfolder import latest_step, step_dir
+from lib.runfolder import latest_step, step_dir, what_resumes
 from lib.runlog import stage
 from lib.startup import engine_dtype
 from lib.validation import validate_policy, validate_teacher
@@ -141,16 +141,14 @@ def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metr
             f"another model than the one trained (a run whose two sides agree shows ~1e-7 in fp32). Likely causes: "
             f"weights the sync misses or the engine re-initialises (buffers, a tied head), a layer the engine or the "
             f"trainer computes differently (attention features, packing, a custom kernel), or a dtype mismatch. "
-            f"This step's checkpoint is not written; the last one is kept. To go on regardless, relax "
-            f"--rollout.logp_diff_limit (a value, or -1 to only log it) and run the same command.")
+            f"This step's checkpoint is not written; {what_resumes(run.path, t.save_every)}. To go on regardless, "
+            f"add --rollout.logp_diff_limit (a value, or -1 to only log it) to that command.")
         run.stopped = "logp_mismatch"
         return False
     if bad >= t.max_bad_steps:
-        last = latest_step(run.path)
-        where = f"{run.path}/checkpoints/step_{last}" if last is not None else "none (no checkpoint was written)"
         run.logger.print(f"error: {bad} steps in a row skipped their update (non-finite loss or grad norm; see "
-                         f"actor/skipped_steps); last good checkpoint: {where}. Lower the learning rate or check the "
-                         f"rewards, then resume from it.")
+                         f"actor/skipped_steps); {what_resumes(run.path, t.save_every)}. Lower the learning rate or "
+                         f"check the rewards: a changed config is a new run (the run folder's name follows it).")
         run.stopped = "bad_steps"
         return False
     if run.val is not None and ((step + 1) % t.val_every == 0 or done) and not signum:

@@ -3,7 +3,8 @@
     runs/<run>/config.yaml, metrics.jsonl, checkpoints/step_<k>/, checkpoints/latest, hf_final/ (adapter_final/)
 
 ``run_dir`` names the folder (a name fixed by the script and the config when none is given), ``check_run_folder``
-decides before anything is written whether a run resumes there, ``step_dir`` / ``latest_step`` find checkpoints.
+decides before anything is written whether a run resumes there, ``step_dir`` / ``latest_step`` find checkpoints,
+``what_resumes`` tells a stopped run's message what the next start takes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def latest_step(run_path: str) -> int | None:
         return None
     step = int(open(marker).read().strip())
     return step if os.path.isdir(step_dir(run_path, step)) else None
+
+
+def what_resumes(run_path: str, save_every: int = 0) -> str:
+    """What a stopped run leaves for the next start, told as it is on disk: the newest complete checkpoint that the
+    same command resumes from, or that there is none and the same command starts again from step 0."""
+    step = latest_step(run_path)
+    if step is not None:
+        return f"the last checkpoint is step {step} ({step_dir(run_path, step)}): the same command resumes from it"
+    every = f" (trainer.save_every={save_every})" if save_every else ""
+    return f"no checkpoint was written yet{every}: the same command starts the run again from step 0"
 
 
 RUN_CONTROL = ("trainer.total_steps", "trainer.epochs", "trainer.val_every", "trainer.save_every", "trainer.keep_last",

@@ -11,6 +11,7 @@ from lib import algos, startup
 from lib.preflight import GROUP_ESTIMATORS
 from lib.protocol import DataProto
 from lib.rewards.scorer import Scored, last_sampled
+from lib.runfolder import what_resumes
 from lib.startup import Run
 
 
@@ -64,9 +65,9 @@ def env_failures(run: Run, batch: DataProto) -> None:
         last = next(p[3] for p in reversed(parts) if p[3] is not None)
         run.logger.print(f"error: {failed} of {total} environment episodes failed in this rollout, over "
                          f"env.max_failed_share={run.cfg.env.max_failed_share:g}; the last: env/failed_{last[0]}: "
-                         f"{last[1]}. This step's update is not made; the last checkpoint is kept. Fix the "
-                         f"environment (its server's log: env_server/ in the run folder for env.app) and run the "
-                         f"same command: it resumes.")
+                         f"{last[1]}. This step's update is not made. Fix the environment (its server's log: "
+                         f"env_server/ in the run folder for env.app); then "
+                         f"{what_resumes(run.path, run.cfg.trainer.save_every)}.")
         run.stopped = "env_failures"
         startup.finish(run)  # exits 3, as a run stopped by bad steps does
 

@@ -104,6 +104,11 @@ def files(tmp_path_factory, shared_assets_dir):
     out["broken_reward"], out["reward"] = str(d / "broken_reward.py"), str(d / "reward.py")
     out["vault"] = os.path.join(ROOT, "tests", "data", "mt_tools.py") + ":Vault"  # a tool environment
     out["root"] = str(d / "runs")
+    # a verifiers environment that is installed (on the checks' path) but imports a module that is not
+    (d / "site" / "broken_taskset").mkdir(parents=True)
+    (d / "site" / "broken_taskset" / "__init__.py").write_text("import no_such_dependency_of_the_taskset\n")
+    out["site"] = str(d / "site")
+    out["toy_server"] = os.path.join(ROOT, "tests", "envs", "toy_openenv.py")
     # a run folder holding a finished run of another config, and one holding any run (for resume off)
     for name, lr in (("other", 0.5), ("existing", 0.5)):
         run = d / "runs" / name
@@ -223,6 +228,13 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
      "reasoning_gym task leg_counting refuses the settings"),
     ("vf-env", "train_grpo.py", "--data.train_files verifiers:no-such-env-anywhere",
      "verifiers environment 'no-such-env-anywhere' with {} cannot be loaded"),
+    ("vf-env-dependency", "train_grpo.py", "--data.train_files verifiers:broken-taskset",
+     "verifiers environment 'broken-taskset' is installed but cannot be imported: it imports "
+     "'no_such_dependency_of_the_taskset', which is not installed"),
+    ("env-app-attribute-file", "train_grpo.py", "--env.app {toy_server}:no_such_app",
+     "toy_openenv.py defines no 'no_such_app' at its top level"),
+    ("env-app-attribute-module", "train_grpo.py", "--env.app tests.envs.toy_openenv:no_such_app",
+     "toy_openenv.py defines no 'no_such_app' at its top level"),
     ("env-unreachable", "train_grpo.py", "--env.url http://127.0.0.1:9 --env.max_retries 1 --env.backoff_s 0.01",
      "the OpenEnv server at http://127.0.0.1:9 cannot be reached"),
     ("env-both", "train_grpo.py", "--env.url http://127.0.0.1:9 --env.app server.py:app",
@@ -315,7 +327,8 @@ def checked(files):
     output), and the written files' times before and after."""
     before = {p: os.path.getmtime(p) for p in _written(files["root"])}
     cases = [[c[0], [c[1], "2", *_argv(c, files)[1:]]] for c in CASES]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    path = os.pathsep.join(filter(None, [files["site"], os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
     done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -393,6 +406,8 @@ def test_a_stop_by_the_canary_keeps_its_exit_code_and_shows_its_message_alone(tm
     text = out.stdout + out.stderr
     assert out.returncode == 3, text[-3000:]
     assert text.count("error: rollout/logp_abs_diff") == 1 and not any(n in text for n in NOISE), text[-3000:]
+    # what is on disk, told as it is: the first step stopped before any checkpoint (before: "the last one is kept")
+    assert "no checkpoint was written yet (trainer.save_every=" in text and "from step 0" in text, text[-3000:]
 
 
 @pytest.mark.slow

@@ -757,6 +757,9 @@ def test_a_run_where_most_episodes_fail_stops_with_the_last_error(env_runs):
     assert len(found) == 1 and int(found[0]) > 16, text[-3000:]  # the step's 8 of the 16 rows, 3 in 4 failing
     assert "the last: env/failed_reset: reset raised on the server" in text, text[-3000:]
     assert "warning: env/failed_reset: reset raised on the server" in text
+    # the stop tells what is on disk: no checkpoint yet at the first step, so the same command starts again
+    assert "no checkpoint was written yet (trainer.save_every=" in text and "starts the run again from step 0" in text
+    assert "checkpoint is kept" not in text and "it resumes" not in text, text[-3000:]
     assert not run_rows(env_runs, "failing"), "a step was logged"
     assert re.search(r"exitcode\s*:\s*3\b", out.stderr), out.stderr[-2000:]  # torchrun's report of the rank
 

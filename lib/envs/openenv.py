@@ -13,6 +13,7 @@ A server holds one session at a time unless its environment declares concurrent 
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -165,16 +166,90 @@ def app_target(app: str) -> tuple[str, str, str]:
 
 
 def check_app(app: str) -> None:
-    """An env.app whose file or module cannot be found: one clear error before any rank starts (the server itself
-    starts on each rank, later)."""
-    module, _, folder = app_target(app)  # a file: it exists
+    """An env.app whose file or module cannot be found, or whose source binds no such name: one clear error before
+    any rank starts (the server itself starts on each rank, later, and only then imports the module)."""
+    module, name, folder = app_target(app)  # a file: it exists
     if app.rpartition(":")[0].endswith(".py"):
-        return
-    top = module.split(".")[0]
-    if importlib.util.find_spec(top) is None and not any(os.path.exists(os.path.join(folder, top + end))
-                                                         for end in ("", ".py")):
-        raise ValueError(f"env.app {app}: no module {top!r} is installed or in {folder}; install "
-                         f"the environment's package (pip install ...) or give path/to/server.py:app")
+        source = app.rpartition(":")[0]
+    else:
+        top = module.split(".")[0]
+        if importlib.util.find_spec(top) is None and not any(os.path.exists(os.path.join(folder, top + end))
+                                                             for end in ("", ".py")):
+            raise ValueError(f"env.app {app}: no module {top!r} is installed or in {folder}; install "
+                             f"the environment's package (pip install ...) or give path/to/server.py:app")
+        source = module_source(module, folder)
+    if source is not None and binds(open(source, encoding="utf-8").read(), name) is False:
+        raise ValueError(f"env.app {app}: {source} defines no {name!r} at its top level; name the app it makes "
+                         f"(module:app, e.g. app = create_app(...))")
+
+
+def module_source(module: str, folder: str) -> str | None:
+    """The Python source file of ``module`` as the server will import it (``folder`` first on its path), found
+    without running it; None where there is none to read (a compiled module, a namespace package)."""
+    base = os.path.join(folder, *module.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    try:
+        spec = importlib.util.find_spec(module)  # a dotted name imports its parent packages, not the module
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None)
+    return origin if origin and origin.endswith(".py") and os.path.isfile(origin) else None
+
+
+def binds(source: str, name: str) -> bool | None:
+    """Whether a module's top level binds ``name`` (an assignment, a def or class, an import, in any branch): True,
+    False, or None where reading cannot tell (a star import, a module ``__getattr__``, writes through
+    ``globals()``)."""
+    found: set[str] = set()
+    unknown = False
+
+    def targets(node: ast.AST) -> None:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name):
+                found.add(n.id)
+
+    def visit(body: list) -> None:
+        nonlocal unknown
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.add(node.name)
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    if alias.name == "*":
+                        unknown = True
+                    found.add(alias.asname or alias.name.split(".")[0])
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in getattr(node, "targets", None) or [node.target]:
+                    targets(target)
+            elif isinstance(node, (ast.For, ast.AsyncFor)):
+                targets(node.target)
+            elif isinstance(node, (ast.With, ast.AsyncWith)):
+                for item in node.items:
+                    if item.optional_vars is not None:
+                        targets(item.optional_vars)
+            for n in ast.walk(node):  # walrus targets and globals() anywhere in the statement
+                if isinstance(n, ast.NamedExpr):
+                    targets(n.target)
+                elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("globals", "exec"):
+                    unknown = True
+            for field in ("body", "orelse", "finalbody"):
+                if isinstance(node, (ast.If, ast.Try, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith)):
+                    visit(getattr(node, field, []) or [])
+            for handler in getattr(node, "handlers", []) or []:
+                if handler.name:
+                    found.add(handler.name)
+                visit(handler.body)
+
+    try:
+        visit(ast.parse(source).body)
+    except SyntaxError:
+        return None  # the server's own import reports it, with its traceback in its log
+    if name in found:
+        return True
+    return None if unknown or "__getattr__" in found else False
 
 
 class LocalServer:

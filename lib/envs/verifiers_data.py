@@ -59,6 +59,11 @@ def rows(name: str) -> list[dict]:
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - verifiers' own errors: no such module, a refused argument
+        missing = missing_dependency(e, env_id)
+        if missing:
+            raise ValueError(f"verifiers environment {env_id!r} is installed but cannot be imported: it imports "
+                             f"{missing!r}, which is not installed; install the package that provides {missing!r} "
+                             f"(pip install ...)") from None
         raise ValueError(f"verifiers environment {env_id!r} with {encoded} cannot be loaded ({type(e).__name__}: "
                          f"{str(e)[:300]}); install its package (pip install ...) and check its arguments") from None
     out = []
@@ -73,6 +78,22 @@ def rows(name: str) -> list[dict]:
     if not out:
         raise ValueError(f"verifiers environment {env_id!r} with {encoded} has no task")
     return out
+
+
+def missing_dependency(error: BaseException, env_id: str) -> str | None:
+    """The module really missing behind verifiers' "taskset ... not found": its loader raises that for every
+    ModuleNotFoundError while importing the environment, the original chained to it. The name of a missing module
+    other than the environment's own (a dependency the environment imports), else None."""
+    own = env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()  # verifiers' module for the id
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        name = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+        if name:
+            top = name.split(".")[0]
+            return None if top == own or name.endswith(f".{own}") else name
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def opened_by_env(path: str) -> bool:
