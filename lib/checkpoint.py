@@ -1,9 +1,12 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), written atomically (the folder layout: lib/runfolder.py).
 
 ``runs/<run>/checkpoints/step_<k>/`` holds every rank's shards of the models and optimizers plus
-``trainer.json`` (step, KL coefficient, ...). A checkpoint is written to ``step_<k>.tmp`` and renamed only
-when complete, and ``latest`` is updated after the rename: a crash never leaves a half checkpoint that a
-resume would pick up, and earlier checkpoints are never touched.
+``trainer.json`` (step, KL coefficient, ...) and ``manifest.json`` (every file and its size, written last). A checkpoint
+is written to ``step_<k>.tmp`` and renamed only when complete, and ``latest`` is updated after the rename: a crash
+at any byte never leaves a half checkpoint that a resume would pick up, and earlier checkpoints are never touched. A
+resume takes the newest checkpoint whose files match its manifest (lib/runfolder.py ``resumable``): one damaged
+later (a file cut short or lost) is passed over, by name. A write that fails on any rank (a full disk) fails the
+save on every rank together (``SaveFailed``), its ``.tmp`` folder removed, nothing earlier touched.
 """
 
 from __future__ import annotations
@@ -13,26 +16,49 @@ import os
 import shutil
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 from lib.dist import Topology
 from lib.lora import has_lora
-from lib.runfolder import step_dir
+from lib.runfolder import MANIFEST, checkpoint_steps, listing, step_dir
 
 
-def prune(run_path: str, keep_last: int) -> None:
-    """Remove all but the newest ``keep_last`` complete checkpoints (0: keep all); never the latest."""
+class SaveFailed(Exception):
+    """A checkpoint that could not be written on some rank (every rank raises it together)."""
+
+
+def prune(run_path: str, keep_last: int, saved: int) -> None:
+    """Remove all but the newest ``keep_last`` checkpoints up to step ``saved``, the one just written (0: keep all).
+    Folders of later steps (damaged ones a resume passed over) are left for the redone steps to replace."""
     if keep_last <= 0:
         return
-    root = os.path.join(run_path, "checkpoints")
-    steps = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit())
-    for step in steps[:-keep_last]:
+    steps = [step for step in checkpoint_steps(run_path) if step <= saved]  # newest first
+    for step in steps[keep_last:]:
         shutil.rmtree(step_dir(run_path, step), ignore_errors=True)
+
+
+def _together(error: BaseException | None, what: str) -> None:
+    """Every rank learns whether ``what`` failed on any of them; all raise SaveFailed together if it did."""
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # world: one flag, so that no rank waits for a failed one
+    if failed.item():
+        raise SaveFailed(f"{what} failed" + (f": {_reason(error)}" if error is not None else " on another rank"))
+
+
+def _reason(error: BaseException) -> str:
+    """An OSError's own words, also where DCP wrapped it (CheckpointException holds each rank's failure)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))
+        error = getattr(error, "exc_value", error)
+    return f"{type(error).__name__}: {error}"
 
 
 def _options(model: nn.Module) -> StateDictOptions | None:
@@ -59,21 +85,49 @@ def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trai
     if topo.is_main and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a crashed earlier attempt
     dist.barrier()
-    dcp.save(_state(parts), checkpoint_id=tmp)
-    if rank_files is not None:
-        rank_files(tmp)
-    dist.barrier()
+    try:
+        error = None
+        try:
+            dcp.save(_state(parts), checkpoint_id=tmp)  # DCP raises on every rank when a rank's write failed
+            if rank_files is not None:
+                rank_files(tmp)
+        except (OSError, CheckpointException) as e:
+            error = e
+        _together(error, f"writing the shards of step {step}")
+        if topo.is_main:
+            try:
+                _seal(run_path, step, tmp, final, {"step": step, **trainer_state})
+            except OSError as e:
+                error = e
+        _together(error, f"completing the checkpoint of step {step}")
+    except SaveFailed:
+        if topo.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # its space back; the earlier checkpoints untouched
+        raise
     if topo.is_main:
-        with open(os.path.join(tmp, "trainer.json"), "w") as f:
-            json.dump({"step": step, **trainer_state}, f)
-        os.replace(tmp, final)
-        marker = os.path.join(run_path, "checkpoints", "latest")
-        with open(marker + ".tmp", "w") as f:
-            f.write(str(step))
-        os.replace(marker + ".tmp", marker)
-        prune(run_path, keep_last)
+        prune(run_path, keep_last, step)
     dist.barrier()
     return final
+
+
+def _seal(run_path: str, step: int, tmp: str, final: str, state: dict) -> None:
+    """Rank 0, every rank's files written: trainer.json, the manifest (last, with every file's size), the folder's
+    final name, then the ``latest`` marker."""
+    _write(os.path.join(tmp, "trainer.json"), json.dumps(state))
+    _write(os.path.join(tmp, MANIFEST), json.dumps({"step": step, "files": listing(tmp)}))
+    if os.path.isdir(final):  # a later step's folder a resume passed over as damaged: this step is redone
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    marker = os.path.join(run_path, "checkpoints", "latest")
+    _write(marker + ".tmp", str(step))
+    os.replace(marker + ".tmp", marker)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename that makes the folder count
 
 
 def trainer_state(run_path: str, step: int) -> dict:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from lib import checkpoint, exits, stops
 from lib.partial import carry
-from lib.runfolder import latest_step, step_dir, what_resumes
+from lib.runfolder import resumable, step_dir, what_resumes
 from lib.runlog import stage
 from lib.startup import engine_dtype
 from lib.validation import validate_policy, validate_teacher
@@ -45,7 +45,11 @@ def _parts(trainees: dict[str, Trainee]) -> dict:
 def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
     """Load the run folder's latest checkpoint (if resuming); validate first on a fresh start. Returns the step."""
     stops.take_interrupts()
-    last = latest_step(run.path) if run.cfg.trainer.resume else None
+    last, skipped = resumable(run.path) if run.cfg.trainer.resume else (None, [])
+    for line in skipped:
+        run.logger.print(f"warning: checkpoint {line}: passed over, not loaded; "
+                         + (f"resuming from step {last}" if last is not None else "no whole checkpoint is left: "
+                            "starting from step 0"))
     if last is None:
         if run.val is not None:
             metrics = timed_validation(run, 0)
@@ -155,8 +159,15 @@ def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metr
         run.logger.log(step + 1, timed_validation(run, step + 1))
     periodic = t.save_every and (step + 1) % t.save_every == 0 and not run.bad_steps  # a skipped update: no change
     if periodic or done or signum:
-        with stage("save_checkpoint", run.carried_metrics):  # logged with the next step's metrics
-            path = save(run, step + 1, trainees, kl_ctrl)
+        try:
+            with stage("save_checkpoint", run.carried_metrics):  # logged with the next step's metrics
+                path = save(run, step + 1, trainees, kl_ctrl)
+        except checkpoint.SaveFailed as e:  # every rank together: a full disk, a folder that refuses writes
+            run.logger.print(f"error: the checkpoint of step {step + 1} could not be written ({e}): its partial files "
+                             f"are removed, nothing written before is touched; {what_resumes(run.path, t.save_every)}"
+                             f", once there is room under {run.path} (trainer.keep_last bounds the checkpoints kept).")
+            run.stopped = "save_failed"
+            return False
         if signum and not done:
             run.logger.print(f"stopped by {signal.Signals(signum).name} after step {step + 1}: checkpoint {path}; "
                              f"the same command resumes the run")

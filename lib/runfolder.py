@@ -26,12 +26,67 @@ def step_dir(run_path: str, step: int) -> str:
     return os.path.join(run_path, "checkpoints", f"step_{step}")
 
 
+MANIFEST = "manifest.json"
+"""A checkpoint's list of its files and their sizes, written last, before the folder takes its final name."""
+
+
+def listing(folder: str) -> dict[str, int]:
+    """Every file under ``folder`` by its path relative to it, with its size in bytes."""
+    files = {}
+    for base, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(base, name)
+            files[os.path.relpath(path, folder)] = os.path.getsize(path)
+    return files
+
+
+def damage(folder: str) -> str | None:
+    """What is wrong with a checkpoint folder (a file its manifest lists missing or of another size, the manifest
+    unreadable), or None when it is whole. A folder written before manifests counts as whole with its
+    trainer.json and DCP's .metadata."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        if all(os.path.isfile(os.path.join(folder, f)) for f in ("trainer.json", ".metadata")):
+            return None
+        return f"it has no {MANIFEST}, trainer.json or .metadata"
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its {MANIFEST} cannot be read ({type(e).__name__}: {e})"
+    for name, size in sorted(files.items()):
+        where = os.path.join(folder, name)
+        if not os.path.isfile(where):
+            return f"{name} is missing"
+        if os.path.getsize(where) != size:
+            return f"{name} holds {os.path.getsize(where)} bytes, not the {size} written"
+    return None
+
+
+def checkpoint_steps(run_path: str) -> list[int]:
+    """The steps of the run's checkpoint folders that took their final name (not a ``.tmp`` one), newest first."""
+    root = os.path.join(run_path, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    return sorted((int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()
+                   and os.path.isdir(os.path.join(root, d))), reverse=True)
+
+
+def resumable(run_path: str) -> tuple[int | None, list[str]]:
+    """The newest whole checkpoint's step (None: there is none), and a line for each newer one passed over as
+    damaged (its folder and what is wrong with it)."""
+    skipped = []
+    for step in checkpoint_steps(run_path):
+        wrong = damage(step_dir(run_path, step))
+        if wrong is None:
+            return step, skipped
+        skipped.append(f"{step_dir(run_path, step)}: {wrong}")
+    return None, skipped
+
+
 def latest_step(run_path: str) -> int | None:
-    marker = os.path.join(run_path, "checkpoints", "latest")
-    if not os.path.isfile(marker):
-        return None
-    step = int(open(marker).read().strip())
-    return step if os.path.isdir(step_dir(run_path, step)) else None
+    """The step a resume starts from: the newest whole checkpoint (``resumable``)."""
+    return resumable(run_path)[0]
 
 
 def what_resumes(run_path: str, save_every: int = 0) -> str:
