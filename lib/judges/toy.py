@@ -103,25 +103,52 @@ def examples(tokenizer, graded: list[tuple[str, str, str]]) -> list[tuple[list[i
     return [(p + v + [tokenizer.eos_token_id], [-100] * len(p) + v + [tokenizer.eos_token_id]) for p, v in zip(ps, vs)]
 
 
-def build(tokenizer, pairs, seed: int = 0, steps: int = STEPS, batch: int = BATCH):
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_judge.safetensors")
+"""The weights of the build of seed 0, ``STEPS`` steps of ``BATCH`` (made on the 2-core AMD EPYC by ``python -m
+lib.judges.toy --ship``): the build of those settings loads them instead of training (~3 min on one thread, 11 min
+on a loaded 2-core machine, in every fresh checkout's test command). The file records the settings it was made
+with; a build of other settings (another seed, a changed size) trains, as does ``shipped=False``."""
+
+
+def _signature(seed: int, steps: int, batch: int) -> dict[str, str]:
+    return {"seed": str(seed), "steps": str(steps), "batch": str(batch), "layers": str(LAYERS),
+            "hidden": str(HIDDEN), "slots": SLOTS, "template": TEMPLATE}
+
+
+def _load_shipped(model, seed: int, steps: int, batch: int) -> bool:
+    """The shipped weights into ``model`` where they were made with these settings; False where not."""
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    if not os.path.isfile(SHIPPED):
+        return False
+    with safe_open(SHIPPED, "pt") as f:
+        if f.metadata() != _signature(seed, steps, batch):
+            return False
+    load_model(model, SHIPPED)  # strict: every weight of the model, no other
+    return True
+
+
+def build(tokenizer, pairs, seed: int = 0, steps: int = STEPS, batch: int = BATCH, shipped: bool = True):
     """The toy judge: a 4-layer GPT-2-shaped model without dropout (learned positions: the characters it reads sit
-    at fixed places), trained on a fresh graded response per drawn example, the rate decaying to 0."""
+    at fixed places), trained on a fresh graded response per drawn example, the rate decaying to 0 (or, for the
+    settings the shipped weights were made with, those weights: ``SHIPPED``)."""
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    rng = random.Random(seed)
-    graded = []
-    for _ in range(steps * batch):
-        question, answer = toy.example(pairs[rng.randrange(len(pairs))])
-        graded.append((question, answer, responses(answer, rng)))
-    data = examples(tokenizer, graded)
     torch.manual_seed(seed)
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<eos>")]
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128,
                         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         pad_token_id=tokenizer.pad_token_id, eos_token_id=eos[0], bos_token_id=tokenizer.bos_token_id)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    toy.fit(model, data, steps, seed, tokenizer.pad_token_id, batch=batch, decay=True)
+    if not (shipped and _load_shipped(model, seed, steps, batch)):
+        rng = random.Random(seed)
+        graded = []
+        for _ in range(steps * batch):
+            question, answer = toy.example(pairs[rng.randrange(len(pairs))])
+            graded.append((question, answer, responses(answer, rng)))
+        toy.fit(model, examples(tokenizer, graded), steps, seed, tokenizer.pad_token_id, batch=batch, decay=True)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = eos
     return model
@@ -141,3 +168,25 @@ def prepare(path: str = "runs/toy_judge_assets", seed: int = 0, steps: int = STE
 
     out = toy.build_once(path, make)
     return {**out, "template": os.path.join(out["model"], "template.txt")}
+
+
+def ship() -> None:
+    """Train the build of seed 0 (``STEPS`` steps) and write its weights to ``SHIPPED``."""
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = toy.build_tool_tokenizer(os.path.join(tmp, "model"), words=THINK)
+        train_pairs, _ = toy.split_pairs(0)
+        save_model(build(tokenizer, train_pairs, 0, STEPS, BATCH, shipped=False), SHIPPED,
+                   metadata=_signature(0, STEPS, BATCH))
+    print(f"wrote {SHIPPED}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--ship"]:
+        sys.exit("usage: python -m lib.judges.toy --ship   (train the toy judge of seed 0 and write its weights)")
+    ship()
