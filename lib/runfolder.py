@@ -129,7 +129,7 @@ def check_run_folder(run_path: str, config: dict, resume: bool) -> int | None:
         raise ValueError(f"run folder {run_path} already holds a run and trainer.resume is off: choose another "
                          f"--trainer.run_name, remove the folder, or leave trainer.resume on to continue it")
     step = latest_step(run_path)
-    if step is None or not os.path.isfile(saved_path):
+    if not checkpoint_steps(run_path) or not os.path.isfile(saved_path):  # any checkpoint, whole or damaged
         return step
     with open(saved_path) as f:
         saved = flat_config(yaml.safe_load(f) or {})

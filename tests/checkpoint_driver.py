@@ -13,6 +13,7 @@ printed as ``rank R SAVE FAILED: ...``. Prints ``RUN resumed STEP`` and, at the 
 weights.
 """
 import argparse
+import functools
 import hashlib
 import os
 import resource
@@ -58,6 +59,12 @@ def arm(point: str) -> None:
         os.replace = renaming
 
 
+def fill(rank: int, world: int, tmp: str) -> None:
+    """A rank's own file in the checkpoint: the last rank's larger than the room left, the others' fitting."""
+    with open(os.path.join(tmp, f"rank{rank}.bin"), "wb") as f:
+        f.write(b"\0" * (8 << 20 if rank == world - 1 else 16))
+
+
 def digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
@@ -85,19 +92,15 @@ def run(rank: int, world: int, folder: str, kill: str, args) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        rank_files = None
         if step == 2 and kill:
             arm(kill)
-        if step == 2 and args.full_disk:
-            if rank == world - 1 and args.fsize:
-                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG, not a signal
-                resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize, resource.RLIM_INFINITY))
-
-            def rank_files(tmp, rank=rank):  # the last rank's file fills the disk; the others' fit
-                with open(os.path.join(tmp, f"rank{rank}.bin"), "wb") as f:
-                    f.write(b"\0" * (8 << 20 if rank == world - 1 else 16))
+        filling = step == 2 and args.full_disk
+        if filling and rank == world - 1 and args.fsize:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG, not a signal
+            resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize, resource.RLIM_INFINITY))
         try:
-            checkpoint.save(folder, step, parts, {"data_position": step}, topo, args.keep_last, rank_files)
+            checkpoint.save(folder, step, parts, {"data_position": step}, topo, args.keep_last,
+                            functools.partial(fill, rank, world) if filling else None)
         except checkpoint.SaveFailed as e:
             print(f"rank {rank} SAVE FAILED: {e}", flush=True)
             dist.destroy_process_group()

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 
 from lib.runfolder import damage, resumable, step_dir
 

@@ -380,6 +380,30 @@ def test_the_toy_judge_grades_the_toy_task(tmp_path):
     assert metrics["judge/requests"] == len(set(items)) and metrics["judge/tokens"] > 0
 
 
+def test_the_shipped_toy_judge_is_loaded_for_its_settings_and_other_settings_train(tmp_path):
+    """The toy judge of the default settings is the shipped weights (lib/judges/toy_judge.safetensors, made by
+    ``python -m lib.judges.toy --ship``; its metadata names the settings), loaded, not trained; a build of other
+    settings trains (2 steps here: the training path runs and moves the weights off their initialisation)."""
+    import torch
+    from safetensors import safe_open
+
+    from lib import toy
+    from lib.judges import toy as judge_toy
+
+    tokenizer = toy.build_tool_tokenizer(str(tmp_path / "tok"), words=judge_toy.THINK)
+    pairs, _ = toy.split_pairs(0)
+    shipped = judge_toy.build(tokenizer, pairs)
+    with safe_open(judge_toy.SHIPPED, "pt") as f:
+        assert f.metadata()["steps"] == str(judge_toy.STEPS) and f.metadata()["seed"] == "0"
+        kept = {name: f.get_tensor(name) for name in f.keys()}
+    weights = shipped.state_dict()
+    assert kept and all(torch.equal(weights[name], t) for name, t in kept.items())
+    trained = judge_toy.build(tokenizer, pairs, steps=2).state_dict()
+    initial = judge_toy.build(tokenizer, pairs, steps=0).state_dict()
+    name = "transformer.h.0.attn.c_attn.weight"
+    assert not torch.equal(trained[name], initial[name]) and not torch.equal(trained[name], weights[name])
+
+
 def test_a_judge_turn_on_a_gpu_reads_the_whole_devices_memory(tmp_path, monkeypatch):
     """lib/judges/local.py on a GPU (through lib/fake_device.py): still awake after its answers, the judge reads the
     device's memory in use, total less free (a vLLM child's allocations are not this process's, so the allocator's
