@@ -123,7 +123,8 @@ def _load_shipped(model, seed: int, steps: int, batch: int) -> bool:
     if not os.path.isfile(SHIPPED):
         return False
     with safe_open(SHIPPED, "pt") as f:
-        if f.metadata() != _signature(seed, steps, batch):
+        made = f.metadata() or {}  # safetensors adds its note of the tied head beside the settings
+        if any(made.get(k) != v for k, v in _signature(seed, steps, batch).items()):
             return False
     load_model(model, SHIPPED)  # strict: every weight of the model, no other
     return True
