@@ -380,10 +380,10 @@ def test_the_toy_judge_grades_the_toy_task(tmp_path):
     assert metrics["judge/requests"] == len(set(items)) and metrics["judge/tokens"] > 0
 
 
-def test_the_shipped_toy_judge_is_loaded_for_its_settings_and_other_settings_train(tmp_path):
+def test_the_shipped_toy_judge_is_loaded_for_its_settings_and_other_settings_train(tmp_path, monkeypatch):
     """The toy judge of the default settings is the shipped weights (lib/judges/toy_judge.safetensors, made by
     ``python -m lib.judges.toy --ship``; its metadata names the settings), loaded, not trained; a build of other
-    settings trains (2 steps here: the training path runs and moves the weights off their initialisation)."""
+    settings trains (1 and 2 steps here, from the same initialisation: the training path runs and moves the weights)."""
     import torch
     from safetensors import safe_open
 
@@ -392,16 +392,18 @@ def test_the_shipped_toy_judge_is_loaded_for_its_settings_and_other_settings_tra
 
     tokenizer = toy.build_tool_tokenizer(str(tmp_path / "tok"), words=judge_toy.THINK)
     pairs, _ = toy.split_pairs(0)
+    fit = toy.fit
+    monkeypatch.setattr(toy, "fit", lambda *a, **k: pytest.fail("the default settings' build trained"))
     shipped = judge_toy.build(tokenizer, pairs)
+    monkeypatch.setattr(toy, "fit", fit)
     with safe_open(judge_toy.SHIPPED, "pt") as f:
         assert f.metadata()["steps"] == str(judge_toy.STEPS) and f.metadata()["seed"] == "0"
         kept = {name: f.get_tensor(name) for name in f.keys()}
     weights = shipped.state_dict()
     assert kept and all(torch.equal(weights[name], t) for name, t in kept.items())
-    trained = judge_toy.build(tokenizer, pairs, steps=2).state_dict()
-    initial = judge_toy.build(tokenizer, pairs, steps=0).state_dict()
+    one, two = (judge_toy.build(tokenizer, pairs, steps=n).state_dict() for n in (1, 2))  # the same initialisation
     name = "transformer.h.0.attn.c_attn.weight"
-    assert not torch.equal(trained[name], initial[name]) and not torch.equal(trained[name], weights[name])
+    assert not torch.equal(one[name], two[name]) and not torch.equal(two[name], weights[name])
 
 
 def test_a_judge_turn_on_a_gpu_reads_the_whole_devices_memory(tmp_path, monkeypatch):
