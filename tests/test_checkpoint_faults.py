@@ -91,3 +91,40 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_loses_nothing(tmp_path):
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def _stop_at_a_failed_save(run_path: str) -> tuple:
+    """A rank's end of step 4 (save_every 2) whose save fails as checkpoint.save fails on every rank together."""
+    from types import SimpleNamespace
+
+    from lib import checkpoint, resume
+
+    def save(*_):
+        raise checkpoint.SaveFailed("writing the shards of step 4 failed: OSError: [Errno 28] No space left on device")
+
+    resume.save = save
+    printed = []
+    run = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(save_every=2, max_bad_steps=5, val_every=0),
+                                              rollout=SimpleNamespace(logp_diff_limit=-1)),
+                          total_steps=10, bad_steps=0, val=None, path=run_path,
+                          logger=SimpleNamespace(print=printed.append),
+                          carried_metrics={}, stopped=None)
+    return resume.end_of_step(run, 3, {}, None, {}), run.stopped, printed
+
+
+def test_a_save_that_fails_stops_the_run_saying_what_the_same_command_resumes(tmp_path):
+    """The trainer's side of a failed save (lib/resume.py end_of_step): the run stops ("save_failed", which
+    startup.finish exits 3 for) with one message naming the step, the failure and the checkpoint the same command
+    resumes from (step 2 here, whole), never a traceback."""
+    from lib.testing import run_distributed
+
+    step2 = step_dir(str(tmp_path / "run"), 2)
+    os.makedirs(step2)
+    for name in ("trainer.json", ".metadata"):  # a checkpoint written before manifests: whole
+        open(os.path.join(step2, name), "w").close()
+    [(going_on, stopped, printed)] = run_distributed(_stop_at_a_failed_save, str(tmp_path / "run"), world_size=1)
+    assert going_on is False and stopped == "save_failed"
+    assert len(printed) == 1 and printed[0].startswith(
+        "error: the checkpoint of step 4 could not be written (writing the shards of step 4 failed: OSError: [Errno "
+        "28] No space left on device): its partial files are removed, nothing written before is touched; the last "
+        f"checkpoint is step 2 ({step2}): the same command resumes from it"), printed
