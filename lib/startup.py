@@ -680,9 +680,7 @@ def uses_vllm(cfg: Config) -> bool:
 
 def finish(run: Run) -> None:
     """Export the final policy (a run that completed), close the logger, the scorer's workers and the engine. A run
-    stopped by too many bad steps, by the canary (rollout.logp_diff_limit), by failing environments
-    (env.max_failed_share) or by a checkpoint it could not write exits 3; one stopped by a signal exits 0 after its
-    checkpoint."""
+    stopped for a reason of exits.STOPS exits 3; one stopped by a signal exits 0 after its checkpoint."""
     if not run.stopped:
         if run.lora is not None:  # the adapter (PEFT); a merged folder on request (python -m lib.export --merge)
             export.export_adapter(run.actor.model, run.cfg.actor.lora, run.cfg.actor.model.path,
@@ -700,5 +698,5 @@ def finish(run: Run) -> None:
     run.engine.close()  # vLLM tears its groups down (and the default one) now, not in an atexit hook
     if dist.is_initialized():
         dist.destroy_process_group()
-    if run.stopped in ("bad_steps", "logp_mismatch", "env_failures", "save_failed"):
+    if run.stopped in exits.STOPS:
         exits.leave(exits.STOPPED)

@@ -169,8 +169,9 @@ def check_app(app: str) -> None:
     """An env.app whose file or module cannot be found, or whose source binds no such name: one clear error before
     any rank starts (the server itself starts on each rank, later, and only then imports the module)."""
     module, name, folder = app_target(app)  # a file: it exists
-    if app.rpartition(":")[0].endswith(".py"):
-        source = app.rpartition(":")[0]
+    target = app.rpartition(":")[0]
+    if target.endswith(".py"):
+        source = target
     else:
         top = module.split(".")[0]
         if importlib.util.find_spec(top) is None and not any(os.path.exists(os.path.join(folder, top + end))
@@ -198,55 +199,38 @@ def module_source(module: str, folder: str) -> str | None:
     return origin if origin and origin.endswith(".py") and os.path.isfile(origin) else None
 
 
+SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+"""Nodes whose bodies bind names of their own scope, not the module's."""
+
+
 def binds(source: str, name: str) -> bool | None:
-    """Whether a module's top level binds ``name`` (an assignment, a def or class, an import, in any branch): True,
-    False, or None where reading cannot tell (a star import, a module ``__getattr__``, writes through
-    ``globals()``)."""
-    found: set[str] = set()
-    unknown = False
-
-    def targets(node: ast.AST) -> None:
-        for n in ast.walk(node):
-            if isinstance(n, ast.Name):
-                found.add(n.id)
-
-    def visit(body: list) -> None:
-        nonlocal unknown
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                found.add(node.name)
-                continue
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for alias in node.names:
-                    if alias.name == "*":
-                        unknown = True
-                    found.add(alias.asname or alias.name.split(".")[0])
-            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-                for target in getattr(node, "targets", None) or [node.target]:
-                    targets(target)
-            elif isinstance(node, (ast.For, ast.AsyncFor)):
-                targets(node.target)
-            elif isinstance(node, (ast.With, ast.AsyncWith)):
-                for item in node.items:
-                    if item.optional_vars is not None:
-                        targets(item.optional_vars)
-            for n in ast.walk(node):  # walrus targets and globals() anywhere in the statement
-                if isinstance(n, ast.NamedExpr):
-                    targets(n.target)
-                elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("globals", "exec"):
-                    unknown = True
-            for field in ("body", "orelse", "finalbody"):
-                if isinstance(node, (ast.If, ast.Try, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith)):
-                    visit(getattr(node, field, []) or [])
-            for handler in getattr(node, "handlers", []) or []:
-                if handler.name:
-                    found.add(handler.name)
-                visit(handler.body)
-
+    """Whether a module's top level binds ``name`` (any name stored outside a function or class body: an assignment,
+    a loop or with target, a walrus; a def or class, an import, an except or match capture, a ``global``): True,
+    False, or None where reading cannot tell (a star import, a module ``__getattr__``, ``globals()`` or ``exec``).
+    Lenient where unsure: a name a comprehension stores counts."""
     try:
-        visit(ast.parse(source).body)
+        tree = ast.parse(source)
     except SyntaxError:
         return None  # the server's own import reports it, with its traceback in its log
+    found = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+    unknown = False
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, SCOPES):  # its body is a scope of its own, not walked
+            if not isinstance(node, ast.Lambda):
+                found.add(node.name)
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            unknown |= any(alias.name == "*" for alias in node.names)
+            found |= {alias.asname or alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+            found.add(node.name)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("globals", "exec"):
+            unknown = True
+        todo += ast.iter_child_nodes(node)
     if name in found:
         return True
     return None if unknown or "__getattr__" in found else False
