@@ -44,20 +44,26 @@ def prune(run_path: str, keep_last: int, saved: int) -> None:
         shutil.rmtree(step_dir(run_path, step), ignore_errors=True)
 
 
-def _together(error: BaseException | None, what: str) -> None:
-    """Every rank learns whether ``what`` failed on any of them; all raise SaveFailed together if it did."""
+def _on_every_rank(what: str, work: Callable[[], None] | None) -> None:
+    """``work`` on this rank (None: nothing to do here), then every rank learns whether it failed on any of them;
+    all raise SaveFailed together if it did (a write error, never a rank left waiting for a failed one)."""
+    error = None
+    try:
+        if work is not None:
+            work()
+    except (OSError, CheckpointException) as e:
+        error = e
     failed = torch.tensor([0.0 if error is None else 1.0])
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # world: one flag, so that no rank waits for a failed one
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # world: one flag
     if failed.item():
         raise SaveFailed(f"{what} failed" + (f": {_reason(error)}" if error is not None else " on another rank"))
 
 
 def _reason(error: BaseException) -> str:
-    """An OSError's own words, also where DCP wrapped it (CheckpointException holds each rank's failure)."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        error = next(iter(failures.values()))
-        error = getattr(error, "exc_value", error)
+    """An OSError's own words, also where DCP wrapped it (CheckpointException maps each failed rank to its
+    exception and traceback)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = error.failures[min(error.failures)][0]
     return f"{type(error).__name__}: {error}"
 
 
@@ -85,21 +91,16 @@ def save(run_path: str, step: int, parts: dict[str, tuple[nn.Module, Any]], trai
     if topo.is_main and os.path.exists(tmp):
         shutil.rmtree(tmp)  # a crashed earlier attempt
     dist.barrier()
+
+    def shards() -> None:
+        dcp.save(_state(parts), checkpoint_id=tmp)  # DCP raises on every rank when a rank's write failed
+        if rank_files is not None:
+            rank_files(tmp)
+
     try:
-        error = None
-        try:
-            dcp.save(_state(parts), checkpoint_id=tmp)  # DCP raises on every rank when a rank's write failed
-            if rank_files is not None:
-                rank_files(tmp)
-        except (OSError, CheckpointException) as e:
-            error = e
-        _together(error, f"writing the shards of step {step}")
-        if topo.is_main:
-            try:
-                _seal(run_path, step, tmp, final, {"step": step, **trainer_state})
-            except OSError as e:
-                error = e
-        _together(error, f"completing the checkpoint of step {step}")
+        _on_every_rank(f"writing the shards of step {step}", shards)
+        _on_every_rank(f"completing the checkpoint of step {step}", (
+            lambda: _seal(run_path, step, tmp, final, {"step": step, **trainer_state})) if topo.is_main else None)
     except SaveFailed:
         if topo.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # its space back; the earlier checkpoints untouched

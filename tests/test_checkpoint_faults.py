@@ -128,3 +128,27 @@ def test_a_save_that_fails_stops_the_run_saying_what_the_same_command_resumes(tm
         "error: the checkpoint of step 4 could not be written (writing the shards of step 4 failed: OSError: [Errno "
         "28] No space left on device): its partial files are removed, nothing written before is touched; the last "
         f"checkpoint is step 2 ({step2}): the same command resumes from it"), printed
+
+
+def test_a_disk_full_under_dcps_own_writes_names_the_disks_error(tmp_path):
+    """No room left at all: DCP's shard writes fail, and DCP raises on every rank with each failed rank's exception
+    and traceback (CheckpointException.failures). Each rank's message names the disk's error (before: the wrapped
+    pair's type, "tuple"); step 1 stays the checkpoint. Needs a tmpfs (root's mount)."""
+    import pytest
+
+    disk = tmp_path / "disk"
+    if not _small_disk(disk):
+        pytest.skip("mounting a tmpfs is not allowed here: a full disk cannot be made without it")
+    run = disk / "run"
+    try:
+        digests(drive(1, run, "--world", 2))
+        with open(disk / "filler", "wb") as f:
+            f.write(b"\0" * (shutil.disk_usage(disk).free - 4096))
+        out = drive(3, run, "--world", 2)
+        assert out.returncode == 0, out.stderr[-3000:]
+        for rank in (0, 1):
+            assert f"rank {rank} SAVE FAILED: writing the shards of step 2 failed: OSError: [Errno 28] No space left " \
+                   f"on device" in out.stdout, out.stdout
+        assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_1"] and resumable(str(run)) == (1, [])
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
