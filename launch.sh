@@ -43,7 +43,12 @@ fi
 has_gpu || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 # Every check of the input (config, paths, data rows, custom reward) in one process: one message, before any rank.
 # (SIGUSR1 ignored there, as in torchrun: this script keeps it)
-(trap '' USR1; exec python -m lib.check "$script" "$(( NPROC * ${SLURM_NNODES:-1} ))" "$@") || exit $?
+# It writes the run's trainer.max_restarts into $check_out, for torchrun.
+check_out=$(mktemp "${TMPDIR:-/tmp}/spmd-rl-check.XXXXXX")
+trap 'rm -f "$stop_request" "$check_out"' EXIT
+(trap '' USR1; SPMD_RL_CHECK_OUT="$check_out" exec python -m lib.check "$script" "$(( NPROC * ${SLURM_NNODES:-1} ))" "$@") \
+  || exit $?
+max_restarts=$(head -c 8 "$check_out"); max_restarts=${max_restarts:-0}
 export SPMD_RL_CHECKED=1  # the ranks check again, but do not probe the judge's endpoint a second time
 # Stopping: each rank finishes its step, every rank saves a checkpoint, and the run exits 0. Whichever processes the
 # signal reaches:
@@ -55,12 +60,15 @@ export SPMD_RL_CHECKED=1  # the ranks check again, but do not probe the judge's 
 #   seconds (set here, default 600; torch >= 2.12 reads it, older ones wait 30) for them to save before killing them.
 # torchrun runs in its own session so that a terminal's Ctrl-C reaches only this script.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
+# A failure (a rank killed or crashed, a hang the watchdog ended: lib/watchdog.py) restarts every rank, up to
+# trainer.max_restarts times; each restart resumes from the newest whole checkpoint (lib/restarts.py, docs/faults.md).
 # A rank that ends the run on purpose (exit 2: a refusal, 3: the canary or bad steps; lib/exits.py) has printed its
 # one message: it writes the code here and exits 0, so torchrun adds no traceback of its own; this script exits with
 # the code. A crash still fails torchrun, which shows all it shows.
 stop_file=$(mktemp "${TMPDIR:-/tmp}/spmd-rl-stop.XXXXXX")
-trap 'rm -f "$stop_file" "$stop_request"' EXIT
-(trap '' USR1; SPMD_RL_STOP_FILE="$stop_file" exec setsid torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" "$script" "$@") &
+trap 'rm -f "$stop_file" "$stop_request" "$check_out"' EXIT
+(trap '' USR1; SPMD_RL_STOP_FILE="$stop_file" exec setsid torchrun "${rdzv[@]}" --nproc-per-node "$NPROC" \
+  --max-restarts "$max_restarts" "$script" "$@") &
 runner=$!
 trap 'pkill -INT -P "$runner" 2>/dev/null || true' INT  # Ctrl-C: a rank still starting aborts
 trap 'keep TERM' TERM

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lib import algos
+from lib import algos, watchdog
 from lib.config import ActorConfig, BatchingConfig
 from lib.dist import Topology
 from lib.forward import KEPT_KEY, model_rows, response_log_probs, response_top_log_probs
@@ -112,6 +112,7 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
         # metrics stay tensors until the optimizer step: one device sync per mini-batch, not per micro-batch
         step_metrics: dict[str, Any] = defaultdict(float)
         for micro in pieces:
+            watchdog.beat()
             b = micro.batch
             mask = b["response_mask"].to(torch.float32)
             logp, entropy, *_ = response_log_probs(model, micro, temperature, cfg.batching.use_remove_padding,

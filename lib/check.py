@@ -17,6 +17,8 @@ from lib import config, preflight, stops
 from lib.runfolder import run_dir
 from lib.startup import check_inputs, resolve_generated, resolve_toy
 
+OUT_ENV = "SPMD_RL_CHECK_OUT"
+"""A file lib.check writes the run's trainer.max_restarts into, for launch.sh's torchrun (nothing: no restarts)."""
 SCRIPTS = {"train_grpo.py": ("tiny_cpu_grpo", False), "train_ppo.py": ("tiny_cpu_ppo", True)}
 """Script -> (its default preset, whether it trains a critic)."""
 
@@ -39,6 +41,9 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    if os.environ.get(OUT_ENV):  # what launch.sh passes to torchrun
+        with open(os.environ[OUT_ENV], "w") as f:
+            f.write(f"{cfg.trainer.max_restarts}\n")
     return 0
 
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from lib import watchdog
 from lib.dist import Topology
 from lib.lora import has_lora
 from lib.runfolder import MANIFEST, checkpoint_steps, listing, step_dir
@@ -48,6 +49,7 @@ def _on_every_rank(what: str, work: Callable[[], None] | None) -> None:
     """``work`` on this rank (None: nothing to do here), then every rank learns whether it failed on any of them;
     all raise SaveFailed together if it did (a write error, never a rank left waiting for a failed one)."""
     error = None
+    watchdog.beat()
     try:
         if work is not None:
             work()

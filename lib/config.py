@@ -207,6 +207,13 @@ class TrainerConfig:
     """Stop after this many steps in a row whose update was skipped for a non-finite loss or grad norm."""
     collective_timeout_s: float = 1800.0
     """How long a collective waits for the other ranks before the run fails (naming each rank's stage)."""
+    max_restarts: int = 3
+    """Restarts of the ranks after a failure (a killed or crashed rank, a hang), each resuming from the newest whole
+    checkpoint (launch.sh passes it to torchrun; docs/faults.md). A failure after the same step as the one before is
+    not restarted. 0: a failure ends the job."""
+    hang_timeout_s: float = 600.0
+    """The watchdog ends the job (for a restart) when no rank has made progress for this long: a hung collective, a
+    frozen rank, a call that ignores its own timeout. Every rank's stacks go to the run folder's hangs/. 0: off."""
     output_root: str = "runs"
     run_name: str = ""
     """Run folder under output_root. "": the script's name and a hash of the config (run-control settings aside),

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lib.protocol import DataProto
+from lib.restarts import attempt
 
 
 def check_sizes(world_size: int, sp_size: int = 1, fsdp_shard_size: int = 0, rollout_tp_size: int = 1) -> None:
@@ -157,7 +158,7 @@ def init_topology(sp_size: int = 1, fsdp_shard_size: int = 0, rollout_tp_size: i
     # on GPU, gloo beside NCCL: small CPU-side collectives (counts, objects) need no device copy
     backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **attempt_store(timeout_s))
     backend = dist.get_backend()
     shard = fsdp_shard_size or world_size
     if shard == world_size:
@@ -168,6 +169,19 @@ def init_topology(sp_size: int = 1, fsdp_shard_size: int = 0, rollout_tp_size: i
     rollout_mesh = init_device_mesh(dev.type, (world_size // rollout_tp_size, rollout_tp_size),
                                     mesh_dim_names=("dp", "tp"))
     return Topology(dist.get_rank(), local_rank, world_size, dev, backend, fsdp_mesh, ulysses_mesh, rollout_mesh)
+
+
+def attempt_store(timeout_s: float) -> dict:
+    """Under torchrun, whose agent's store outlives a failed attempt (its ranks' addresses left in it), the process
+    group's keys of this attempt apart from those of the attempts before (lib/restarts.py): a restarted rank that read a
+    dead rank's address from the shared store waited in init_process_group for ever (torch 2.13, gloo). Elsewhere
+    (torchrun with its store on rank 0, a single process) the default."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                           is_master=False, timeout=timedelta(seconds=timeout_s))
+    return {"store": dist.PrefixStore(f"spmd_rl_attempt_{attempt()}", shared), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 # ---- collectives on DataProto

@@ -88,6 +88,8 @@ def log_step(run: Run, step: int, batch: DataProto, metrics: dict) -> None:
     metrics.update(response_metrics(batch, run.cfg.rollout.max_response_length, every_ranks))
     metrics.update(run.carried_metrics)  # the checkpoint written after the previous step
     run.carried_metrics.clear()
+    if run.restarts:  # restarts after a failure so far (lib/restarts.py)
+        metrics["fault/restarts"] = float(run.restarts)
     metrics["perf/tokens_per_s"] = float(batch.batch["attention_mask"].sum()) / max(metrics["timing/step_s"], 1e-9)
     if "judge/seconds" in metrics:  # an LLM judge: its share of the step's time
         metrics["judge/step_share"] = metrics["judge/seconds"] / max(metrics["timing/step_s"], 1e-9)

@@ -228,6 +228,10 @@ def _value_problems(cfg: Config) -> list[str]:
         (t.keep_last < 0, f"trainer.keep_last={t.keep_last} must be >= 0 (0: keep every checkpoint)"),
         (t.max_bad_steps < 1, f"trainer.max_bad_steps={t.max_bad_steps} must be >= 1"),
         (t.collective_timeout_s <= 0, f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0"),
+        (t.max_restarts < 0, f"trainer.max_restarts={t.max_restarts} must be >= 0 (0: a failure ends the job)"),
+        (0 < t.hang_timeout_s < 10, f"trainer.hang_timeout_s={t.hang_timeout_s} must be 0 (off) or >= 10: the "
+                                    f"watchdog's own writes come every tenth of it"),
+        (t.hang_timeout_s < 0, f"trainer.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0: off)"),
         (not 0 <= al.gamma <= 1, f"algorithm.gamma={al.gamma} must be in [0, 1]"),
         (not 0 <= al.lam <= 1, f"algorithm.lam={al.lam} must be in [0, 1]"),
         (al.overlong_buffer < 0, f"algorithm.overlong_buffer={al.overlong_buffer} must be >= 0 (0: off)"),

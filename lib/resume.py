@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lib import checkpoint, exits, stops
+from lib import checkpoint, exits, inject, restarts, stops, watchdog
 from lib.partial import carry
 from lib.runfolder import resumable, step_dir, what_resumes
-from lib.runlog import stage
+from lib.runlog import STAGES, stage
 from lib.startup import engine_dtype
 from lib.validation import validate_policy, validate_teacher
 
@@ -43,7 +43,16 @@ def _parts(trainees: dict[str, Trainee]) -> dict:
 
 
 def resume(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
-    """Load the run folder's latest checkpoint (if resuming); validate first on a fresh start. Returns the step."""
+    """Load the run folder's latest checkpoint (if resuming); validate first on a fresh start. Returns the step. The
+    hang watchdog watches the loop from here on (lib/watchdog.py)."""
+    start = _load(run, trainees, kl_ctrl)
+    inject.next_step(start + 1)
+    watchdog.start(run.path, run.topo.rank, run.topo.world_size, restarts.attempt(), run.cfg.trainer.hang_timeout_s,
+                   lambda: "/".join(STAGES), restarts.keep)
+    return start
+
+
+def _load(run: Run, trainees: dict[str, Trainee], kl_ctrl) -> int:
     stops.take_interrupts()
     last, skipped = resumable(run.path) if run.cfg.trainer.resume else (None, [])
     for line in skipped:
@@ -173,4 +182,5 @@ def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metr
                              f"the same command resumes the run")
             run.stopped = signal.Signals(signum).name
             return False
+    inject.next_step(step + 2)
     return True

@@ -101,7 +101,8 @@ def what_resumes(run_path: str, save_every: int = 0) -> str:
 
 RUN_CONTROL = ("trainer.total_steps", "trainer.epochs", "trainer.val_every", "trainer.save_every", "trainer.keep_last",
                "trainer.logger", "trainer.project", "trainer.log_samples", "trainer.resume", "trainer.max_bad_steps",
-               "trainer.collective_timeout_s", "reward.timeout_s", "reward.num_workers", "rollout.kv_cache_gb",
+               "trainer.collective_timeout_s", "trainer.max_restarts", "trainer.hang_timeout_s", "reward.timeout_s",
+               "reward.num_workers", "rollout.kv_cache_gb",
                "rollout.max_num_seqs", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
                "rollout.logp_diff_limit")
 """Settings a resumed run may change: how long it runs and how it reports, not what it computes."""

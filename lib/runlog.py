@@ -32,6 +32,8 @@ from typing import Any, Iterator
 import torch
 import yaml
 
+from lib import inject, restarts, watchdog
+
 
 STAGES: list[str] = []
 """The stages this rank is in now, outermost first: an error (a collective's timeout included) names them."""
@@ -56,13 +58,16 @@ def stage(name: str, metrics: dict[str, float]) -> Iterator[None]:
     _OPEN.append(mine)
     t0 = time.perf_counter()
     STAGES.append(name)
+    watchdog.beat()
     try:
+        inject.at("/".join(STAGES))
         yield
     except BaseException:
         FAILED_IN[:] = FAILED_IN or ["/".join(STAGES)]  # the innermost stage the error left
         raise
     finally:
         STAGES.pop()
+        watchdog.beat()
         if cuda:
             torch.cuda.synchronize()
             _fold_peak()
@@ -245,6 +250,7 @@ def excepthook_rank(rank: int) -> None:
     def hook(kind, value, tb):
         stages = FAILED_IN[0] if FAILED_IN else "/".join(STAGES)
         where = f" in stage {stages}" if stages else ""
+        restarts.keep(f"{kind.__name__}: {value}{where}")
         sys.stderr.write(f"[rank {rank}{where}] ")
         previous(kind, value, tb)
 

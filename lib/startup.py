@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lib import budget, distill, envs, exits, export, judges, lora, multi_turn, routing, selfcheck, stops, toy
+from lib import budget, distill, envs, exits, export, judges, lora, multi_turn, restarts, routing, selfcheck, stops, \
+    toy, watchdog
 from lib.envs import openenv, verifiers_play
 from lib.envs import reasoning_gym as rg_data
 from lib.envs import verifiers_data as vf_data
@@ -91,6 +92,8 @@ class Run:
     """Why the loop ended early: a signal's name, or "bad_steps"."""
     reported_failures: set[str] = field(default_factory=set)
     """Reward failure kinds whose first message was printed."""
+    restarts: int = 0
+    """Restarts after a failure the run folder has recorded (lib/restarts.py), logged as fault/restarts."""
     carried_metrics: dict[str, float] = field(default_factory=dict)
     """Metrics of work done after a step's row was logged (the checkpoint save's stage), logged with the next row."""
     vision: bool = False
@@ -143,6 +146,8 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     obj = [run_dir(cfg.trainer.output_root, cfg.trainer.run_name, to_dict(cfg), sys.argv[0])]
     dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
     path = obj[0]
+    restarts.watch(path, topo.rank)  # an uncaught error from here on is kept for a restart
+    cfg.trainer.resume = cfg.trainer.resume or restarts.attempt() > 0  # a restart continues the run it failed in
     problem = ""
     try:
         # the judge's endpoint probed once a launch: by launch.sh's check, or else by rank 0 (its failure stops all)
@@ -164,6 +169,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     vision = inputs.vision
     start_step = inputs.start_step
     total = cfg.trainer.total_steps or cfg.trainer.epochs * sampler.steps_per_epoch
+    restarted, restart_count = restarts.at_start(path, topo.is_main, start_step, cfg.trainer.max_restarts)
     failed = [""]
     try:
         logger = RunLogger(path, to_dict(cfg), total, cfg.trainer.logger, cfg.trainer.project, topo.is_main,
@@ -180,7 +186,8 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         exits.leave(exits.REFUSED)
     no_val = " (no validation: data.val_files is empty)" if cfg.trainer.val_every and not cfg.data.val_files else ""
     logger.print(f"{topo}\nprompts: train {train.stats}, val {val.stats if val else None}{no_val}; {total} steps; "
-                 f"run folder {path}" + "".join(f"\nresolved: {line}" for line in resolved))
+                 f"run folder {path}" + "".join(f"\nresolved: {line}" for line in resolved)
+                 + (f"\n{restarted}" if restarted else ""))
     rm = None
     if cfg.reward.reward_model:
         rm = RewardModel(cfg.reward.reward_model, topo.device, tokenizer, cfg.reward.rm_micro_batch_size,
@@ -211,7 +218,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
                      f"{cfg.env.rule_weight:g} x rule; failed episodes masked")
     return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer, multi_turn=tools,
                env_server=env_server,
-               vision=vision, scored=inputs.scored)
+               vision=vision, scored=inputs.scored, restarts=restart_count)
 
 
 def start_env(cfg: Config, topo: Topology, path: str) -> tuple[openenv.LocalServer | None, str]:
@@ -681,6 +688,7 @@ def uses_vllm(cfg: Config) -> bool:
 def finish(run: Run) -> None:
     """Export the final policy (a run that completed), close the logger, the scorer's workers and the engine. A run
     stopped for a reason of exits.STOPS exits 3; one stopped by a signal exits 0 after its checkpoint."""
+    watchdog.stop()
     if not run.stopped:
         if run.lora is not None:  # the adapter (PEFT); a merged folder on request (python -m lib.export --merge)
             export.export_adapter(run.actor.model, run.cfg.actor.lora, run.cfg.actor.model.path,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache, cache_utils
 
-from lib import routing
+from lib import routing, watchdog
 from lib.data import left_pad
 from lib.engine import awake
 from lib.engine.kv import reserve
@@ -359,6 +359,7 @@ class HFEngine:
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         step_pos, full_mask = pos[:, -1:], mask
         for step in range(sp.max_new_tokens):
+            watchdog.beat()
             if step:
                 step_pos = step_pos + 1
                 full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from lib import routing
+from lib import routing, watchdog
 from lib.dist import Topology, all_gather
 from lib.engine import awake
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, prompt_images,
@@ -342,6 +342,7 @@ class VLLMEngine:
                 for _ in range(every):
                     if not engine.has_unfinished_requests():
                         break
+                    watchdog.beat()
                     for out in engine.step():
                         i, done = where[out.request_id], out.outputs[0]
                         tokens[i] += done.token_ids
