@@ -68,6 +68,11 @@ class RolloutConfig:
     """vLLM KV-cache size per rank in GiB. 0: derived from what a wave needs (the training samples of one generate
     call, at most max_num_seqs, x (max prompt + response length) x layers x KV heads x head size x dtype; never the
     validation set's size), capped on GPU by the device memory left beside the trainer's state; printed at start."""
+    max_engine_failures: int = 2
+    """A single-turn generation of the HF engine that raises is retried this many times, the failed ranks' engines
+    rebuilt and every rank's weights synced again; past that the run stops (exit 3) naming its checkpoint. Elsewhere
+    (vLLM, whose teardown takes the process group with it; rollout.partial, multi-turn and environment episodes, whose
+    generation holds collectives or state) an engine's error fails the rank, for the restart (trainer.max_restarts)."""
     max_num_seqs: int = 256
     """vLLM: sequences decoded at once; a call with more runs in waves. Caps the derived KV cache."""
     enforce_eager: bool = False

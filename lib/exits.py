@@ -14,9 +14,10 @@ import os
 from typing import NoReturn
 
 REFUSED, STOPPED = 2, 3
-STOPS = ("bad_steps", "logp_mismatch", "env_failures", "save_failed")
+STOPS = ("bad_steps", "logp_mismatch", "env_failures", "save_failed", "engine_failures")
 """The ``run.stopped`` reasons that exit STOPPED: too many bad steps, the canary (rollout.logp_diff_limit), failing
-environments (env.max_failed_share), a checkpoint that could not be written. A signal's stop exits 0."""
+environments (env.max_failed_share), a checkpoint that could not be written, a generation that failed past
+rollout.max_engine_failures. A signal's stop exits 0."""
 STOP_FILE_ENV = "SPMD_RL_STOP_FILE"
 
 

@@ -1,8 +1,9 @@
 """Faults on purpose, for the tests of restarts and the watchdog (nothing happens without the variable).
 
-``SPMD_RL_TEST_FAULT`` holds comma-separated faults ``KIND:STAGE:STEP:RANK:ATTEMPT``: at the start of stage STAGE
-(its full path, as ``step/update``) of step STEP (as metrics.jsonl numbers steps, from 1), rank RANK, in the
-launch's attempt ATTEMPT (0: the first start, n: the n-th restart; ``*``: every attempt), does KIND:
+``SPMD_RL_TEST_FAULT`` holds comma-separated faults ``KIND:STAGE:STEP:RANK:ATTEMPT[:TIMES]``: at the start of stage
+STAGE (its full path, as ``step/update``) of step STEP (as metrics.jsonl numbers steps, from 1), rank RANK, in the
+launch's attempt ATTEMPT (0: the first start, n: the n-th restart; ``*``: every attempt), the first TIMES times the
+rank comes there (default 1; ``*``: every time), does KIND:
 
 - ``kill``: SIGKILL to itself (the OOM killer, a lost node);
 - ``stop``: SIGSTOP to itself (a frozen process: only a SIGKILL or a SIGCONT acts on it);
@@ -22,6 +23,7 @@ from lib.restarts import attempt
 
 ENV = "SPMD_RL_TEST_FAULT"
 _step = [0]
+_struck: dict[str, int] = {}  # times each fault struck in this process
 
 
 def next_step(step: int) -> None:
@@ -36,9 +38,12 @@ def at(stage: str) -> None:
         return
     rank = os.environ.get("RANK", "0")
     for fault in spec.split(","):
-        kind, where, step, who, when = fault.split(":")
+        kind, where, step, who, when, *times = fault.split(":")
         if (where, int(step), who) != (stage, _step[0], rank) or when not in ("*", str(attempt())):
             continue
+        if times != ["*"] and _struck.get(fault, 0) >= int((times or ["1"])[0]):
+            continue
+        _struck[fault] = _struck.get(fault, 0) + 1
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "stop":

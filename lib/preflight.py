@@ -228,6 +228,7 @@ def _value_problems(cfg: Config) -> list[str]:
         (t.keep_last < 0, f"trainer.keep_last={t.keep_last} must be >= 0 (0: keep every checkpoint)"),
         (t.max_bad_steps < 1, f"trainer.max_bad_steps={t.max_bad_steps} must be >= 1"),
         (t.collective_timeout_s <= 0, f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0"),
+        (r.max_engine_failures < 0, f"rollout.max_engine_failures={r.max_engine_failures} must be >= 0"),
         (t.max_restarts < 0, f"trainer.max_restarts={t.max_restarts} must be >= 0 (0: a failure ends the job)"),
         (0 < t.hang_timeout_s < 10, f"trainer.hang_timeout_s={t.hang_timeout_s} must be 0 (off) or >= 10: the "
                                     f"watchdog's own writes come every tenth of it"),

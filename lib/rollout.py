@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from lib import algos, routing
 from lib.actor import compute_log_probs
@@ -18,7 +19,8 @@ from lib.fsdp import move_optimizer
 from lib.lora import adapters_off
 from lib.protocol import DataProto
 from lib.runlog import stage
-from lib.startup import Run, engine_dtype
+from lib.runfolder import what_resumes
+from lib.startup import Run, build_engine, engine_dtype, finish, uses_vllm
 from lib.sync import enter_rollout, exit_rollout
 from lib.vision import batch_metrics
 
@@ -48,19 +50,40 @@ def generate(run: Run, prompts: DataProto | None, validate: bool = False, other:
         move_optimizer(run.actor.optimizer, "cpu")
     # the switch into rollout (wakes, sync, adapter, prefix-cache reset) and back (sleep) timed apart from generation
     timing: dict[str, float] = {}
-    with stage("to_rollout", timing):
-        metrics = enter_rollout(model, engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20, park, adapter)
-    with stage("generate", timing):
-        if produce is not None:
-            out = produce(engine)
-        elif run.multi_turn is not None:
-            out = run.multi_turn.rollout(engine, prompts, validate)
-            metrics.update(out.meta_info.pop("multi_turn"))
-        else:
-            out = engine.generate(prompts, validate=validate)
     level = adapter.sleep_level if adapter is not None else 2
+    # the policy's own single-turn generation on the HF engine, where no collective runs inside it, is retried on an
+    # engine's error (vLLM's teardown destroys the process group with it: an error there fails the rank, for a restart)
+    retried = other is None and produce is None and run.multi_turn is None and not uses_vllm(cfg)
+    retry = 0
+    while True:
+        with stage("to_rollout", timing):
+            metrics = enter_rollout(model, engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20, park,
+                                    adapter)
+        failed = ""
+        with stage("generate", timing):
+            try:
+                if produce is not None:
+                    out = produce(engine)
+                elif run.multi_turn is not None:
+                    out = run.multi_turn.rollout(engine, prompts, validate)
+                    metrics.update(out.meta_info.pop("multi_turn"))
+                else:
+                    out = engine.generate(prompts, validate=validate)
+            except Exception as e:  # noqa: BLE001 - whatever the engine raised: its rank's engine is rebuilt
+                if not retried:
+                    raise
+                failed = f"{type(e).__name__}: {str(e)[:500]}"
+        if not retried or not engine_failed(run, retry, failed):
+            break
+        # every rank again from a sleeping engine (level 2: each sync sends every weight, so the ranks' syncs hold
+        # the same collectives), the failed ranks' engines new
+        engine = run.engine
+        exit_rollout(model, engine, run.topo.device, 2, park)
+        retry += 1
     with stage("to_training", timing):
         exit_rollout(model, engine, run.topo.device, level, park)
+    if retry:
+        metrics["fault/engine_failures"] = float(retry)
     metrics.update(timing)
     if cfg.actor.fsdp.optimizer_offload:
         move_optimizer(run.actor.optimizer, run.topo.device)
@@ -69,6 +92,35 @@ def generate(run: Run, prompts: DataProto | None, validate: bool = False, other:
         metrics.update(batch_metrics(out.non_tensor_batch["multi_modal"], out.batch["input_ids"],
                                      run.train.vision.image_token_id))
     return out, metrics
+
+
+def engine_failed(run: Run, retry: int, failed: str) -> bool:
+    """After a generation: every rank learns which ranks' engines raised (``failed``: this rank's error, "" if none).
+    None raised: False. Else the failed ranks' engines are closed and built again (``run.engine``); past
+    rollout.max_engine_failures retries the run stops (exit 3) with the last error. The caller syncs and generates
+    again on every rank: the samples' seeds follow the data position, so the retry draws what the first try would
+    have."""
+    errors: list = [None] * run.topo.world_size
+    dist.all_gather_object(errors, failed)  # world: one short string a rank
+    failing = [(r, e) for r, e in enumerate(errors) if e]
+    if not failing:
+        return False
+    limit = run.cfg.rollout.max_engine_failures
+    ranks = ", ".join(str(r) for r, _ in failing)
+    if failed:
+        with contextlib.suppress(Exception):  # a broken engine may fail to close too
+            run.engine.close()
+    if retry >= limit:
+        run.logger.print(f"error: the rollout engine failed in generation on rank(s) {ranks} ({failing[0][1]}), "
+                         f"{retry + 1} times in a row (rollout.max_engine_failures={limit}); "
+                         f"{what_resumes(run.path, run.cfg.trainer.save_every)}")
+        run.stopped = "engine_failures"
+        finish(run)
+    run.logger.print(f"warning: the rollout engine failed in generation on rank(s) {ranks} ({failing[0][1]}): "
+                     f"rebuilt, the generation retried ({retry + 1} of rollout.max_engine_failures={limit})")
+    if failed:
+        run.engine = build_engine(run)
+    return True
 
 
 def policy_log_probs(run: Run, batch: DataProto) -> None:

@@ -95,13 +95,24 @@ VISION = ("--config", "tiny_cpu_grpo_vision", "--rollout.n", "4")
 DISTILL = ("--config", "tiny_cpu_opd", "--rollout.n", "4")
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted 4-step run of ARGS, made once for the tests of this file that compare with it: its rows."""
+    root = tmp_path_factory.mktemp("whole")
+    done = subprocess.run(command(root, "--trainer.total_steps", "4", *ARGS, name="whole"), cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return rows(root, "whole")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), LORA, TOOLS, VISION, DISTILL], ids=["full", "lora", "tools", "vision", "distill"])
-def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
+def test_killed_rank_resumes_to_the_bit(tmp_path, extra, request):
     args = (*ARGS, *extra)
-    reference = subprocess.run(command(tmp_path, "--trainer.total_steps", "4", *args, name="whole"), cwd=ROOT,
-                               env=env(), capture_output=True, text=True, timeout=900)
-    assert reference.returncode == 0, reference.stderr[-4000:]
+    if extra:
+        reference = subprocess.run(command(tmp_path, "--trainer.total_steps", "4", *args, name="whole"), cwd=ROOT,
+                                   env=env(), capture_output=True, text=True, timeout=900)
+        assert reference.returncode == 0, reference.stderr[-4000:]
     # the same run, with rank 1 killed by SIGKILL at the end of step 3 (logged; checkpoint 2 written, 4 not)
     marker = tmp_path / "paused"
     proc = subprocess.Popen(command(tmp_path, "--trainer.total_steps", "4", *args), cwd=ROOT,
@@ -117,7 +128,7 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra):
                            capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resumed from step 2" in again.stdout
-    got, want = rows(tmp_path), rows(tmp_path, "whole")
+    got, want = rows(tmp_path), rows(tmp_path, "whole") if extra else request.getfixturevalue("whole")
     if extra is LORA:  # a fresh engine holds no base yet (its memory before the first wake), takes the base once
         # more and numbers adapter versions anew: transfers and engine memory, not training
         got, want = ([{k: v for k, v in r.items() if not k.startswith(("sync/", "engine/mem_"))} for r in x]
@@ -225,3 +236,78 @@ def test_launch_sh_turns_a_stop_signal_into_a_checkpoint_and_exit_0(tmp_path):
     assert not any(n in err for n in ("Traceback", "ChildFailedError")), err[-3000:]
     step = int(open(tmp_path / "run" / "checkpoints" / "latest").read())
     assert [r["step"] for r in rows(tmp_path)] == list(range(1, step + 1))
+
+
+@pytest.mark.slow
+def test_the_job_restarts_itself_after_a_killed_a_frozen_and_a_hung_rank_to_the_bit(tmp_path, whole):
+    """launch.sh's torchrun restarts the ranks (trainer.max_restarts) after three real faults, each of rank 1, each
+    resumed from the newest whole checkpoint (step 2): SIGKILL in step 3's update; SIGSTOP in step 4's rollout (its
+    process frozen: the watchdog of rank 0 ends the job, torchrun kills the frozen one); a sleep without end in step
+    3's update (rank 0 waits in a collective: both watchdogs end it). The run finishes with the uninterrupted run's
+    numbers, and the run folder says what happened."""
+    faults = "kill:step/update:3:1:0,stop:step/rollout:4:1:1,hang:step/update:3:1:2"
+    argv = ["bash", "launch.sh", "train_grpo.py", "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run",
+            "--trainer.total_steps", "4", *ARGS, "--trainer.hang_timeout_s", "30"]
+    done = subprocess.run(argv, cwd=ROOT, env={**env(), "NPROC": "2", "SPMD_RL_TEST_FAULT": faults},
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = rows(tmp_path)
+    assert [r.get("fault/restarts") for r in got if "actor/lr" in r] == [None, None, 3.0, 3.0], got
+    got = [{k: v for k, v in r.items() if not k.startswith("fault/")} for r in got]
+    assert [r["step"] for r in got] == [r["step"] for r in whole]  # no step twice, none missing
+    for a, b in zip(got, whole):
+        assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    records = [json.loads(line) for line in open(tmp_path / "run" / "faults.jsonl")]
+    assert [(r["restart"], r["failed_after_step"], r["resumed_from"], r["steps_redone"]) for r in records] == \
+        [(1, 2, 2, 0), (2, 3, 2, 1), (3, 2, 2, 0)], records
+    assert "killed outright" in records[0]["cause"]
+    assert "rank 1 not responding" in records[1]["cause"] and "hang: no rank made progress" in records[1]["cause"]
+    assert "rank 1 idle" in records[2]["cause"]
+    for n in (1, 2, 3):
+        assert f"restart {n} of 3 (trainer.max_restarts)" in done.stdout
+    # the stacks: rank 0's at the frozen rank's hang (rank 1 could write none), both ranks' at the sleep, whose
+    # stack shows where rank 1 stood
+    hangs = tmp_path / "run" / "hangs"
+    assert sorted(os.listdir(hangs)) == ["attempt1-rank0.txt", "attempt2-rank0.txt", "attempt2-rank1.txt"]
+    assert "lib/inject.py" in (hangs / "attempt2-rank1.txt").read_text()
+    assert "all_reduce" in (hangs / "attempt2-rank0.txt").read_text() or \
+        "all_gather" in (hangs / "attempt2-rank0.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_failure_at_the_same_step_twice_stops_the_job_instead_of_restarting(tmp_path):
+    """A crash in step 1 on every attempt: the first restart is made, the second finds the same step failed again
+    and stops (exit 3) with one message naming the cause; a refusal or a stop is not restarted."""
+    argv = ["bash", "launch.sh", "train_grpo.py", "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run",
+            "--trainer.total_steps", "2", "--trainer.val_every", "0", "--trainer.log_samples", "0"]
+    done = subprocess.run(argv, cwd=ROOT, env={**env(), "NPROC": "2",
+                                               "SPMD_RL_TEST_FAULT": "raise:step/update:1:1:*"},
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 3, done.stderr[-4000:]
+    assert done.stderr.count("error: the run failed twice in a row before its first step") == 1, done.stderr[-4000:]
+    assert "rank 1: RuntimeError: a fault injected by SPMD_RL_TEST_FAULT in stage step/update" in done.stderr
+    records = [json.loads(line) for line in open(tmp_path / "run" / "faults.jsonl")]
+    assert [(r["restart"], r.get("stopped", False)) for r in records] == [(1, False), (2, True)], records
+
+
+@pytest.mark.slow
+def test_an_engine_that_raises_is_rebuilt_and_retried_and_past_its_budget_stops_the_run(tmp_path, whole):
+    """The HF engine raises in step 2's generation on rank 1, once: its engine is rebuilt, every rank syncs and
+    generates again, and the step's numbers are the uninterrupted run's (the samples' seeds follow the data position).
+    In step 3 it raises every time: after rollout.max_engine_failures (2) retries the run stops, exit 3, with the
+    error and the checkpoint the same command resumes from."""
+    stop_file = tmp_path / "stop_code"
+    faults = "raise:step/rollout/generate:2:1:0:1,raise:step/rollout/generate:3:1:0:*"
+    done = subprocess.run(command(tmp_path, "--trainer.total_steps", "4", *ARGS), cwd=ROOT,
+                          env={**env(), "SPMD_RL_TEST_FAULT": faults, "SPMD_RL_STOP_FILE": str(stop_file)},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and stop_file.read_text() == "3", done.stderr[-4000:]  # launch.sh exits 3
+    assert done.stdout.count("warning: the rollout engine failed in generation on rank(s) 1 (RuntimeError: a fault "
+                             "injected") == 3, done.stdout[-3000:]  # step 2's one, step 3's two retries
+    assert "failed in generation on rank(s) 1 (RuntimeError: a fault injected by SPMD_RL_TEST_FAULT in stage " \
+           "step/rollout/generate of step 3), 3 times in a row (rollout.max_engine_failures=2); the last checkpoint " \
+           "is step 2" in done.stdout, done.stdout[-3000:]
+    got = rows(tmp_path)
+    assert [r.get("fault/engine_failures") for r in got] == [None, None, 1.0], got
+    got = [{k: v for k, v in r.items() if not k.startswith("fault/")} for r in got]
+    assert got == [r for r in whole if r["step"] <= 2]
