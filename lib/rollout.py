@@ -18,7 +18,7 @@ from lib.forward import KEPT_KEY
 from lib.fsdp import move_optimizer
 from lib.lora import adapters_off
 from lib.protocol import DataProto
-from lib.runlog import stage
+from lib.runlog import FAILED_IN, stage
 from lib.runfolder import what_resumes
 from lib.startup import Run, build_engine, engine_dtype, finish, uses_vllm
 from lib.sync import enter_rollout, exit_rollout
@@ -60,8 +60,8 @@ def generate(run: Run, prompts: DataProto | None, validate: bool = False, other:
             metrics = enter_rollout(model, engine, engine_dtype(run), cfg.rollout.sync_bucket_mb * 2**20, park,
                                     adapter)
         failed = ""
-        with stage("generate", timing):
-            try:
+        try:
+            with stage("generate", timing):
                 if produce is not None:
                     out = produce(engine)
                 elif run.multi_turn is not None:
@@ -69,10 +69,11 @@ def generate(run: Run, prompts: DataProto | None, validate: bool = False, other:
                     metrics.update(out.meta_info.pop("multi_turn"))
                 else:
                     out = engine.generate(prompts, validate=validate)
-            except Exception as e:  # noqa: BLE001 - whatever the engine raised: its rank's engine is rebuilt
-                if not retried:
-                    raise
-                failed = f"{type(e).__name__}: {str(e)[:500]}"
+        except Exception as e:  # noqa: BLE001 - whatever the engine raised: its rank's engine is rebuilt
+            if not retried:
+                raise
+            failed = f"{type(e).__name__}: {str(e)[:500]}"
+            FAILED_IN.clear()  # taken: a later error names its own stage
         if not retried or not engine_failed(run, retry, failed):
             break
         # every rank again from a sleeping engine (level 2: each sync sends every weight, so the ranks' syncs hold

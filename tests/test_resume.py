@@ -309,5 +309,7 @@ def test_an_engine_that_raises_is_rebuilt_and_retried_and_past_its_budget_stops_
            "is step 2" in done.stdout, done.stdout[-3000:]
     got = rows(tmp_path)
     assert [r.get("fault/engine_failures") for r in got] == [None, None, 1.0], got
-    got = [{k: v for k, v in r.items() if not k.startswith("fault/")} for r in got]
-    assert got == [r for r in whole if r["step"] <= 2]
+    # the engine's memory figures: what its last sleep freed, on the rank whose rebuilt engine had never woken
+    got, want = ([{k: v for k, v in r.items() if not k.startswith(("fault/", "engine/mem_"))} for r in x]
+                 for x in (got, [r for r in whole if r["step"] <= 2]))
+    assert got == want
