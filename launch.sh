@@ -77,7 +77,18 @@ while true; do
   status=0; wait "$runner" || status=$?  # (set -e is on: a failing wait must not end this script)
   kill -0 "$runner" 2>/dev/null || break  # a trapped signal interrupted the wait: keep waiting
 done
+why=
 if [ "$status" = 0 ] && [ -s "$stop_file" ]; then
-  status=$(head -c 3 "$stop_file")
+  read -r status why < "$stop_file" || true
+fi
+# SLURM's pre-emption warning stopped the run before its end (a checkpoint written): with SPMD_RL_REQUEUE=1 the job
+# goes back in the queue (the template's --requeue allows it) and resumes when it runs again; one node asks.
+if [ "$why" = preempted ] && [ "${SPMD_RL_REQUEUE:-0}" = 1 ] && [ -n "${SLURM_JOB_ID:-}" ] \
+   && [ "${SLURM_NODEID:-0}" = 0 ]; then
+  if scontrol requeue "$SLURM_JOB_ID"; then
+    echo "launch.sh: job $SLURM_JOB_ID requeued (SPMD_RL_REQUEUE=1): it resumes from its checkpoint when it runs again" >&2
+  else
+    echo "launch.sh: scontrol requeue $SLURM_JOB_ID failed: submit the same command again to resume" >&2
+  fi
 fi
 exit "$status"

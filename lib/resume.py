@@ -181,6 +181,8 @@ def end_of_step(run: Run, step: int, trainees: dict[str, Trainee], kl_ctrl, metr
             run.logger.print(f"stopped by {signal.Signals(signum).name} after step {step + 1}: checkpoint {path}; "
                              f"the same command resumes the run")
             run.stopped = signal.Signals(signum).name
+            if signum == signal.SIGUSR1:  # SLURM's warning: the job may go back in the queue (launch.sh)
+                exits.preempted()
             return False
     inject.next_step(step + 2)
     return True

@@ -156,18 +156,21 @@ def test_scancel_ends_in_a_checkpoint_and_the_same_command_resumes(cluster, refe
     assert rows(tmp_path) == reference[0]
 
 
-def test_the_templates_preemption_warning_ends_completed(cluster, tmp_path):
+def test_the_templates_preemption_warning_stops_requeues_and_the_job_resumes(cluster, reference, tmp_path):
     """The template's --signal=USR1@180 with a 5-minute limit: SLURM sends the warning once, about two minutes in,
     whatever the job is doing then. The run waits at the end of step 1 until a stop signal has reached its ranks (or
     was kept for them, lib.stops), so the verdict follows the job's state, not the machine's speed: the warning may
-    come while the ranks start or while they wait, and either way the job ends COMPLETED with step 1's checkpoint.
+    come while the ranks start or while they wait, and either way the run stops with step 1's checkpoint. With
+    SPMD_RL_REQUEUE=1 launch.sh then requeues the job (the template's --requeue), and its next run resumes from step 1
+    and completes, to the numbers of a run never interrupted (the same job id, its log appended).
     It ended FAILED, exit 138 (torchrun died of SIGUSR1); later TIMEOUT on a loaded machine: the warning came while the
     ranks were starting, they ignored it, and the run went on to step 497 (issue 78)."""
     env, _ = cluster
     marker = tmp_path / "paused"
-    job_id = submit({**env, "SPMD_RL_TEST_PAUSE": f"1:{marker}"}, tmp_path, "--time=5")
-    state, code = wait(env, job_id, limit=900)
+    job_id = submit({**env, "SPMD_RL_TEST_PAUSE": f"1:{marker}", "SPMD_RL_REQUEUE": "1"}, tmp_path, "--time=5")
+    state, code = wait(env, job_id, limit=1800)
     text = log(tmp_path, job_id)
     assert (state, code) == ("COMPLETED", "0:0"), text[-4000:]
     assert "stopped by SIGUSR1 after step 1:" in text, text[-4000:]
-    assert open(os.path.join(run_dir(tmp_path), "checkpoints", "latest")).read().strip() == "1"
+    assert f"launch.sh: job {job_id} requeued" in text and "resumed from step 1" in text, text[-4000:]
+    assert rows(tmp_path) == reference[0]
