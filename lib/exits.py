@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 from typing import NoReturn
 
-REFUSED, STOPPED = 2, 3
+FAILED, REFUSED, STOPPED = 1, 2, 3
+"""FAILED: the same failure twice in a row (lib/restarts.py), not restarted again: the job failed, as torchrun's own
+exit 1 says."""
 STOPS = ("bad_steps", "logp_mismatch", "env_failures", "save_failed", "engine_failures")
 """The ``run.stopped`` reasons that exit STOPPED: too many bad steps, the canary (rollout.logp_diff_limit), failing
 environments (env.max_failed_share), a checkpoint that could not be written, a generation that failed past
@@ -35,7 +37,7 @@ def preempted() -> None:
 
 
 def leave(code: int) -> NoReturn:
-    """End this rank with ``code`` (REFUSED or STOPPED), telling launch.sh where it listens."""
+    """End this rank with ``code`` (FAILED, REFUSED or STOPPED), telling launch.sh where it listens."""
     path = os.environ.get(STOP_FILE_ENV)
     if path:
         with open(path, "w") as f:  # every rank writes the same code

@@ -8,7 +8,7 @@ uncaught error's type, message and stage, written by the rank's excepthook; a ha
 A rank killed outright (SIGKILL: the OOM killer, a lost node) leaves none, and the record says so. Each restart is one
 line of ``faults.jsonl``: the attempt, the cause, the step the failed attempt had logged last, the checkpoint resumed
 from and the steps redone. A failure after the same step as the attempt before it is not restarted again: the job
-stops with one message (exit 3), since the same command would meet it once more.
+ends with one message (exit 1, a failure), since the same command would meet it once more.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def at_start(run_path: str, is_main: bool, resumed_from: int | None, max_restart
         if is_main:
             print(stop, file=sys.stderr, flush=True)
         dist.destroy_process_group()
-        exits.leave(exits.STOPPED)
+        exits.leave(exits.FAILED)
     return line, count
 
 
