@@ -1,0 +1,361 @@
+"""An OpenAI-compatible endpoint over this rank's rollout engine, every call's tokens kept (issue 75).
+
+An agent program written against the OpenAI API talks to ``Endpoint.base_url(episode)`` as to any server:
+``/chat/completions`` (messages, ``tools``, ``tool_choice`` auto or none, ``max_tokens`` / ``max_completion_tokens``,
+``stop``, ``stream`` as server-sent events with ``stream_options.include_usage``), ``/completions`` (a string or token
+ids) and ``/models``. The episode in the path tells one agent's calls from the others' on the rank.
+
+Tokens in, tokens out. A chat request is rendered with the model's chat template (its ``tools`` given to the
+template), and the endpoint keeps what the engine saw and sampled (``Call``): the prompt ids, the sampled ids, their
+log-probs and the top-k/top-p kept counts. A request that passes the episode's history back unchanged (the messages
+of the previous call, the assistant message the endpoint returned, then tool or user messages) is not rendered again:
+its prompt is the previous call's prompt and sampled ids, then the new messages rendered as the multi-turn loop
+renders observations (lib/multi_turn/render.py), so that the two calls are one sequence of the model's own tokens
+(``Call.extends``). A history the agent rewrote is rendered whole, and the call stands alone.
+
+Threads: the HTTP server (uvicorn serving a Starlette app) runs in a thread of its own; a request is checked and
+rendered there and waits in a queue; the rank's main thread, which owns the engine, takes what waits (``serve``):
+one ``generate_ids`` call for all of it, and each request gets its answer. 64 agents' concurrent calls cost one
+batched call, as 64 samples do in the multi-turn loop.
+
+Refused with OpenAI's error body (HTTP 400, ``{"error": {"message", "type", "param", "code"}}``): n > 1, a
+temperature or top_p other than the run's (the trainer recomputes the log-probs of what the run samples), a
+``tool_choice`` that forces a call (the engine does not constrain its output), a prompt that leaves no room in the
+context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from lib.engine import Turn
+from lib.multi_turn.parsers import Parsed
+from lib.multi_turn.render import ObservationRenderer
+
+
+@dataclass
+class Call:
+    """One completion call of an episode, as the engine saw and sampled it."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    """The sampled ids, a stop token included; cut after a ``stop`` string where the request gave one."""
+    logps: list[float]
+    stopped: bool
+    """Ended on the engine's stop token (not cut by the token cap or a stop string)."""
+    kept: list[int] | None = None
+    extends: bool = False
+    """Its prompt is the episode's previous call's prompt and sampled ids, then the new messages."""
+
+
+@dataclass
+class _Last:
+    """An episode's last chat call: its messages, the assistant message returned, its tokens."""
+
+    messages: list[dict]
+    tools: Any
+    reply: dict
+    call: Call
+
+
+class Refused(ValueError):
+    """A request the endpoint does not take: OpenAI's error body, HTTP ``status``."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+def _text_of(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
+def _calls_of(message: dict) -> list[tuple[str, dict]]:
+    """A message's tool calls as (name, arguments) pairs, the arguments parsed where they came as JSON text."""
+    out = []
+    for c in message.get("tool_calls") or []:
+        f = c.get("function", c)
+        args = f.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = {"_text": args}
+        out.append((f.get("name", ""), args))
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two messages say the same (the fields a chat template reads; absent and empty alike)."""
+    keys = ("role", "name", "tool_call_id")
+    return all((a.get(k) or None) == (b.get(k) or None) for k in keys) and _text_of(a.get("content")) == \
+        _text_of(b.get("content")) and _calls_of(a) == _calls_of(b) and \
+        [c.get("id") for c in a.get("tool_calls") or []] == [c.get("id") for c in b.get("tool_calls") or []]
+
+
+class Endpoint:
+    def __init__(self, tokenizer: Any, parse: Callable[[str], Parsed], temperature: float, top_p: float,
+                 max_context: int, max_tokens: int, model_name: str = "policy", host: str = "127.0.0.1"):
+        """``parse``: the tool-call parser (lib.multi_turn.parsers); ``max_context``: prompt + response tokens at
+        most; ``max_tokens``: a response's tokens at most (rollout.max_response_length)."""
+        self.tokenizer, self.parse, self.model_name = tokenizer, parse, model_name
+        self.temperature, self.top_p = temperature, top_p
+        self.max_context, self.max_tokens = max_context, max_tokens
+        self.renderer = ObservationRenderer(tokenizer)
+        self.calls: dict[str, list[Call]] = defaultdict(list)
+        """Every call of every episode, in the order they were answered."""
+        self.batches: list[int] = []
+        """The requests of each engine call."""
+        self._last: dict[str, _Last] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._engine_calls = 0
+        routes = []
+        for prefix, default in (("/e/{episode}/v1", None), ("/v1", "default")):
+            routes += [Route(f"{prefix}/chat/completions", self._handler(self._chat, default), methods=["POST"]),
+                       Route(f"{prefix}/completions", self._handler(self._completion, default), methods=["POST"]),
+                       Route(f"{prefix}/models", self._handler(self._models, default), methods=["GET"])]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        config = uvicorn.Config(Starlette(routes=routes), log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name="agent-endpoint")
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the agent endpoint did not start on {self.url}")
+            time.sleep(0.01)
+
+    def base_url(self, episode: str) -> str:
+        """The OpenAI base URL of one episode (``OPENAI_BASE_URL``)."""
+        return f"{self.url}/e/{episode}/v1"
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+    # ---- the engine's side (the rank's main thread)
+
+    def serve(self, engine: Any, done: Callable[[], bool], key: Any, gather_s: float = 0.005) -> None:
+        """Answer the requests as they come, in batches, until ``done()`` and nothing waits. ``key``: the sampling
+        key of this serving (a step's), each engine call numbered under it."""
+        while True:
+            try:
+                first = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                if done():
+                    return
+                continue
+            time.sleep(gather_s)  # requests sent together are answered together
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                turns = engine.generate_ids([p for p, _, _ in batch], [c for _, c, _ in batch], False,
+                                            (key, self._engine_calls))
+            except Exception as e:  # noqa: BLE001 - each waiting request is told, then the rank's caller
+                for _, _, answer in batch:
+                    answer.set_exception(e)
+                raise
+            self._engine_calls += 1
+            self.batches.append(len(batch))
+            for (_, _, answer), turn in zip(batch, turns):
+                answer.set_result(turn)
+
+    # ---- the HTTP side (the server's thread)
+
+    def _handler(self, work: Callable, default: str | None) -> Callable:
+        async def handle(request: Request):
+            episode = request.path_params.get("episode", default)
+            try:
+                body = await request.json() if request.method == "POST" else {}
+                if not isinstance(body, dict):
+                    raise Refused("the request body must be a JSON object")
+                return await work(episode, body)
+            except Refused as e:
+                return JSONResponse(e.body(), status_code=e.status)
+            except ValueError as e:  # a body that is not JSON
+                return JSONResponse(Refused(f"the request body is not JSON ({e})").body(), status_code=400)
+            except Exception as e:  # noqa: BLE001 - the engine's error, told to the agent as OpenAI's servers do
+                error = Refused(f"the engine failed: {type(e).__name__}: {e}", code="engine_error", status=500)
+                return JSONResponse(error.body(), status_code=500)
+        return handle
+
+    async def _models(self, episode: str, body: dict) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                         "owned_by": "spmd-rl"}]})
+
+    def _check_sampling(self, body: dict) -> None:
+        if body.get("n") not in (None, 1):
+            raise Refused(f"n={body['n']}: each call is one sample of its episode; ask n times", "n",
+                          "unsupported_value")
+        for name, ours in (("temperature", self.temperature), ("top_p", self.top_p)):
+            given = body.get(name)
+            if given is not None and abs(float(given) - ours) > 1e-6:
+                raise Refused(f"{name}={given}: this run samples with {name} {ours:g} (the trainer recomputes the "
+                              f"log-probs of what it samples); leave it out or send {ours:g}", name,
+                              "unsupported_value")
+
+    def _cap(self, body: dict, prompt_ids: list[int]) -> int:
+        room = self.max_context - len(prompt_ids)
+        if room <= 0:
+            raise Refused(f"the prompt is {len(prompt_ids)} tokens and the context holds {self.max_context}: no room "
+                          f"for a response", "messages", "context_length_exceeded")
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens
+        return max(1, min(int(asked), self.max_tokens, room))
+
+    async def _generate(self, prompt_ids: list[int], cap: int) -> Turn:
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((prompt_ids, cap, answer))
+        return await asyncio.wrap_future(answer)
+
+    def _stops(self, body: dict) -> list[str]:
+        stop = body.get("stop") or []
+        return [stop] if isinstance(stop, str) else list(stop)
+
+    def _finish(self, turn: Turn, stops: list[str]) -> tuple[list[int], list[float], list[int] | None, bool, str, bool]:
+        """The sampled ids kept (cut after a stop string), their log-probs and kept counts, whether they end on the
+        engine's stop token, the text (the stop token and stop string left out), and whether a stop string cut it."""
+        ids, logps, kept, stopped = turn.ids, turn.logps, turn.kept, turn.stopped
+        body = ids[:-1] if stopped else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s and s in text]
+        if not hits:
+            return ids, logps, kept, stopped, text, False
+        at = min(hits)
+        k = next(k for k in range(1, len(body) + 1)
+                 if any(s in self.tokenizer.decode(body[:k], skip_special_tokens=True) for s in stops if s))
+        return ids[:k], logps[:k], None if kept is None else kept[:k], False, text[:at], True
+
+    def _prompt(self, episode: str, messages: list[dict], tools: Any) -> tuple[list[int], bool]:
+        """The prompt ids of a chat request, and whether they continue the episode's last call."""
+        last = self._last.get(episode)
+        if last is not None and tools == last.tools:
+            k = len(last.messages)
+            new = messages[k + 1:]
+            if len(messages) > k + 1 and all(_same(a, b) for a, b in zip(messages[:k], last.messages)) \
+                    and _same(messages[k], last.reply) and all(m.get("role") in ("tool", "user") for m in new):
+                c = last.call
+                stop_text = self.tokenizer.decode(c.ids[-1:]) if c.stopped else ""
+                rendered = [{"role": m["role"], "content": _text_of(m.get("content")), "name": m.get("name"),
+                             "tool_call_id": m.get("tool_call_id")} for m in new]
+                return c.prompt_ids + c.ids + self.renderer.observation_ids(rendered, stop_text), True
+        plain = []
+        for m in messages:
+            out = {"role": m.get("role"), "content": _text_of(m.get("content"))}
+            for k in ("name", "tool_call_id"):
+                if m.get(k):
+                    out[k] = m[k]
+            calls = _calls_of(m)
+            if calls:  # the calls in the parser's own format, as the model writes them
+                out["content"] += "".join('<tool_call>' + json.dumps({"name": n, "arguments": a}) + '</tool_call>'
+                                          for n, a in calls)
+            plain.append(out)
+        text = self.tokenizer.apply_chat_template(plain, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"], False
+
+    async def _chat(self, episode: str, body: dict):
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise Refused("messages must be a non-empty list", "messages", "missing_messages")
+        self._check_sampling(body)
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise Refused(f"tool_choice={json.dumps(choice)}: the engine samples freely, it cannot force a call; use "
+                          f"auto or none", "tool_choice", "unsupported_value")
+        tools = body.get("tools")
+        prompt_ids, extends = self._prompt(episode, messages, tools)
+        turn = await self._generate(prompt_ids, self._cap(body, prompt_ids))
+        ids, logps, kept, stopped, text, cut = self._finish(turn, self._stops(body))
+        call = Call(prompt_ids, ids, logps, stopped, kept, extends)
+        parsed = self.parse(text) if tools and choice != "none" else Parsed()
+        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                  "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
+        content = text.split("<tool_call>")[0].strip() if calls else text
+        reply = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
+        finish = "tool_calls" if calls else "stop" if stopped or cut else "length"
+        self.calls[episode].append(call)
+        self._last[episode] = _Last(list(messages), tools, reply, call)
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                 "total_tokens": len(prompt_ids) + len(ids)}
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+        if not body.get("stream"):
+            return JSONResponse({**head, "object": "chat.completion", "usage": usage, "choices": [
+                {"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}]})
+        deltas = [{"role": "assistant", "content": ""}]
+        if reply["content"]:
+            deltas.append({"content": reply["content"]})
+        if calls:
+            deltas.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+        chunks = [{**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d,
+                                                                           "finish_reason": None}]} for d in deltas]
+        chunks.append({**head, "object": "chat.completion.chunk",
+                       "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        return StreamingResponse(_events(chunks), media_type="text/event-stream")
+
+    async def _completion(self, episode: str, body: dict):
+        self._check_sampling(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt_ids = list(prompt)
+        else:
+            raise Refused("prompt must be one string or one list of token ids", "prompt", "invalid_prompt")
+        turn = await self._generate(prompt_ids, self._cap(body, prompt_ids))
+        ids, logps, kept, stopped, text, cut = self._finish(turn, self._stops(body))
+        self.calls[episode].append(Call(prompt_ids, ids, logps, stopped, kept))
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                 "total_tokens": len(prompt_ids) + len(ids)}
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name,
+                "object": "text_completion"}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop" if stopped or cut else "length"}
+        if not body.get("stream"):
+            return JSONResponse({**head, "choices": [choice], "usage": usage})
+        chunks = [{**head, "choices": [choice]}]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({**head, "choices": [], "usage": usage})
+        return StreamingResponse(_events(chunks), media_type="text/event-stream")
+
+
+def _events(chunks: list[dict]) -> Iterator[str]:
+    """Server-sent events: one ``data:`` line a chunk, then ``[DONE]``."""
+    for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
