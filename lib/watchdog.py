@@ -135,19 +135,28 @@ def start(run_path: str, rank: int, world: int, attempt: int, timeout: float, wh
             idle = idle_ranks(states, world, now, timeout, started)
             if idle is None or _stop.is_set():
                 continue
-            fire(describe(idle, states, now, period), min(set(range(world)) - set(silent(states, world, now, period))))
+            gone = silent(states, world, now, period)
+            fire(describe(idle, states, now, period), [r for r in range(world) if r not in gone])
 
-    def fire(ranks: str, reporter: int) -> None:
+    def fire(ranks: str, responding: list[int]) -> None:
+        reporter = min(responding)
         stage = where() or "-"
         cause = f"hang: no rank made progress for {timeout:g} s (trainer.hang_timeout_s); {ranks}"
-        stacks = os.path.join(run_path, "hangs", f"attempt{attempt}-rank{rank}.txt")
+        stacks_of = lambda r: os.path.join(run_path, "hangs", f"attempt{attempt}-rank{r}.txt")  # noqa: E731
+        stacks = stacks_of(rank)
         try:
             os.makedirs(os.path.dirname(stacks), exist_ok=True)
-            with open(stacks, "w") as f:
+            with open(stacks + ".tmp", "w") as f:
                 f.write(f"rank {rank}, pid {os.getpid()}, stage {stage}, idle {time.monotonic() - _last[0]:.0f} s\n")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
+            os.replace(stacks + ".tmp", stacks)  # whole when it has its name
             on_fire(cause)
+            # the other responding ranks fire within a period of this one: their stacks are written before any rank
+            # exits (a rank gone first ends the others' collectives, and they their run, before their watchdogs fire)
+            deadline = time.monotonic() + 3 * period + 5
+            while time.monotonic() < deadline and not all(os.path.exists(stacks_of(r)) for r in responding):
+                time.sleep(0.1)
         finally:
             if rank == reporter:
                 print(f"error: {cause}; every rank's Python stacks are in {os.path.dirname(stacks)} (a rank not "
