@@ -230,9 +230,8 @@ def _value_problems(cfg: Config) -> list[str]:
         (t.collective_timeout_s <= 0, f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0"),
         (r.max_engine_failures < 0, f"rollout.max_engine_failures={r.max_engine_failures} must be >= 0"),
         (t.max_restarts < 0, f"trainer.max_restarts={t.max_restarts} must be >= 0 (0: a failure ends the job)"),
-        (0 < t.hang_timeout_s < 10, f"trainer.hang_timeout_s={t.hang_timeout_s} must be 0 (off) or >= 10: the "
-                                    f"watchdog's own writes come every tenth of it"),
-        (t.hang_timeout_s < 0, f"trainer.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0: off)"),
+        (t.hang_timeout_s != 0 and not t.hang_timeout_s >= 10, f"trainer.hang_timeout_s={t.hang_timeout_s} must be 0 "
+                                                                  f"(off) or >= 10: the watchdog writes every tenth of it"),
         (not 0 <= al.gamma <= 1, f"algorithm.gamma={al.gamma} must be in [0, 1]"),
         (not 0 <= al.lam <= 1, f"algorithm.lam={al.lam} must be in [0, 1]"),
         (al.overlong_buffer < 0, f"algorithm.overlong_buffer={al.overlong_buffer} must be >= 0 (0: off)"),

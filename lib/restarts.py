@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch.distributed as dist
 
@@ -33,9 +34,10 @@ def attempt() -> int:
     return int(os.environ.get(RESTART_ENV, "0") or 0)
 
 
-def watch(run_path: str, rank: int) -> None:
+def watch(run_path: str, rank: int, trainer: Any) -> None:
     """From here on an uncaught error of this rank is kept for the restart (``keep``); a first attempt clears the
-    causes an earlier launch left."""
+    causes an earlier launch left, a restart turns ``trainer.resume`` on (it continues the run it failed in)."""
+    trainer.resume = trainer.resume or attempt() > 0
     folder = os.path.join(run_path, "faults")
     _folder[:] = [folder, str(rank)]
     if attempt() == 0:

@@ -146,8 +146,7 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     obj = [run_dir(cfg.trainer.output_root, cfg.trainer.run_name, to_dict(cfg), sys.argv[0])]
     dist.broadcast_object_list(obj, src=0)  # one run folder, even if the clocks of the ranks differ
     path = obj[0]
-    restarts.watch(path, topo.rank)  # an uncaught error from here on is kept for a restart
-    cfg.trainer.resume = cfg.trainer.resume or restarts.attempt() > 0  # a restart continues the run it failed in
+    restarts.watch(path, topo.rank, cfg.trainer)  # errors kept for a restart, which resumes the run it failed in
     problem = ""
     try:
         # the judge's endpoint probed once a launch: by launch.sh's check, or else by rank 0 (its failure stops all)
