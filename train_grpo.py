@@ -40,7 +40,7 @@ from lib.protocol import DataProto
 from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
 from lib.scoring import no_scores, score
 from lib.vision.clock import tower_clock
-from lib.startup import Run
+from lib.run import Run
 
 # ---- stages
 

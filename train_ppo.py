@@ -36,7 +36,7 @@ from lib.protocol import DataProto
 from lib.partial import loop as partial
 from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
 from lib.scoring import score
-from lib.startup import Run
+from lib.run import Run
 
 
 def build_critic(run: Run) -> Trainee:

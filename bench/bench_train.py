@@ -40,7 +40,7 @@ from lib.dist import init_topology, reduce_metrics  # noqa: E402
 from lib.fsdp import DEFER_FLAG, build_sharded_model  # noqa: E402
 from lib.optim import build_optimizer  # noqa: E402
 from lib.protocol import DataProto  # noqa: E402
-from lib.startup import DEVICE_MARGIN_BYTES  # noqa: E402
+from lib.engines import DEVICE_MARGIN_BYTES  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 LEVERS = ("fused_optim", "checkpointing", "compile", "budget", "budget_checkpointing", "liger")

@@ -10,7 +10,7 @@ memory``), measured once at start-up, instead of a fixed count.
 - activation bytes per token: the peak a forward and backward of the update's own path (packed rows, the model's
   head and loss path as configured) adds above what was allocated before it, over a probe of PROBE_TOKENS tokens;
   gradients and FSDP's gathered layers are in it, so the figure errs large (a smaller budget, never an OOM from it);
-- margin: ``DEVICE_MARGIN_BYTES`` of lib.startup's plan (CUDA context, NCCL, fragmentation).
+- margin: ``DEVICE_MARGIN_BYTES`` of lib/engines.py (CUDA context, NCCL, fragmentation).
 
 The budget is capped at ``max_tokens_per_rank`` (16,384 by default), is the smallest of the ranks' and must hold one
 full sequence. Where no device allocator can be read (CPU), the budget is ``max_tokens_per_rank``. The code asks ``torch.cuda.is_available()``, so

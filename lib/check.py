@@ -15,7 +15,7 @@ import sys
 
 from lib import config, preflight, stops
 from lib.runfolder import run_dir
-from lib.startup import check_inputs, resolve_generated, resolve_toy
+from lib.inputs import check_inputs, resolve_generated, resolve_toy
 
 OUT_ENV = "SPMD_RL_CHECK_OUT"
 """A file lib.check writes the run's trainer.max_restarts into, for launch.sh's torchrun (nothing: no restarts)."""

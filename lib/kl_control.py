@@ -8,7 +8,7 @@ import torch.distributed as dist
 from lib import algos
 from lib.config import Config
 from lib.protocol import DataProto
-from lib.startup import Run
+from lib.run import Run
 
 
 def kl_controller(cfg: Config):

@@ -14,7 +14,7 @@ from lib.multi_turn import loop as multi_turn_loop
 from lib.protocol import DataProto
 from lib.rewards import FAILURE_KINDS
 from lib.scoring import MASKED
-from lib.startup import Run
+from lib.run import Run
 
 
 def response_metrics(batch: DataProto, max_len: int, gather: Callable[[list], list] = lambda rows: rows

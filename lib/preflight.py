@@ -89,7 +89,7 @@ def on_gpu(cfg: Config) -> bool:
 
 
 def picks_vllm(cfg: Config) -> bool:
-    """rollout.engine vllm, or auto on a GPU machine with vllm installed (lib.startup.uses_vllm)."""
+    """rollout.engine vllm, or auto on a GPU machine with vllm installed."""
     r = cfg.rollout
     if r.engine != "auto":
         return r.engine == "vllm"

@@ -25,11 +25,11 @@ from lib import checkpoint, exits, inject, restarts, stops, watchdog
 from lib.partial import carry
 from lib.runfolder import resumable, step_dir, what_resumes
 from lib.runlog import STAGES, stage
-from lib.startup import engine_dtype
+from lib.engines import engine_dtype
 from lib.validation import validate_policy, validate_teacher
 
 if TYPE_CHECKING:
-    from lib.startup import Run
+    from lib.run import Run
     from lib.update import Trainee
 
 PAUSE = "SPMD_RL_TEST_PAUSE"

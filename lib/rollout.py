@@ -20,7 +20,10 @@ from lib.lora import adapters_off
 from lib.protocol import DataProto
 from lib.runlog import FAILED_IN, stage
 from lib.runfolder import what_resumes
-from lib.startup import Run, build_engine, engine_dtype, finish, uses_vllm
+from lib.engines import build_engine, engine_dtype
+from lib.preflight import picks_vllm
+from lib.run import Run
+from lib.startup import finish
 from lib.sync import enter_rollout, exit_rollout
 from lib.vision import batch_metrics
 
@@ -53,7 +56,7 @@ def generate(run: Run, prompts: DataProto | None, validate: bool = False, other:
     level = adapter.sleep_level if adapter is not None else 2
     # the policy's own single-turn generation on the HF engine, where no collective runs inside it, is retried on an
     # engine's error (vLLM's teardown destroys the process group with it: an error there fails the rank, for a restart)
-    retried = other is None and produce is None and run.multi_turn is None and not uses_vllm(cfg)
+    retried = other is None and produce is None and run.multi_turn is None and not picks_vllm(cfg)
     retry = 0
     while True:
         with stage("to_rollout", timing):

@@ -12,7 +12,7 @@ from lib.preflight import GROUP_ESTIMATORS
 from lib.protocol import DataProto
 from lib.rewards.scorer import Scored, last_sampled
 from lib.runfolder import what_resumes
-from lib.startup import Run
+from lib.run import Run
 
 
 def no_scores(batch: DataProto) -> dict[str, float]:

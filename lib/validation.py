@@ -12,7 +12,8 @@ from lib import distill
 from lib.data import collate
 from lib.rollout import generate
 from lib.scoring import run_scorer
-from lib.startup import Run, build_teacher_engine
+from lib.engines import build_teacher_engine
+from lib.run import Run
 
 
 def validate_teacher(run: Run) -> dict[str, float]:

@@ -178,7 +178,7 @@ def test_a_teacher_that_cannot_score_the_students_tokens_is_refused_before_any_m
     Qwen-style vocabulary): one message naming the fix, from the checks that run before any model loads. Pure
     distillation's rows need only a prompt (no data_source, no ground truth)."""
     from lib import toy
-    from lib.startup import check_inputs
+    from lib.inputs import check_inputs
 
     student, _ = pair
     rows = tmp_path / "prompts.jsonl"

@@ -76,11 +76,11 @@ def test_offloading_frees_the_cache(fake, model_dir):
 
 
 def test_the_kv_cache_budget_is_the_devices_total_less_what_training_holds(fake, model_dir):
-    """lib/startup.device_budget on a GPU: from the device's total memory (never its free memory): less what the
+    """lib/engines.device_budget on a GPU: from the device's total memory (never its free memory): less what the
     trainer holds now, the AdamW moments to come, the engine's weights and the margin."""
     from transformers import AutoModelForCausalLM
 
-    from lib import startup
+    from lib import engines
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     n = sum(p.numel() for p in model.parameters())
@@ -88,11 +88,11 @@ def test_the_kv_cache_budget_is_the_devices_total_less_what_training_holds(fake,
         topo=types.SimpleNamespace(device=torch.device("cuda", 0), rollout_tp_size=1),
         actor=types.SimpleNamespace(model=model),
         cfg=types.SimpleNamespace(actor=types.SimpleNamespace(fsdp=types.SimpleNamespace(optimizer_offload=False))))
-    budget = startup.device_budget(run, torch.bfloat16)
-    assert budget == 80 * GIB - 3 * GIB - 8 * n - 2 * n - startup.DEVICE_MARGIN_BYTES
+    budget = engines.device_budget(run, torch.bfloat16)
+    assert budget == 80 * GIB - 3 * GIB - 8 * n - 2 * n - engines.DEVICE_MARGIN_BYTES
     assert fake.calls["get_device_properties"] == 1
     run.cfg.actor.fsdp.optimizer_offload = True  # the moments live on the CPU: no room kept for them
-    assert startup.device_budget(run, torch.bfloat16) == budget + 8 * n
+    assert engines.device_budget(run, torch.bfloat16) == budget + 8 * n
 
 
 def test_start_up_decisions_on_a_gpu_machine(fake, monkeypatch):
@@ -122,11 +122,11 @@ def test_start_up_decisions_on_a_gpu_machine(fake, monkeypatch):
 def test_the_device_decides_dtypes_and_offloads():
     """The choices made from the Topology's device (no CUDA call): bf16 engines and reward models, the teacher and
     the reward model waiting on the CPU, on a GPU; fp32 and no offload on a CPU."""
-    from lib import distill, startup
+    from lib import distill, engines
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     run = lambda device: types.SimpleNamespace(topo=types.SimpleNamespace(device=device))  # noqa: E731
-    assert startup.engine_dtype(run(gpu)) == torch.bfloat16 and startup.engine_dtype(run(cpu)) == torch.float32
+    assert engines.engine_dtype(run(gpu)) == torch.bfloat16 and engines.engine_dtype(run(cpu)) == torch.float32
     cfg = types.SimpleNamespace(distill=types.SimpleNamespace(teacher_offload=True))
     assert distill.offloads(cfg, gpu) and not distill.offloads(cfg, cpu)
     from lib.fsdp import compute_policy

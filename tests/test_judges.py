@@ -198,10 +198,10 @@ def test_validation_leaves_unscored_responses_out_and_shows_the_rule_beside_the_
 
 def test_a_refused_key_or_a_missing_one_stops_the_start_before_any_model_loads(server, tmp_path, monkeypatch):
     """The start-up's input check builds the judge and probes it: a key the endpoint refuses, or a key variable that
-    is not set, is one ValueError naming the fix (lib.startup.check_inputs, which every rank runs before a model
+    is not set, is one ValueError naming the fix (lib.inputs.check_inputs, which every rank runs before a model
     loads and prints once)."""
     from lib import config
-    from lib.startup import check_inputs
+    from lib.inputs import check_inputs
 
     cfg = config.parse([], default_preset="tiny_cpu_grpo")  # the toy task's files come with the test's tmp_path
     cfg.judge.url, cfg.judge.model, cfg.judge.api_key_env = server.url, "judge", "TEST_JUDGE_KEY"
@@ -442,7 +442,7 @@ def test_the_toy_judges_thinking_is_the_rule():
 
 
 def test_a_judge_model_that_cannot_judge_is_refused_at_the_start_naming_the_fix(tmp_path):
-    """At start-up (lib.startup.check_inputs, before any model loads): a tokenizer without a chat template, a context
+    """At start-up (lib.inputs.check_inputs, before any model loads): a tokenizer without a chat template, a context
     that cannot hold the judge's prompt around the longest question and response and the verdict, a judge named
     both by url and by path. Each one ValueError naming what to change."""
     import json
@@ -451,7 +451,7 @@ def test_a_judge_model_that_cannot_judge_is_refused_at_the_start_naming_the_fix(
 
     from lib import config, judges
     from lib.judges import toy as judge_toy
-    from lib.startup import check_inputs, resolve_toy
+    from lib.inputs import check_inputs, resolve_toy
 
     cfg = config.parse(["--judge.path", "toy_judge", "--trainer.output_root", str(tmp_path)],
                        default_preset="tiny_cpu_grpo")
@@ -482,7 +482,7 @@ def test_a_vllm_judge_where_vllm_cannot_decode_it_is_refused_at_the_start(tmp_pa
     import importlib.util
 
     from lib import config, preflight
-    from lib.startup import check_inputs, resolve_toy
+    from lib.inputs import check_inputs, resolve_toy
 
     cfg = config.parse(["--judge.path", "toy_judge", "--judge.engine", "vllm", "--judge.max_tokens", "72",
                         "--trainer.output_root", str(tmp_path)], default_preset="tiny_cpu_grpo")

@@ -173,7 +173,7 @@ def test_a_whole_checkpoint_trained_text_only_with_the_vllm_engine_is_refused_be
     vLLM engine, tests/test_vision.py)."""
     from lib import preflight
     from lib.config import Config
-    from lib.startup import check_inputs
+    from lib.inputs import check_inputs
 
     monkeypatch.setattr(preflight, "vllm_problems", lambda *_, **__: [])  # as on a machine with vLLM
     path = zoo.build_whole("qwen3_5_vl", str(tmp_path))

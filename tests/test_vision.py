@@ -226,7 +226,7 @@ def zoo_text_model(tmp_path_factory):
 
 
 def image_config(vision_root, tmp_path):
-    """A config for a tiny Qwen2-VL on four geo3k-layout rows (checked by lib.startup.check_inputs)."""
+    """A config for a tiny Qwen2-VL on four geo3k-layout rows (checked by lib.inputs.check_inputs)."""
     from lib.config import Config
 
     model = zoo.build_vision("qwen2_vl", vision_root)
@@ -284,7 +284,7 @@ def test_image_prompts_take_the_vllm_engine_where_torchvision_imports(vision_roo
     """vLLM's Qwen-VL code imports transformers' torchvision image processor: without a torchvision that imports
     beside this torch, image prompts with the vLLM engine are refused before any model loads, naming the fix."""
     from lib import preflight
-    from lib.startup import check_inputs
+    from lib.inputs import check_inputs
     from lib.vision import vllm_problem
 
     monkeypatch.setattr(preflight, "vllm_problems", lambda *_, **__: [])  # as on a machine with vLLM
@@ -725,7 +725,7 @@ def test_the_visual_preset_with_the_vllm_engine(tmp_path):
                                                  "budget .*: actor.model.min_pixels and max_pixels do not apply"),
 ])
 def test_what_image_training_lacks_is_refused_before_any_model_loads(flags, message, vision_root, tmp_path):
-    from lib.startup import check_inputs
+    from lib.inputs import check_inputs
 
     cfg = image_config(vision_root, tmp_path)
     if "model" in flags:

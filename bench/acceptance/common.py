@@ -40,7 +40,7 @@ GRPO_N = 5  # the preset's samples per prompt; one mini-batch a step (the preset
 FEATURE_SIZES = {"cuda": (16, 64), "cpu": (8, 16)}  # prompts a step (x GRPO_N samples), response tokens
 SHORT_STEPS = {"cuda": 3, "cpu": 2}  # the feature rows' steps: every stage runs, more than once
 PROMPT_LEN = 16  # the toy's prompts, padded or cut to this many tokens
-# The engine settings of the GRPO run's vLLM engine (lib.startup.build_engine: max_model_len = prompt + response,
+# The engine settings of the GRPO run's vLLM engine (lib.engines.build_engine: max_model_len = prompt + response,
 # max_num_seqs = one wave of samples, at most rollout.max_num_seqs 256): correctness, sleep_wake and rollout build
 # their engines with the same ones, so that vLLM's compile cache made by the first serves the rest (a hit took 3.6 s
 # on the H100, a miss 22-32 s).

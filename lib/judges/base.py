@@ -16,7 +16,7 @@ Answer = tuple[str, bool] | str
 
 class Judge:
     remote = False
-    """An endpoint over the network: its probe is sent once a launch (lib.startup.check_inputs)."""
+    """An endpoint over the network: its probe is sent once a launch (lib.inputs.check_inputs)."""
 
     def __init__(self, cfg: JudgeConfig, template: str):
         """``template``: the judge's prompt, {question}, {response} and {reference} filled in (str.format)."""

@@ -40,4 +40,4 @@ def config_problems(cfg: Any) -> list[str]:
     if not cfg.data.apply_chat_template:
         problems.append("multi-turn rollouts render tool observations with the chat template: turn "
                         "data.apply_chat_template on")
-    return problems  # the tools themselves are loaded and checked with the data (lib.startup.check_inputs)
+    return problems  # the tools themselves are loaded and checked with the data (lib.inputs.check_inputs)

@@ -19,7 +19,7 @@ from lib.multi_turn.loop import COUNT_KINDS
 from lib.partial.carry import Sample, completed, first_version, groups
 from lib.protocol import DataProto
 from lib.rollout import generate, next_batch
-from lib.startup import Run
+from lib.run import Run
 
 KEY = -7
 """The sampling key's marker (ints only: a tuple of ints hashes alike in every process, so a resumed run draws the
