@@ -24,6 +24,7 @@ Where this departs from the paper:
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
@@ -32,10 +33,12 @@ import torch.distributed as dist
 
 from lib import algos, config, distill, kl_control, metrics as metric_log, resume, startup
 from lib.actor import update_policy
+from lib.agents.samples import once_per_episode
 from lib.balance import balance_groups
 from lib.dist import sum_over_ranks
 from lib.runlog import stage
 from lib.partial import loop as partial
+from lib.preflight import GROUP_ESTIMATORS
 from lib.protocol import DataProto
 from lib.rollout import correct_rollout, generate, next_batch, policy_log_probs
 from lib.scoring import no_scores, score
@@ -103,9 +106,11 @@ def compute_advantages(run: Run, batch: DataProto, kl_ctrl, metrics: dict) -> No
     # groups stay on one rank; batch-wide statistics (whitening, GPG's counts) are summed over all ranks
     # the group statistics' groups: the prompt's (uid), less the samples a judge could not score (lib/scoring.py)
     groups = batch.non_tensor_batch.get("score_group", batch.non_tensor_batch["uid"])
-    adv, ret = algos.ADVANTAGE_ESTIMATORS[a.adv_estimator](
-        rewards, mask, index=groups, gamma=a.gamma, lam=a.lam,
-        norm_adv_by_std=a.norm_adv_by_std, reduce=sum_over_ranks())
+    estimate = algos.ADVANTAGE_ESTIMATORS[a.adv_estimator]
+    if "episode" in batch.non_tensor_batch and a.adv_estimator in GROUP_ESTIMATORS:  # an agent's rows: once an episode
+        estimate = functools.partial(once_per_episode, estimate, episodes=batch.non_tensor_batch["episode"])
+    adv, ret = estimate(rewards, mask, index=groups, gamma=a.gamma, lam=a.lam, norm_adv_by_std=a.norm_adv_by_std,
+                        reduce=sum_over_ranks())
     b["advantages"], b["returns"] = adv, ret
     if run.teacher is not None:
         distill.set_advantages(batch, cfg)  # the teacher's term; the task's advantage kept or dropped

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import tyro
 import yaml
 
+from lib.config_agent import AgentConfig  # noqa: F401
 from lib.config_env import EnvConfig  # noqa: F401
 from lib.config_partial import PartialConfig  # noqa: F401
 from lib.config_judge import JudgeConfig  # noqa: F401
@@ -275,6 +276,7 @@ class Config:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -16,7 +16,7 @@ from typing import NoReturn
 FAILED, REFUSED, STOPPED = 1, 2, 3
 """FAILED: the same failure twice in a row (lib/restarts.py), not restarted again: the job failed, as torchrun's own
 exit 1 says."""
-STOPS = ("bad_steps", "logp_mismatch", "env_failures", "save_failed", "engine_failures")
+STOPS = ("bad_steps", "logp_mismatch", "env_failures", "agent_failures", "save_failed", "engine_failures")
 """The ``run.stopped`` reasons that exit STOPPED: too many bad steps, the canary (rollout.logp_diff_limit), failing
 environments (env.max_failed_share), a checkpoint that could not be written, a generation that failed past
 rollout.max_engine_failures. A signal's stop exits 0."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lib import distill, envs, judges, multi_turn, toy
+from lib import agents, distill, envs, judges, multi_turn, toy
 from lib.config import Config, to_dict
 from lib.data import PromptSet, Sampler, expand_files, load_prompts
 from lib.dist import Topology
@@ -85,9 +85,12 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, pro
             openenv.check_app(cfg.env.app)  # its file or module exists (each rank starts it after the checks)
         elif cfg.env.url and probe:  # a server that cannot be reached: one error, before any model loads
             openenv.probe(cfg.env.url, cfg.env.timeout_s, cfg.env.max_retries + 1, cfg.env.backoff_s)
-    # an RM, a judge or an environment alone scores any row; pure distillation's rows need no reward function
+    if agents.enabled(cfg):
+        agents.load_agent(cfg.agent.entry) if cfg.agent.entry else agents.check_command(cfg.agent.command)
+        ObservationRenderer(tokenizer)  # a template that cannot render tool messages is refused here
+    # an RM, a judge, an environment or an agent alone scores any row; pure distillation's rows need no reward function
     any_row = cfg.reward.custom_fn or cfg.reward.reward_model or (judge is not None and not cfg.judge.rule_weight) \
-        or (envs.enabled(cfg) and not cfg.env.rule_weight)
+        or (envs.enabled(cfg) and not cfg.env.rule_weight) or agents.enabled(cfg)
     known = None if any_row or (distill.enabled(cfg) and not cfg.distill.task_reward) else RULE_SOURCES
     tool_schemas = None
     if multi_turn.enabled(cfg):

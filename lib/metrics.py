@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lib.agents import runner as agent_runner
 from lib.dist import reduce_metrics
 from lib.envs import loop as env_loop
 from lib.multi_turn import loop as multi_turn_loop
@@ -62,6 +63,7 @@ def samples_to_log(run: Run, batch: DataProto, k: int) -> list[tuple[str, str, f
 
 # counts: summed over ranks and rounds (the judge's too: requests, verdicts by kind, masked samples, tokens)
 SUMMED_METRICS = (tuple(f"reward/{kind}" for kind in FAILURE_KINDS) + multi_turn_loop.SUMMED + env_loop.SUMMED
+                  + agent_runner.SUMMED
                   + ("env/masked", "env/dropped_groups")
                   + tuple(f"judge/{k}" for k in ("requests", "cache_hits", "errors", "parse_failures", "deadline",
                                                   "over_budget", "masked", "dropped_groups", "tokens")))

@@ -18,6 +18,7 @@ import torch
 from lib import algos, attention, fsdp, liger, lora, routing
 from lib.config import Config
 from lib.dist import divisors
+from lib.agents import config_problems as agent_problems
 from lib.envs import config_problems as env_problems
 from lib.partial import config_problems as partial_problems
 from lib.multi_turn import config_problems
@@ -389,6 +390,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)
     problems += env_problems(cfg)
+    problems += agent_problems(cfg)
     problems += partial_problems(cfg)
     if "wandb" in t.logger:
         if importlib.util.find_spec("wandb") is None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lib.agents.runner import AgentRollout
 from lib.config import Config
 from lib.data import PromptSet, Sampler
 from lib.dist import Topology
@@ -52,8 +53,9 @@ class Run:
     """The KL reference; the actor's own model (its LoRA adapter switched off) with actor.lora.reference base."""
     lora: Any = None
     """lib.lora.Sync of a LoRA policy (None: full fine-tuning)."""
-    multi_turn: MultiTurn | EnvRollout | None = None
-    """Multi-turn rollouts: with tools (lib/multi_turn), or an environment's episodes (lib/envs). None: one turn."""
+    multi_turn: MultiTurn | EnvRollout | AgentRollout | None = None
+    """Multi-turn rollouts (lib/episodes.py): with tools (lib/multi_turn), an environment's episodes (lib/envs), or
+    the user's agents' (lib/agents). None: one turn."""
     env_server: openenv.LocalServer | None = None
     """The OpenEnv server this rank started (env.app)."""
     partial: list = field(default_factory=list)

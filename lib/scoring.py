@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lib import algos, startup
+from lib import agents, algos, startup
 from lib.preflight import GROUP_ESTIMATORS
 from lib.protocol import DataProto
 from lib.rewards.scorer import Scored, last_sampled
@@ -40,35 +40,48 @@ def score(run: Run, batch: DataProto) -> dict[str, float]:
     if scored.unscored is not None:
         estimator = run.cfg.algorithm.adv_estimator
         masked = mask_unscored(batch, scored.unscored, 2 if estimator in GROUP_ESTIMATORS else 1)
-        if run.scorer.judge is None:  # an environment's failed episodes alone
-            masked = {k.replace("judge/", "env/", 1): v for k, v in masked.items()}
+        if run.scorer.judge is None:  # an environment's or agents' failed episodes alone
+            masked = {k.replace("judge/", f"{_player(run)}/", 1): v for k, v in masked.items()}
         metrics.update(masked)
     return metrics
 
 
+def _player(run: Run) -> str:
+    """The config section whose episodes score themselves: agent or env."""
+    return "agent" if agents.enabled(run.cfg) else "env"
+
+
 def env_failures(run: Run, batch: DataProto) -> None:
-    """An environment's failed episodes over all ranks: the first message of each kind printed once a run (rank 0);
-    a rollout where more than env.max_failed_share of them failed stops the run with the last error."""
-    mine = [(kind, message) for _, kind, message in batch.non_tensor_batch["env_score"] if kind]
+    """An environment's or agents' failed episodes over all ranks: the first message of each kind printed once a run
+    (rank 0); a rollout where more than env.max_failed_share (agent.max_failed_share) of them failed stops the run
+    with the last error. An agent's episode split into several rows counts once."""
+    nt = batch.non_tensor_batch
+    keys = nt["episode"] if "episode" in nt else range(len(batch))
+    episodes = {key: score for key, score in zip(keys, nt["env_score"])}
+    mine = [(kind, message) for _, kind, message in episodes.values() if kind]
     parts: list = [None] * run.topo.world_size
     # world: a few counts and strings a rank, so that every rank stops together
-    dist.all_gather_object(parts, (len(mine), len(batch), dict(mine[::-1]), mine[-1] if mine else None))
+    dist.all_gather_object(parts, (len(mine), len(episodes), dict(mine[::-1]), mine[-1] if mine else None))
     failed, total = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    who = _player(run)
     for part in parts:
         for kind, message in part[2].items():
-            if f"env/{kind}" not in run.reported_failures:
-                run.reported_failures.add(f"env/{kind}")
-                run.logger.print(f"warning: env/failed_{kind}: {message} (the episode is masked from the update; "
+            if f"{who}/{kind}" not in run.reported_failures:
+                run.reported_failures.add(f"{who}/{kind}")
+                run.logger.print(f"warning: {who}/failed_{kind}: {message} (the episode is masked from the update; "
                                  f"later ones are only counted)")
     share = failed / max(total, 1)
-    if share > run.cfg.env.max_failed_share:  # every rank sees the same counts: all stop here, together
+    limit = getattr(run.cfg, who).max_failed_share
+    if share > limit:  # every rank sees the same counts: all stop here, together
         last = next(p[3] for p in reversed(parts) if p[3] is not None)
-        run.logger.print(f"error: {failed} of {total} environment episodes failed in this rollout, over "
-                         f"env.max_failed_share={run.cfg.env.max_failed_share:g}; the last: env/failed_{last[0]}: "
-                         f"{last[1]}. This step's update is not made. Fix the environment (its server's log: "
-                         f"env_server/ in the run folder for env.app); then "
+        fix = ("Fix the agent (run it alone against any OpenAI endpoint)" if who == "agent" else
+               "Fix the environment (its server's log: env_server/ in the run folder for env.app)")
+        what = "agent" if who == "agent" else "environment"
+        run.logger.print(f"error: {failed} of {total} {what} episodes failed in this rollout, over "
+                         f"{who}.max_failed_share={limit:g}; the last: {who}/failed_{last[0]}: "
+                         f"{last[1]}. This step's update is not made. {fix}; then "
                          f"{what_resumes(run.path, run.cfg.trainer.save_every)}.")
-        run.stopped = "env_failures"
+        run.stopped = f"{who}_failures"
         startup.finish(run)  # exits 3, as a run stopped by bad steps does
 
 

@@ -12,18 +12,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lib import budget, distill, envs, exits, export, judges, lora, multi_turn, restarts, routing, selfcheck, stops, \
-    watchdog
+from lib import budget, distill, episodes, exits, export, judges, lora, restarts, routing, selfcheck, stops, watchdog
 from lib.config import Config, to_dict
 from lib.dist import Topology, init_topology
 from lib.engine.vllm import strip_expandable_segments
 from lib.engines import DEVICE_MARGIN_BYTES, build_engine
-from lib.envs import openenv, verifiers_play
-from lib.envs.loop import EnvRollout
+from lib.envs import openenv
 from lib.fsdp import build_sharded_model, fp32_compute, offload_model
 from lib.inputs import CHECKED_ENV, check_inputs, resolve_generated, resolve_toy
 from lib.models import UNFUSED_HEAD_ATTR
-from lib.multi_turn.loop import MultiTurn
 from lib.optim import build_optimizer
 from lib.preflight import picks_vllm, resolve
 from lib.rewards.scorer import RewardModel, Scorer
@@ -110,27 +107,13 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
         logger.print(rm.describe())
     env_server, env_url = start_env(cfg, topo, path)
     scorer = Scorer(tokenizer, cfg.reward.custom_fn, cfg.reward.timeout_s, rm, cfg.reward.num_workers, inputs.judge,
-                    (cfg.judge.rule_weight, cfg.judge.weight),
-                    (cfg.env.rule_weight, cfg.env.weight) if envs.enabled(cfg) else None)
+                    (cfg.judge.rule_weight, cfg.judge.weight), episodes.weights(cfg))
     if inputs.judge is not None:
         if isinstance(inputs.judge, judges.LocalJudge):
             inputs.judge.start(topo.device, cfg.rollout.hf_batch_tokens, cfg.trainer.seed)
         logger.print(f"{inputs.judge.describe()}; reward = {cfg.judge.weight:g} x judge + {cfg.judge.rule_weight:g} x "
                      f"rule; unscored samples masked")
-    tools = MultiTurn(cfg.multi_turn, tokenizer, cfg.rollout.max_response_length) if multi_turn.enabled(cfg) else None
-    if cfg.env.verifiers:
-        bridge = verifiers_play.Bridge()
-        tools = EnvRollout(cfg.env, "", tokenizer, cfg.rollout.max_response_length, cfg.data.max_prompt_length,
-                           connect=lambda: verifiers_play.VerifiersSession(bridge, cfg.env.timeout_s,
-                                                                           cfg.env.action_field))
-        logger.print(f"environment: each row's verifiers environment plays its turns in process; "
-                     f"{cfg.env.max_in_flight} turns in flight a rank; reward = {cfg.env.weight:g} x its reward + "
-                     f"{cfg.env.rule_weight:g} x rule; failed episodes masked")
-    elif env_url:
-        tools = EnvRollout(cfg.env, env_url, tokenizer, cfg.rollout.max_response_length, cfg.data.max_prompt_length)
-        logger.print(f"environment: OpenEnv at {env_url}{' (started by each rank: ' + cfg.env.app + ')' if env_server else ''}; "
-                     f"{cfg.env.max_in_flight} requests in flight a rank; reward = {cfg.env.weight:g} x return + "
-                     f"{cfg.env.rule_weight:g} x rule; failed episodes masked")
+    tools = episodes.build(cfg, tokenizer, env_url, env_server is not None, logger.print)
     return Run(cfg, topo, sizes, path, tokenizer, train, val, sampler, total, logger, scorer, multi_turn=tools,
                env_server=env_server,
                vision=vision, scored=inputs.scored, restarts=restart_count)

@@ -41,30 +41,33 @@ def served(shared_assets_dir):
     engine.wake_up()
     engine.load_weights(checkpoint_tensors(path))
     engine.finish_sync()
-    endpoint = Endpoint(tokenizer, parse_hermes, temperature=1.0, top_p=1.0, max_context=256, max_tokens=48,
+    endpoint = Endpoint(tokenizer, parse_hermes, temperature=1.0, top_p=1.0, max_prompt=128, max_response=128,
                         model_name="toy-tool")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     yield endpoint, engine, tokenizer, model
     endpoint.close()
 
 
-def _serve(endpoint, engine, work):
-    """Run ``work`` (the agents) in a thread while this thread serves the engine; returns what it returned."""
-    out, errors = [], []
+def _serve(endpoint, engine, agents):
+    """Run ``agents`` ({episode: function}) in threads of their own while this thread serves the engine in rounds;
+    returns {episode: what its function returned}."""
+    out, errors = {}, []
 
-    def run():
+    def run(name, work):
         try:
-            out.append(work())
+            out[name] = work()
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(e)
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    endpoint.serve(engine, done=lambda: not thread.is_alive(), key=0)
-    thread.join()
+    threads = {name: threading.Thread(target=run, args=(name, work)) for name, work in agents.items()}
+    for t in threads.values():
+        t.start()
+    endpoint.serve(engine, lambda: [name for name, t in threads.items() if t.is_alive()], key=0)
+    for t in threads.values():
+        t.join()
     if errors:
         raise errors[0]
-    return out[0]
+    return out
 
 
 def _logps(model, ids, start):
@@ -77,7 +80,7 @@ def _logps(model, ids, start):
 
 def test_tool_calling_agents_of_the_openai_sdk_are_batched_and_every_token_kept(served):
     """Eight agents of the openai SDK at once, each a tool loop of two calls (ask; run the lookup it called, or else
-    say "once more"; ask again with the history passed back): their calls share engine calls; each reply's text and
+    say "once more"; ask again with the history passed back): their calls go to the engine in two rounds of eight; each reply's text and
     usage are the kept ids'; the second call continues the first's ids exactly (never re-tokenised from text); the
     kept log-probs are the trainer's own to fp32 noise (at most 2.4e-6 measured: batched and padded, against one
     sequence)."""
@@ -109,21 +112,11 @@ def test_tool_calling_agents_of_the_openai_sdk_are_batched_and_every_token_kept(
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         return replies
 
-    def agents():
-        results = [None] * len(keys)
-        threads = [threading.Thread(target=lambda i=i, k=k: results.__setitem__(i, agent(i, k)))
-                   for i, k in enumerate(keys)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return results
-
-    results = _serve(endpoint, engine, agents)
+    out = _serve(endpoint, engine, {f"tools-{i}": lambda i=i, k=k: agent(i, k) for i, k in enumerate(keys)})
+    results = [out[f"tools-{i}"] for i in range(len(keys))]
     assert all(results), results
-    served_calls = sum(len(r) for r in results)
-    assert sum(endpoint.batches[before:]) == served_calls and len(endpoint.batches) - before < served_calls
-    assert max(endpoint.batches[before:]) > 1  # concurrent agents shared engine calls
+    # two rounds of all eight agents' calls: a round waits for every live agent's request
+    assert endpoint.batches[before:] == [len(keys), len(keys)], endpoint.batches[before:]
     continued, tool_replies = 0, 0
     for i, (key, replies) in enumerate(zip(keys, results)):
         calls = endpoint.calls[f"tools-{i}"]
@@ -185,7 +178,7 @@ def test_streaming_usage_completions_models_and_refusals_as_openai_servers_answe
         return chunks, completion, models, refused, rewritten
 
     calls_before = len(endpoint.calls["misc"])
-    chunks, completion, models, refused, rewritten = _serve(endpoint, engine, work)
+    chunks, completion, models, refused, rewritten = _serve(endpoint, engine, {"misc": work})["misc"]
     # the refused requests never reached the engine
     stream_call, completion_call, _, again = endpoint.calls["misc"][calls_before:]
     assert not again.extends and again.prompt_ids == tokenizer(tokenizer.apply_chat_template(

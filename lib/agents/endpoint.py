@@ -14,9 +14,14 @@ renders observations (lib/multi_turn/render.py), so that the two calls are one s
 (``Call.extends``). A history the agent rewrote is rendered whole, and the call stands alone.
 
 Threads: the HTTP server (uvicorn serving a Starlette app) runs in a thread of its own; a request is checked and
-rendered there and waits in a queue; the rank's main thread, which owns the engine, takes what waits (``serve``):
-one ``generate_ids`` call for all of it, and each request gets its answer. 64 agents' concurrent calls cost one
-batched call, as 64 samples do in the multi-turn loop.
+rendered there and waits; the rank's main thread, which owns the engine, answers in rounds (``serve``): once every
+episode whose agent still runs has a request waiting (or has ended), one ``generate_ids`` call takes them all, in
+the episodes' order. 64 agents' calls cost one batched call a round, as 64 samples do in the multi-turn loop's turns,
+and the rounds do not depend on timing: the same agents sample the same tokens again (a stop redoes its step).
+
+A row's size (``Call.start``): a call that does not continue its episode starts a row, and its prompt must fit
+``max_prompt`` tokens; the calls that continue it share the row, whose tokens after that prompt (sampled and
+observed) fit ``max_response``, as the trainer's rows do.
 
 Refused with OpenAI's error body (HTTP 400, ``{"error": {"message", "type", "param", "code"}}``): n > 1, a
 temperature or top_p other than the run's (the trainer recomputes the log-probs of what the run samples), a
@@ -38,11 +43,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
+try:  # the agents extra (lib.agents.config_problems names it when missing)
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+except ImportError:
+    uvicorn = None
 
 from lib.engine import Turn
 from lib.multi_turn.parsers import Parsed
@@ -62,6 +70,10 @@ class Call:
     kept: list[int] | None = None
     extends: bool = False
     """Its prompt is the episode's previous call's prompt and sampled ids, then the new messages."""
+    start: int = 0
+    """The prompt length of the row it belongs to (its own, or the first call's of the calls it continues)."""
+    text: str = ""
+    """The reply's text (the content; a chat reply's tool calls as the model wrote them)."""
 
 
 @dataclass
@@ -120,19 +132,22 @@ def _same(a: dict, b: dict) -> bool:
 
 class Endpoint:
     def __init__(self, tokenizer: Any, parse: Callable[[str], Parsed], temperature: float, top_p: float,
-                 max_context: int, max_tokens: int, model_name: str = "policy", host: str = "127.0.0.1"):
-        """``parse``: the tool-call parser (lib.multi_turn.parsers); ``max_context``: prompt + response tokens at
-        most; ``max_tokens``: a response's tokens at most (rollout.max_response_length)."""
+                 max_prompt: int, max_response: int, model_name: str = "policy", host: str = "127.0.0.1"):
+        """``parse``: the tool-call parser (lib.multi_turn.parsers); ``max_prompt``: a row's prompt tokens at most
+        (data.max_prompt_length); ``max_response``: a row's tokens after it (rollout.max_response_length)."""
         self.tokenizer, self.parse, self.model_name = tokenizer, parse, model_name
         self.temperature, self.top_p = temperature, top_p
-        self.max_context, self.max_tokens = max_context, max_tokens
+        self.max_prompt, self.max_response = max_prompt, max_response
         self.renderer = ObservationRenderer(tokenizer)
         self.calls: dict[str, list[Call]] = defaultdict(list)
         """Every call of every episode, in the order they were answered."""
+        self.refused: dict[str, list[str]] = defaultdict(list)
+        """Every refused request's message, per episode."""
         self.batches: list[int] = []
         """The requests of each engine call."""
         self._last: dict[str, _Last] = {}
         self._queue: queue.Queue = queue.Queue()
+        self._closed: set[str] = set()
         self._engine_calls = 0
         routes = []
         for prefix, default in (("/e/{episode}/v1", None), ("/v1", "default")):
@@ -162,27 +177,48 @@ class Endpoint:
         self._server.should_exit = True
         self._thread.join(timeout=30)
 
+    def reset(self, temperature: float, top_p: float) -> None:
+        """A new rollout: no episode, no call, this sampling (validation's may differ)."""
+        self.temperature, self.top_p = temperature, top_p
+        for d in (self.calls, self.refused, self._last):
+            d.clear()
+        self._closed.clear()
+        self.batches = []
+
+    def end(self, episode: str) -> None:
+        """The episode is over (its agent timed out): its later requests are refused, one waiting is answered so."""
+        self._closed.add(episode)
+
     # ---- the engine's side (the rank's main thread)
 
-    def serve(self, engine: Any, done: Callable[[], bool], key: Any, gather_s: float = 0.005) -> None:
-        """Answer the requests as they come, in batches, until ``done()`` and nothing waits. ``key``: the sampling
-        key of this serving (a step's), each engine call numbered under it."""
+    def serve(self, engine: Any, live: Callable[[], list[str]], key: Any, validate: bool = False,
+              poll_s: float = 0.002) -> None:
+        """Answer in rounds until no episode is live and nothing waits. ``live()``: the episodes whose agents still
+        run, in order; a round starts once each of them has a request waiting, and its requests go to the engine in
+        that order. ``key``: the sampling key of this serving (a step's), each round numbered under it."""
+        waiting: dict[str, list] = {}
         while True:
             try:
-                first = self._queue.get(timeout=0.05)
+                episode, *request = self._queue.get(timeout=poll_s)
+                waiting.setdefault(episode, []).append(request)
+                continue  # take all that came before deciding
             except queue.Empty:
-                if done():
+                pass
+            for episode in [e for e in waiting if e in self._closed]:
+                for _, _, answer in waiting.pop(episode):
+                    answer.set_exception(Refused("the episode is over (its time limit passed)", code="episode_over"))
+            order = live()
+            if not waiting:
+                if not order:
                     return
                 continue
-            time.sleep(gather_s)  # requests sent together are answered together
-            batch = [first]
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            if any(e not in waiting for e in order):
+                continue
+            rank = {e: i for i, e in enumerate(order)}
+            batch = [r for e in sorted(waiting, key=lambda e: rank.get(e, len(rank))) for r in waiting[e]]
+            waiting.clear()
             try:
-                turns = engine.generate_ids([p for p, _, _ in batch], [c for _, c, _ in batch], False,
+                turns = engine.generate_ids([p for p, _, _ in batch], [c for _, c, _ in batch], validate,
                                             (key, self._engine_calls))
             except Exception as e:  # noqa: BLE001 - each waiting request is told, then the rank's caller
                 for _, _, answer in batch:
@@ -204,6 +240,7 @@ class Endpoint:
                     raise Refused("the request body must be a JSON object")
                 return await work(episode, body)
             except Refused as e:
+                self.refused[episode].append(f"{e.code or 'refused'}: {e}")
                 return JSONResponse(e.body(), status_code=e.status)
             except ValueError as e:  # a body that is not JSON
                 return JSONResponse(Refused(f"the request body is not JSON ({e})").body(), status_code=400)
@@ -227,17 +264,24 @@ class Endpoint:
                               f"log-probs of what it samples); leave it out or send {ours:g}", name,
                               "unsupported_value")
 
-    def _cap(self, body: dict, prompt_ids: list[int]) -> int:
-        room = self.max_context - len(prompt_ids)
+    def _cap(self, body: dict, prompt_ids: list[int], start: int) -> int:
+        """The tokens the call may sample: what it asks, within the room its row has left."""
+        if start > self.max_prompt:
+            raise Refused(f"the prompt is {start} tokens, over the {self.max_prompt} a row's prompt may hold "
+                          f"(data.max_prompt_length)", "messages", "context_length_exceeded")
+        room = self.max_response - (len(prompt_ids) - start)
         if room <= 0:
-            raise Refused(f"the prompt is {len(prompt_ids)} tokens and the context holds {self.max_context}: no room "
-                          f"for a response", "messages", "context_length_exceeded")
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens
-        return max(1, min(int(asked), self.max_tokens, room))
+            raise Refused(f"the conversation has used the {self.max_response} tokens an episode's row holds after its "
+                          f"prompt (rollout.max_response_length): no room for a response", "messages",
+                          "context_length_exceeded")
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or room
+        return max(1, min(int(asked), room))
 
-    async def _generate(self, prompt_ids: list[int], cap: int) -> Turn:
+    async def _generate(self, episode: str, prompt_ids: list[int], cap: int) -> Turn:
+        if episode in self._closed:
+            raise Refused("the episode is over (its time limit passed)", code="episode_over")
         answer: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((prompt_ids, cap, answer))
+        self._queue.put((episode, prompt_ids, cap, answer))
         return await asyncio.wrap_future(answer)
 
     def _stops(self, body: dict) -> list[str]:
@@ -259,7 +303,7 @@ class Endpoint:
         return ids[:k], logps[:k], None if kept is None else kept[:k], False, text[:at], True
 
     def _prompt(self, episode: str, messages: list[dict], tools: Any) -> tuple[list[int], bool]:
-        """The prompt ids of a chat request, and whether they continue the episode's last call."""
+        """The prompt ids of a chat request, and whether they continue the episode's last call (its row)."""
         last = self._last.get(episode)
         if last is not None and tools == last.tools:
             k = len(last.messages)
@@ -297,9 +341,10 @@ class Endpoint:
                           f"auto or none", "tool_choice", "unsupported_value")
         tools = body.get("tools")
         prompt_ids, extends = self._prompt(episode, messages, tools)
-        turn = await self._generate(prompt_ids, self._cap(body, prompt_ids))
+        start = self._last[episode].call.start if extends else len(prompt_ids)
+        turn = await self._generate(episode, prompt_ids, self._cap(body, prompt_ids, start))
         ids, logps, kept, stopped, text, cut = self._finish(turn, self._stops(body))
-        call = Call(prompt_ids, ids, logps, stopped, kept, extends)
+        call = Call(prompt_ids, ids, logps, stopped, kept, extends, start, text)
         parsed = self.parse(text) if tools and choice != "none" else Parsed()
         calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
@@ -338,9 +383,9 @@ class Endpoint:
             prompt_ids = list(prompt)
         else:
             raise Refused("prompt must be one string or one list of token ids", "prompt", "invalid_prompt")
-        turn = await self._generate(prompt_ids, self._cap(body, prompt_ids))
+        turn = await self._generate(episode, prompt_ids, self._cap(body, prompt_ids, len(prompt_ids)))
         ids, logps, kept, stopped, text, cut = self._finish(turn, self._stops(body))
-        self.calls[episode].append(Call(prompt_ids, ids, logps, stopped, kept))
+        self.calls[episode].append(Call(prompt_ids, ids, logps, stopped, kept, False, len(prompt_ids), text))
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                  "total_tokens": len(prompt_ids) + len(ids)}
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name,

@@ -106,7 +106,7 @@ class MultiTurn:
         counts = dict.fromkeys(COUNT_KINDS, 0)
         pin = [e.index for e in episodes] if self.environment else None  # an environment lives in one worker
         if pin is not None:
-            resets = self._run([("reset", i, self._row(nt, i)) for i in pin], pin, counts)
+            resets = self._run([("reset", i, self.row(nt, i)) for i in pin], pin, counts)
         t0, gen_s, sampled, turn_rows = time.perf_counter(), 0.0, 0, []
         for turn in range(self.cfg.max_turns):
             active = [e for e in episodes if not e.finish]
@@ -251,7 +251,7 @@ class MultiTurn:
         return results
 
     @staticmethod
-    def _row(nt: dict, i: int) -> dict:
+    def row(nt: dict, i: int) -> dict:
         """What an environment's reset gets: the row's prompt messages, data_source, ground_truth, extra_info and
         other columns."""
         row = {k: nt[k][i] for k in ("data_source", "ground_truth", "extra_info") if k in nt}

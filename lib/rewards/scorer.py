@@ -48,7 +48,8 @@ class Scorer:
         """``judge`` (lib/judges): an LLM judge scores every row too; the score is rule x ``judge_weights[0]`` +
         judge x ``judge_weights[1]``, and a row the judge could not score is flagged in ``Scored.unscored``.
         ``env_weights`` (rule, environment): rows that carry an environment's ``env_score`` (lib/envs) score rule x
-        the first + the episode's return x the second; a failed episode is flagged in ``Scored.unscored``."""
+        the first + the episode's return x the second (an agent's episode that returned None: the rule score
+        alone, lib/agents); a failed episode is flagged in ``Scored.unscored``."""
         self.tokenizer, self.custom = tokenizer, custom
         self.judge, self.judge_weights, self.env_weights = judge, judge_weights, env_weights
         if custom:
@@ -75,10 +76,10 @@ class Scorer:
                  or (src in RULE_SOURCES and truth is not None)]
         results = [(0.0, {}, None, "", "")] * n
         env = None
-        if "env_score" in data.non_tensor_batch and self.env_weights is not None:  # an environment's episodes
+        if "env_score" in data.non_tensor_batch and self.env_weights is not None:  # an environment's or agent's
             env = list(data.non_tensor_batch["env_score"])
-            if not self.env_weights[0]:
-                ruled = []
+            if not self.env_weights[0]:  # the rule scores only what gave no reward of its own (an agent's None)
+                ruled = [i for i in ruled if env[i][0] is None and not env[i][1]]
         elif "env_reward" in data.non_tensor_batch:  # multi-turn environments score their own episodes
             results = [result_of(value) if not kind else (0.0, {}, None, kind, f"the environment's {message}")
                        for value, kind, message in data.non_tensor_batch["env_reward"]]
@@ -102,9 +103,9 @@ class Scorer:
         unscored, judged, rule = None, {}, None
         if env is not None:
             w_rule, w_env = self.env_weights
-            scores = [w_rule * s + w_env * value for s, (value, _, _) in zip(scores, env)]
+            scores = [s if value is None else w_rule * s + w_env * value for s, (value, _, _) in zip(scores, env)]
             unscored = [bool(kind) for _, kind, _ in env]
-            played = [value for value, kind, _ in env if not kind]
+            played = [value for value, kind, _ in env if not kind and value is not None]
             if played:
                 sums["env_return"] = played
         if self.judge is not None:
