@@ -26,7 +26,13 @@ class AgentConfig:
     """One episode's time limit; past it the episode fails (a command is killed; a function's thread is left,
     its later requests refused)."""
     max_in_flight: int = 0
-    """Episodes a rank plays at once; more are played in waves. 0: all of the rank's at once."""
+    """Episodes a rank plays at once; the next starts when one ends. 0: all of the rank's at once. Keep it within
+    what the agent program lets run at once (an HTTP client's connection cap, a semaphore)."""
+    round_wait_s: float = 5.0
+    """The endpoint answers in rounds: once every running episode has a request waiting, all of them in one engine
+    call, so that the samples do not depend on timing. An episode that has not asked after this long (its agent is
+    busy elsewhere, or held back by its own concurrency cap) is left out of the round: the run goes on, and the
+    batching depends on timing from then on (counted in agent/late_rounds)."""
     format: str = "hermes"
     """How tool calls are read out of the model's text into the replies' ``tool_calls`` (lib/multi_turn/parsers)."""
     weight: float = 1.0

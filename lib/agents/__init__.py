@@ -48,8 +48,9 @@ def config_problems(cfg: Any) -> list[str]:
                         f"rounds of their own, which a tensor-parallel group cannot share; use rollout.tp_size 1")
     if a.format not in PARSERS:
         problems.append(f"agent.format={a.format!r}; use one of {sorted(PARSERS)}")
-    if a.timeout_s <= 0:
-        problems.append(f"agent.timeout_s={a.timeout_s} must be > 0")
+    for name in ("timeout_s", "round_wait_s"):
+        if getattr(a, name) <= 0:
+            problems.append(f"agent.{name}={getattr(a, name)} must be > 0")
     if a.max_in_flight < 0:
         problems.append(f"agent.max_in_flight={a.max_in_flight} must be >= 0 (0: all of a rank's episodes at once)")
     if not 0 <= a.max_failed_share <= 1:

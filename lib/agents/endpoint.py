@@ -145,6 +145,10 @@ class Endpoint:
         """Every refused request's message, per episode."""
         self.batches: list[int] = []
         """The requests of each engine call."""
+        self.engine_s = 0.0
+        """Seconds spent in the engine's calls (the rest of a rollout is the agents' and the endpoint's)."""
+        self.late_rounds = 0
+        """Rounds started without every running episode's request (``serve``'s ``wait_s`` passed)."""
         self._last: dict[str, _Last] = {}
         self._queue: queue.Queue = queue.Queue()
         self._closed: set[str] = set()
@@ -154,11 +158,16 @@ class Endpoint:
             routes += [Route(f"{prefix}/chat/completions", self._handler(self._chat, default), methods=["POST"]),
                        Route(f"{prefix}/completions", self._handler(self._completion, default), methods=["POST"]),
                        Route(f"{prefix}/models", self._handler(self._models, default), methods=["GET"])]
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on sockets that say so (else each response's
+        # second write waits for the client's delayed ACK: ~40 ms a call, measured)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         self.url = f"http://{host}:{sock.getsockname()[1]}"
-        config = uvicorn.Config(Starlette(routes=routes), log_level="warning", access_log=False, lifespan="off")
+        # an agent's connection may wait between calls as long as its episode lasts: kept open (uvicorn closes idle
+        # ones after 5 s by default, and a client that sends on it then fails)
+        config = uvicorn.Config(Starlette(routes=routes), log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=3600)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name="agent-endpoint")
@@ -183,7 +192,7 @@ class Endpoint:
         for d in (self.calls, self.refused, self._last):
             d.clear()
         self._closed.clear()
-        self.batches = []
+        self.batches, self.engine_s, self._engine_calls, self.late_rounds = [], 0.0, 0, 0
 
     def end(self, episode: str) -> None:
         """The episode is over (its agent timed out): its later requests are refused, one waiting is answered so."""
@@ -192,14 +201,18 @@ class Endpoint:
     # ---- the engine's side (the rank's main thread)
 
     def serve(self, engine: Any, live: Callable[[], list[str]], key: Any, validate: bool = False,
-              poll_s: float = 0.002) -> None:
+              wait_s: float = 5.0, poll_s: float = 0.002) -> None:
         """Answer in rounds until no episode is live and nothing waits. ``live()``: the episodes whose agents still
-        run, in order; a round starts once each of them has a request waiting, and its requests go to the engine in
-        that order. ``key``: the sampling key of this serving (a step's), each round numbered under it."""
+        run, in order; a round starts once each of them has a request waiting (or ``wait_s`` after its first request
+        came, without those that have not asked: ``late_rounds``), and its requests go to the engine in that order.
+        ``key``: the sampling key of this serving (a step's), each round numbered under it."""
         waiting: dict[str, list] = {}
+        since = 0.0
         while True:
             try:
                 episode, *request = self._queue.get(timeout=poll_s)
+                if not waiting:
+                    since = time.monotonic()
                 waiting.setdefault(episode, []).append(request)
                 continue  # take all that came before deciding
             except queue.Empty:
@@ -213,10 +226,13 @@ class Endpoint:
                     return
                 continue
             if any(e not in waiting for e in order):
-                continue
+                if time.monotonic() - since < wait_s:
+                    continue
+                self.late_rounds += 1
             rank = {e: i for i, e in enumerate(order)}
             batch = [r for e in sorted(waiting, key=lambda e: rank.get(e, len(rank))) for r in waiting[e]]
             waiting.clear()
+            t0 = time.perf_counter()
             try:
                 turns = engine.generate_ids([p for p, _, _ in batch], [c for _, c, _ in batch], validate,
                                             (key, self._engine_calls))
@@ -224,6 +240,7 @@ class Endpoint:
                 for _, _, answer in batch:
                     answer.set_exception(e)
                 raise
+            self.engine_s += time.perf_counter() - t0
             self._engine_calls += 1
             self.batches.append(len(batch))
             for (_, _, answer), turn in zip(batch, turns):

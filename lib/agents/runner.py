@@ -39,7 +39,8 @@ from lib.rewards import result_of
 API_KEY = "spmd-rl"
 """What OPENAI_API_KEY holds for an agent (the endpoint takes any key)."""
 FAILURES = ("error", "timeout", "no_calls", "refused", "invalid")
-SUMMED = tuple(f"agent/failed_{k}" for k in FAILURES) + ("agent/episodes", "agent/masked", "agent/dropped_groups")
+SUMMED = tuple(f"agent/failed_{k}" for k in FAILURES) + ("agent/episodes", "agent/masked", "agent/dropped_groups",
+                                                          "agent/late_rounds")
 """The counts among the metrics (summed over ranks and rounds)."""
 
 
@@ -78,7 +79,7 @@ class AgentRollout:
         names = [str(i) for i in range(len(data))]
         t0 = time.perf_counter()
         play = Play(self, [MultiTurn.row(nt, i) for i in range(len(data))], names)
-        self.endpoint.serve(engine, play.live, key, validate)
+        self.endpoint.serve(engine, play.live, key, validate, self.cfg.round_wait_s)
         engine.calls[validate] += 1
         elapsed = time.perf_counter() - t0
         outcomes = [play.outcome(name) for name in names]
@@ -119,10 +120,12 @@ class AgentRollout:
         metrics = {"agent/episodes": float(len(names)), "agent/rows_per_episode": len(rows) / n,
                    "agent/calls_mean": sum(len(ep.calls.get(name, [])) for name in names) / n,
                    "agent/split_calls": split / max(continued, 1),
-                   "agent/rounds": float(len(ep.batches)),
+                   "agent/rounds": float(len(ep.batches)), "agent/late_rounds": float(ep.late_rounds),
                    "agent/requests_per_round": float(np.mean(ep.batches)) if ep.batches else 0.0,
                    "agent/sampled_tokens_mean": sampled / n,
-                   "timing/agent_rollout_s": elapsed}
+                   "timing/agent_rollout_s": elapsed, "timing/agent_engine_s": ep.engine_s,
+                   # the time a call costs beyond the engine's: the agents' own work, HTTP, rendering, waiting
+                   "perf/agent_overhead_ms_per_call": 1e3 * (elapsed - ep.engine_s) / max(sum(ep.batches), 1)}
         metrics.update({f"agent/failed_{k}": float(sum(o.kind == k for o in outcomes)) for k in FAILURES})
         meta = {"generate_s": elapsed, "generated_tokens": sampled, "tokens_per_s": sampled / max(elapsed, 1e-9),
                 "multi_turn": metrics}
