@@ -194,3 +194,157 @@ def test_streaming_usage_completions_models_and_refusals_as_openai_servers_answe
     for name, error in refused.items():
         assert error["type"] == "invalid_request_error" and error["param"] == name, error
         assert error["code"] == "unsupported_value" and name in error["message"], error
+
+
+def test_the_endpoint_turns_nagles_algorithm_off(served):
+    """asyncio turns Nagle's algorithm off only on sockets made with IPPROTO_TCP: without it each response's second
+    write waited for the client's delayed ACK (a call took ~44 ms on loopback, 1.2 ms with it; measured)."""
+    import socket
+
+    endpoint = served[0]
+    listening = endpoint._server.servers[0].sockets[0]
+    assert listening.proto == socket.IPPROTO_TCP
+    with socket.create_connection(("127.0.0.1", int(endpoint.url.rsplit(":", 1)[1]))) as client:
+        client.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200 OK" in client.recv(4096)
+
+
+def _call(prompt, ids, extends=False, start=None):
+    from lib.agents.endpoint import Call
+
+    return Call(prompt, ids, [-0.5] * len(ids), True, None, extends, len(prompt) if start is None else start)
+
+
+def test_calls_merge_where_they_continue_and_split_where_the_history_was_rewritten():
+    """An episode of four calls: the second continues the first (one row: its new messages observed, mask 0), the
+    third was rendered from a rewritten history (a row of its own), the fourth continues the third. Token ids only,
+    never text."""
+    from lib.agents.samples import episode_rows, split_calls
+
+    a = _call([1, 2, 3], [10, 11, 9])
+    b = _call([1, 2, 3, 10, 11, 9, 50, 51], [12, 9], extends=True, start=3)
+    c = _call([1, 2, 3, 60], [13, 9])
+    d = _call([1, 2, 3, 60, 13, 9, 70], [14, 9], extends=True, start=4)
+    rows = episode_rows([a, b, c, d])
+    assert [r.prompt for r in rows] == [[1, 2, 3], [1, 2, 3, 60]]
+    assert rows[0].response == [10, 11, 9, 50, 51, 12, 9] and rows[0].mask == [1, 1, 1, 0, 0, 1, 1]
+    assert rows[0].logps == [-0.5, -0.5, -0.5, 0.0, 0.0, -0.5, -0.5]
+    assert rows[1].response == [13, 9, 70, 14, 9] and rows[1].mask == [1, 1, 0, 1, 1]
+    assert split_calls([a, b, c, d]) == 1 and split_calls([a, b]) == 0
+    broken = _call([1, 2, 4, 10, 11, 9, 50], [12, 9], extends=True)  # says it continues, and does not
+    with pytest.raises(RuntimeError):
+        episode_rows([a, broken])
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg"])
+def test_group_estimators_count_an_episode_once_however_many_rows_it_has(estimator):
+    """Two prompts of three episodes each; one episode split into three rows, another into two. Each row's advantage
+    is its episode's value as the estimator gives it on one row per episode."""
+    import numpy as np
+
+    from lib import algos
+    from lib.agents.samples import once_per_episode
+
+    torch.manual_seed(0)
+    episodes = ["p0#0", "p0#1", "p0#1", "p0#1", "p0#2", "p1#3", "p1#4", "p1#4", "p1#5"]
+    uids = np.array([e.split("#")[0] for e in episodes], dtype=object)
+    reward_of = {"p0#0": 1.0, "p0#1": 0.0, "p0#2": 0.5, "p1#3": 0.2, "p1#4": 0.9, "p1#5": 0.1}
+    lengths = [3, 4, 2, 5, 3, 4, 2, 3, 5]
+    mask = torch.zeros(len(episodes), 6)
+    rewards = torch.zeros(len(episodes), 6)
+    for i, (e, n) in enumerate(zip(episodes, lengths)):
+        mask[i, :n] = 1
+        rewards[i, n - 1] = reward_of[e]
+    estimate = algos.ADVANTAGE_ESTIMATORS[estimator]
+    adv, _ = once_per_episode(estimate, rewards, mask, uids, episodes, gamma=1.0, lam=1.0, norm_adv_by_std=True)
+    firsts = [episodes.index(e) for e in dict.fromkeys(episodes)]
+    one, _ = estimate(rewards[firsts], mask[firsts], index=uids[firsts], gamma=1.0, lam=1.0, norm_adv_by_std=True)
+    value = {e: float(one[k][mask[firsts[k]] > 0][0]) for k, e in enumerate(dict.fromkeys(episodes))}
+    for i, e in enumerate(episodes):
+        assert torch.allclose(adv[i][mask[i] > 0], torch.full((lengths[i],), value[e])), (i, e)
+        assert (adv[i][mask[i] == 0] == 0).all()
+    # and the rows as they are would weigh the split episode three times: a different answer
+    rows, _ = estimate(rewards, mask, index=uids, gamma=1.0, lam=1.0, norm_adv_by_std=True)
+    assert not torch.allclose(rows, adv)
+
+
+AGENT = ("--config", "configs/tiny_cpu_grpo_agent.yaml", "--trainer.val_every", "0", "--trainer.save_every", "0")
+NOT_COMPARED = ("timing/", "perf/", "memory/", "sync/seconds", "sync/s_per_gb")
+
+
+@pytest.fixture(scope="module")
+def agent_runs(tmp_path_factory, shared_assets_dir):
+    """One launch of 2 CPU ranks (HF engine) on the toy tool task: the openai-SDK agent twice (2 steps), the OpenAI
+    Agents SDK's agent, the standard-library command, and the agents that misbehave in every way (1 step each)."""
+    import sys
+
+    from lib import toy
+    from tests.helpers import launch_runs
+
+    root = tmp_path_factory.mktemp("agents")
+    assets = toy.prepare_tool(str(shared_assets(shared_assets_dir, "toy_tool_assets")))
+    data = ("--actor.model.path", assets["model"], "--data.train_files", assets["train"], "--data.val_files",
+            assets["val"], "--trainer.output_root", str(root))
+    small = ("--trainer.train_batch_size", "8", "--actor.mini_batch_size", "16", "--trainer.total_steps", "1")
+    plan = [(name, "train_grpo.py", [*AGENT, *data, "--trainer.run_name", name, *args]) for name, args in (
+        ("sdk", ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32", "--trainer.total_steps", "2")),
+        ("sdk_again", ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32",
+                       "--trainer.total_steps", "2")),
+        ("agents_sdk", ("--agent.entry", "examples/agent_programs/toy_tool_agents_sdk.py:agent", *small)),
+        ("command", ("--agent.entry", "", "--agent.command",
+                     f"{sys.executable} examples/agent_programs/toy_tool_command.py", *small)),
+        ("mixed", ("--agent.entry", "tests/data/agents_mixed.py:agent", "--agent.timeout_s", "3",
+                   "--agent.round_wait_s", "60", "--agent.max_failed_share", "1", *small)))]
+    return root, launch_runs(plan, root)
+
+
+def _same(a, b):
+    return [{k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in a] == \
+        [{k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in b]
+
+
+def test_agents_nobody_wrote_for_rl_train_and_every_row_is_the_engines_tokens(agent_runs):
+    """The openai SDK's tool loop, the OpenAI Agents SDK's Runner with a function tool, and a command with no SDK at
+    all train the toy tool task on 2 ranks: every episode calls the endpoint (the tool, then the answer: about two
+    calls), the histories they pass back continue their rows (one row an episode, no split call), no episode fails
+    but by the context limit, and the trainer's log-probs are the engine's (the canary at fp32 noise)."""
+    from tests.helpers import run_rows
+
+    for name, steps in (("sdk", 2), ("agents_sdk", 1), ("command", 1)):
+        rows = run_rows(agent_runs, name, steps)
+        for r in rows:
+            assert r["rollout/logp_abs_diff"] < 1e-5, (name, r["rollout/logp_abs_diff"])
+            assert 1.5 < r["agent/calls_mean"] <= 3, (name, r["agent/calls_mean"])
+            assert r["agent/split_calls"] == 0 and r["agent/rows_per_episode"] == 1, name
+            assert all(r[f"agent/failed_{k}"] == 0 for k in ("error", "timeout", "no_calls", "invalid")), (name, r)
+            assert r["agent/failed_refused"] <= 0.1 * r["agent/episodes"], (name, r)  # the row's room ran out
+            assert r["agent/late_rounds"] == 0 and r["agent/requests_per_round"] > 8, (name, r)
+            assert r["actor/pg_loss"] == r["actor/pg_loss"] and r["actor/grad_norm"] > 0, name
+
+
+def test_the_same_agents_sample_the_same_tokens_again(agent_runs):
+    """Rounds hold every running episode's request, in the episodes' order, whatever the timing: two runs of the same
+    agents are the same run (every metric but time and memory; what lets a stop redo the step in flight)."""
+    from tests.helpers import run_rows
+
+    a, b = run_rows(agent_runs, "sdk", 2), run_rows(agent_runs, "sdk_again", 2)
+    assert _same(a, b)
+
+
+def test_agents_that_fail_are_masked_and_counted_by_kind(agent_runs):
+    """Each prompt's 8 samples take the 8 ways of tests/data/agents_mixed.py, 32 episodes a rank: raised, timed out,
+    never called, refused (a temperature the run does not sample at), a reward that is not a number: 8 of each over
+    the 2 ranks, masked, none rewarded 0. The agent that rewrote its history has two rows (its second call split),
+    the one that gave its own reward is scored by it, the one that plays by the rule."""
+    from tests.helpers import run_outputs, run_rows
+
+    (r,) = run_rows(agent_runs, "mixed", 1)
+    for kind in ("error", "timeout", "no_calls", "refused", "invalid"):
+        assert r[f"agent/failed_{kind}"] == 8, (kind, r)
+    assert r["agent/episodes"] == 64 and r["agent/masked"] == 40, r
+    assert r["agent/rows_per_episode"] == pytest.approx(36 / 32), r  # 32 episodes a rank, 4 of them in two rows
+    assert r["agent/split_calls"] > 0 and r["rollout/logp_abs_diff"] < 1e-5, r
+    log = run_outputs(agent_runs[1].stdout)["mixed"]
+    for kind in ("error", "timeout", "no_calls", "refused", "invalid"):
+        assert log.count(f"warning: agent/failed_{kind}:") == 1, (kind, log[-3000:])
+    assert "KeyError" in log and "agent.timeout_s=3" in log and "temperature" in log
