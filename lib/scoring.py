@@ -109,10 +109,12 @@ def mask_unscored(batch: DataProto, unscored: list[bool], min_group: int) -> dic
                     masked[i] = True
     rows = torch.tensor([i for i, m in enumerate(masked) if m], dtype=torch.long)
     batch.non_tensor_batch[MASKED] = np.array(masked, dtype=bool)
+    b = batch.batch
+    # what was sampled stays known (the sample log shows a masked row's text); on every rank, masked rows or not: the
+    # ranks' batches carry the same keys when they are resharded
+    if "sampled_mask" not in b:
+        b["sampled_mask"] = b["response_mask"].clone()
     if len(rows):
-        b = batch.batch
-        if "sampled_mask" not in b:  # what was sampled stays known (the sample log shows a masked row's text)
-            b["sampled_mask"] = b["response_mask"].clone()
         b["response_mask"][rows.to(b["response_mask"].device)] = 0
         b["token_level_scores"][rows.to(b["token_level_scores"].device)] = 0
     if uids is not None:
