@@ -259,7 +259,8 @@ def _in_head(model: nn.Module, head: _Head | None, labels: Tensor | None, take: 
             raise RuntimeError(_not_fused(model))
         outs = head.fused(positions, lm_head.weight, labels, ids, BANNED_LOGIT)
         made["shapes"] = [None if o is None else o.shape for o in outs]
-        made["side_by_side"] = torch.cat([o.reshape(n, -1) for o in outs if o is not None], -1)[None]
+        # (a micro-batch of empty responses, failed episodes', has n = 0: the widths are named, not inferred)
+        made["side_by_side"] = torch.cat([o.reshape(n, o.shape[1:].numel()) for o in outs if o is not None], -1)[None]
         return made["side_by_side"]
 
     def outputs(out: Any) -> tuple[Tensor | None, ...]:
