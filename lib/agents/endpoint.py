@@ -149,6 +149,10 @@ class Endpoint:
         """Seconds spent in the engine's calls (the rest of a rollout is the agents' and the endpoint's)."""
         self.late_rounds = 0
         """Rounds started without every running episode's request (``serve``'s ``wait_s`` passed)."""
+        self.waited: dict[str, float] = defaultdict(float)
+        """Seconds each episode's answered requests waited for their round and the engine."""
+        self.asking: dict[str, float] = {}
+        """The episodes with a request waiting now, and since when (``serve``'s clock)."""
         self._last: dict[str, _Last] = {}
         self._queue: queue.Queue = queue.Queue()
         self._closed: set[str] = set()
@@ -193,6 +197,8 @@ class Endpoint:
             d.clear()
         self._closed.clear()
         self.batches, self.engine_s, self._engine_calls, self.late_rounds = [], 0.0, 0, 0
+        self.waited.clear()
+        self.asking.clear()
 
     def end(self, episode: str) -> None:
         """The episode is over (its agent timed out): its later requests are refused, one waiting is answered so."""
@@ -214,10 +220,12 @@ class Endpoint:
                 if not waiting:
                     since = time.monotonic()
                 waiting.setdefault(episode, []).append(request)
+                self.asking.setdefault(episode, time.monotonic())
                 continue  # take all that came before deciding
             except queue.Empty:
                 pass
             for episode in [e for e in waiting if e in self._closed]:
+                self.asking.pop(episode, None)
                 for _, _, answer in waiting.pop(episode):
                     answer.set_exception(Refused("the episode is over (its time limit passed)", code="episode_over"))
             order = live()
@@ -230,7 +238,8 @@ class Endpoint:
                     continue
                 self.late_rounds += 1
             rank = {e: i for i, e in enumerate(order)}
-            batch = [r for e in sorted(waiting, key=lambda e: rank.get(e, len(rank))) for r in waiting[e]]
+            episodes = sorted(waiting, key=lambda e: rank.get(e, len(rank)))
+            batch = [r for e in episodes for r in waiting[e]]
             waiting.clear()
             t0 = time.perf_counter()
             try:
@@ -241,6 +250,9 @@ class Endpoint:
                     answer.set_exception(e)
                 raise
             self.engine_s += time.perf_counter() - t0
+            now = time.monotonic()
+            for e in episodes:
+                self.waited[e] += now - self.asking.pop(e, now)
             self._engine_calls += 1
             self.batches.append(len(batch))
             for (_, _, answer), turn in zip(batch, turns):

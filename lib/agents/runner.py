@@ -142,19 +142,26 @@ class Play:
         self.started = 0
         self.running: dict[int, tuple[threading.Thread, float]] = {}
         self.outcomes: dict[str, Outcome] = {}
+        self.procs: dict[int, subprocess.Popen] = {}
 
     def live(self) -> list[str]:
-        """The episodes whose agents run, in order, after ending those past their time limit and starting the next
+        """The episodes whose agents run, in order, after ending those past their time limit (the time their
+        requests waited for the endpoint not counted: a round waits for every running episode) and starting the next
         ones where slots are free."""
         now = time.monotonic()
+        ep = self.rollout.endpoint
         for i, (thread, deadline) in list(self.running.items()):
+            name = self.names[i]
+            waited = ep.waited.get(name, 0.0) + (now - ep.asking[name] if name in ep.asking else 0.0)
             if not thread.is_alive():
                 del self.running[i]
-            elif now > deadline:
+            elif now > deadline + waited:
                 del self.running[i]
-                self.outcomes.setdefault(self.names[i], Outcome(kind="timeout", message=(
+                self.outcomes.setdefault(name, Outcome(kind="timeout", message=(
                     f"the agent ran past agent.timeout_s={self.rollout.cfg.timeout_s:g}")))
-                self.rollout.endpoint.end(self.names[i])
+                ep.end(name)
+                if i in self.procs:  # a command is killed; a function's thread cannot be
+                    self.procs[i].kill()
         while len(self.running) < self.limit and self.started < len(self.names):
             i = self.started
             self.started += 1
@@ -172,11 +179,7 @@ class Play:
                 if inspect.isawaitable(out):
                     out = asyncio.run(_awaited(out))
             else:
-                out = run_command(r.argv, self.rows[i], url, r.cfg.timeout_s)
-        except subprocess.TimeoutExpired:
-            self.outcomes.setdefault(name, Outcome(kind="timeout", message=(
-                f"the agent's command ran past agent.timeout_s={r.cfg.timeout_s:g} and was killed")))
-            return
+                out = run_command(r.argv, self.rows[i], url, lambda proc: self.procs.__setitem__(i, proc))
         except BaseException as e:  # noqa: BLE001 - the user's agent: whatever it raised fails its episode
             self.outcomes.setdefault(name, Outcome(kind="error", message=f"the agent raised {type(e).__name__}: "
                                                                           f"{str(e)[:300]}"))
@@ -213,18 +216,15 @@ def _outcome(out: Any) -> Outcome:
     return Outcome(score)
 
 
-def run_command(argv: list[str], row: dict, url: str, timeout_s: float) -> Any:
+def run_command(argv: list[str], row: dict, url: str, started: Any) -> Any:
     """One episode's agent command: the row as JSON on its standard input, the endpoint in its environment; its
-    last printed line, if JSON, is its return. A non-zero exit raises with its last words."""
+    last printed line, if JSON, is its return. A non-zero exit raises with its last words. ``started(process)``:
+    told the process (its time limit kills it)."""
     env = dict(os.environ, OPENAI_BASE_URL=url, OPENAI_API_KEY=API_KEY)
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(json.dumps(row, default=_plain), timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
+    started(proc)
+    out, err = proc.communicate(json.dumps(row, default=_plain))
     if proc.returncode:
         raise RuntimeError(f"the command exited {proc.returncode}: {(err or out).strip()[-300:]}")
     lines = [line for line in out.splitlines() if line.strip()]
