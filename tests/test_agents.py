@@ -294,7 +294,8 @@ def agent_runs(tmp_path_factory, shared_assets_dir):
         ("command", ("--agent.entry", "", "--agent.command",
                      f"{sys.executable} examples/agent_programs/toy_tool_command.py", *small)),
         ("mixed", ("--agent.entry", "tests/data/agents_mixed.py:agent", "--agent.timeout_s", "3",
-                   "--agent.round_wait_s", "60", "--agent.max_failed_share", "1", *small)))]
+                   "--agent.round_wait_s", "60", "--agent.max_failed_share", "1", *small,
+                   "--data.max_prompt_length", "48")))]  # room for the rewritten history's row to start
     return root, launch_runs(plan, root)
 
 
