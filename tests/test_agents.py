@@ -325,11 +325,14 @@ def test_agents_nobody_wrote_for_rl_train_and_every_row_is_the_engines_tokens(ag
 
 def test_the_same_agents_sample_the_same_tokens_again(agent_runs):
     """Rounds hold every running episode's request, in the episodes' order, whatever the timing: two runs of the same
-    agents are the same run (every metric but time and memory; what lets a stop redo the step in flight)."""
+    agents are the same run (every metric but time and memory; what lets a stop redo the step in flight), and two
+    programs that ask the same of the endpoint (the OpenAI Agents SDK's Runner, a command with no SDK) train on the
+    same tokens."""
     from tests.helpers import run_rows
 
     a, b = run_rows(agent_runs, "sdk", 2), run_rows(agent_runs, "sdk_again", 2)
     assert _same(a, b)
+    assert _same(run_rows(agent_runs, "agents_sdk", 1), run_rows(agent_runs, "command", 1))
 
 
 def test_agents_that_fail_are_masked_and_counted_by_kind(agent_runs):
