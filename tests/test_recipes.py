@@ -195,6 +195,8 @@ RUN_WHOLE_ELSEWHERE = {
     "tiny_cpu_ppo": ("test_e2e.py", "test_ppo_toy_reward_rises", 'torchrun("train_ppo.py", tmp_path, '),
     "tiny_cpu_opd": ("test_distill.py", "test_distillation_learns_the_toy_task_faster_than_grpo", '"tiny_cpu_opd"'),
     "tiny_cpu_grpo_tools": ("test_multi_turn.py", "test_tool_task_reward_rises", "configs/tiny_cpu_grpo_tools.yaml"),
+    "tiny_cpu_grpo_agent": ("test_agents.py", "test_an_openai_sdk_agent_learns_the_tool_task_as_the_multi_turn_loop_does",
+                            "configs/tiny_cpu_grpo_agent.yaml"),
     "tiny_cpu_grpo_vision": ("test_vision.py", "test_the_visual_task_is_learned", "*PRESET)"),
     "tiny_cpu_grpo_judge": ("test_judges.py",
                             "test_grpo_learns_the_toy_task_from_the_toy_judge_beside_the_policy_and_behind_an_endpoint",
