@@ -374,3 +374,23 @@ def test_an_openai_sdk_agent_learns_the_tool_task_as_the_multi_turn_loop_does(tm
     train = [r for r in rows if "actor/pg_loss" in r]
     assert max(r["rollout/logp_abs_diff"] for r in train) < 1e-5
     assert all(r["agent/failed_error"] == 0 and r["agent/late_rounds"] == 0 for r in train)
+
+
+def test_an_agent_of_an_earlier_rollout_is_refused(served):
+    """A rollout takes only its own episodes: an agent that outlived its time limit and calls again later gets
+    OpenAI's error body (episode_over), never a turn in a new episode, and no call is kept for it."""
+    import openai
+
+    endpoint, engine, _, _ = served
+    endpoint.reset(1.0, 1.0, ["7-0"])
+    try:
+        def late():
+            client = openai.OpenAI(base_url=endpoint.base_url("6-0"), api_key="none", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="toy-tool", messages=[{"role": "user", "content": "1"}])
+            return e.value.response.json()["error"]["code"]
+
+        assert _serve(endpoint, engine, {"6-0": late})["6-0"] == "episode_over"
+        assert not endpoint.calls.get("6-0") and endpoint.batches == []
+    finally:
+        endpoint.reset(1.0, 1.0)

@@ -156,6 +156,7 @@ class Endpoint:
         self._last: dict[str, _Last] = {}
         self._queue: queue.Queue = queue.Queue()
         self._closed: set[str] = set()
+        self._open: set[str] | None = None  # the episodes taken (None: any, before a rollout names them)
         self._engine_calls = 0
         routes = []
         for prefix, default in (("/e/{episode}/v1", None), ("/v1", "default")):
@@ -190,9 +191,11 @@ class Endpoint:
         self._server.should_exit = True
         self._thread.join(timeout=30)
 
-    def reset(self, temperature: float, top_p: float) -> None:
-        """A new rollout: no episode, no call, this sampling (validation's may differ)."""
+    def reset(self, temperature: float, top_p: float, episodes: list[str] | None = None) -> None:
+        """A new rollout: no call, this sampling (validation's may differ), only ``episodes`` taken (an agent of an
+        earlier rollout still running past its time limit is refused, never mixed into a new episode)."""
         self.temperature, self.top_p = temperature, top_p
+        self._open = None if episodes is None else set(episodes)
         for d in (self.calls, self.refused, self._last):
             d.clear()
         self._closed.clear()
@@ -307,8 +310,8 @@ class Endpoint:
         return max(1, min(int(asked), room))
 
     async def _generate(self, episode: str, prompt_ids: list[int], cap: int) -> Turn:
-        if episode in self._closed:
-            raise Refused("the episode is over (its time limit passed)", code="episode_over")
+        if episode in self._closed or (self._open is not None and episode not in self._open):
+            raise Refused("the episode is over (its time limit passed, or its rollout ended)", code="episode_over")
         answer: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put((episode, prompt_ids, cap, answer))
         return await asyncio.wrap_future(answer)

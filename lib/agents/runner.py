@@ -63,6 +63,7 @@ class AgentRollout:
         self.argv = check_command(cfg.command) if cfg.command else None
         self.endpoint = Endpoint(tokenizer, PARSERS[cfg.format], 1.0, 1.0, max_prompt, max_response, model_name)
         self.tokenizer = tokenizer
+        self.rollouts = 0
 
     def close(self) -> None:
         self.endpoint.close()
@@ -75,8 +76,9 @@ class AgentRollout:
         key = data.meta_info.get("seed_key", engine.calls[validate])
         data = expand_samples(data, sp.n)
         nt = data.non_tensor_batch
-        self.endpoint.reset(sp.temperature, sp.top_p)
-        names = [str(i) for i in range(len(data))]
+        self.rollouts += 1
+        names = [f"{self.rollouts}-{i}" for i in range(len(data))]  # new names a rollout: late agents are refused
+        self.endpoint.reset(sp.temperature, sp.top_p, names)
         t0 = time.perf_counter()
         play = Play(self, [MultiTurn.row(nt, i) for i in range(len(data))], names)
         self.endpoint.serve(engine, play.live, key, validate, self.cfg.round_wait_s)

@@ -1,5 +1,5 @@
 """Agents for tests/test_agents.py that behave in every way an agent can, by the episode's position in its rank's
-rollout (the number in its base URL, so that a prompt's 8 samples take all 8 ways): raise, outlive the time limit,
+rollout (the last number of its episode in its base URL, so that a prompt's 8 samples take all 8 ways): raise, outlive the time limit,
 never call, send a request the endpoint refuses, rewrite their history (two rows), return a reward of their own,
 return one that is not a number, or play the tool loop as a user's agent would."""
 
@@ -18,7 +18,7 @@ WAYS = ("raise", "sleep", "no_call", "refused", "rewrite", "own_reward", "bad_re
 
 
 def agent(row, base_url):
-    way = WAYS[int(base_url.rstrip("/").split("/")[-2]) % len(WAYS)]
+    way = WAYS[int(base_url.rstrip("/").split("/")[-2].rsplit("-", 1)[-1]) % len(WAYS)]  # .../e/<rollout>-<i>/v1
     if way == "raise":
         raise KeyError("the agent's own bug")
     if way == "sleep":
