@@ -116,9 +116,10 @@ def check_inputs(cfg: Config, world_size: int, need_critic: bool, path: str, pro
     sampler = Sampler(len(train), cfg.trainer.train_batch_size, cfg.trainer.seed, d.shuffle)
     images = train.images is not None or (val is not None and val.images is not None)
     if images:
-        if envs.enabled(cfg):
-            raise ValueError("an environment's episodes with image prompts are not built yet: train on text rows, or "
-                             "without env")
+        if envs.enabled(cfg) or agents.enabled(cfg):
+            what = "an agent's" if agents.enabled(cfg) else "an environment's"
+            raise ValueError(f"{what} episodes with image prompts are not built yet: train on text rows, or without "
+                             f"{'agent' if agents.enabled(cfg) else 'env'}")
         check_vision_modes(cfg, train, val, need_critic)
     elif has_vision(model_config) and picks_vllm(cfg):
         # vLLM builds the whole class, vision tower included, and text rows train the language model alone: the

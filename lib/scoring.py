@@ -102,8 +102,10 @@ def mask_unscored(batch: DataProto, unscored: list[bool], min_group: int) -> dic
         groups: dict = {}
         for i, uid in enumerate(uids.tolist()):
             groups.setdefault(uid, []).append(i)
+        # an agent's episode split into rows counts once (lib/agents)
+        episodes = batch.non_tensor_batch.get("episode", np.arange(len(unscored)))
         for rows in groups.values():
-            if sum(not unscored[i] for i in rows) < min_group:
+            if len({episodes[i] for i in rows if not unscored[i]}) < min_group:
                 dropped += 1
                 for i in rows:
                     masked[i] = True

@@ -49,7 +49,11 @@ def validate_policy(run: Run, step: int, other: tuple[Any, Any] | None = None) -
     unscored = scored.unscored or [False] * n
     rule = scored.rule_scores or [None] * n
     local = list(zip(out.non_tensor_batch["uid"].tolist(), out.non_tensor_batch["data_source"].tolist(),
-                     scored.scores, votes, unscored, rule))[:real * run.cfg.rollout.val_n]
+                     scored.scores, votes, unscored, rule))
+    if "episode" in out.non_tensor_batch:  # an agent's episode split into rows is one sample: its last row
+        last = {e: i for i, e in enumerate(out.non_tensor_batch["episode"].tolist())}
+        local = [local[i] for i in sorted(last.values())]
+    local = local[:real * run.cfg.rollout.val_n]
     gathered: list[Any] = [None] * topo.world_size
     dist.all_gather_object(gathered, local)  # every rank: the val metrics are logged by rank 0
     return val_metrics([row for part in gathered for row in part], scored.unscored is not None)

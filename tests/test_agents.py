@@ -218,8 +218,9 @@ def _call(prompt, ids, extends=False, start=None):
 def test_calls_merge_where_they_continue_and_split_where_the_history_was_rewritten():
     """An episode of four calls: the second continues the first (one row: its new messages observed, mask 0), the
     third was rendered from a rewritten history (a row of its own), the fourth continues the third. Token ids only,
-    never text."""
-    from lib.agents.samples import episode_rows, split_calls
+    never text. A call sent on the same history as another at once (both continue it; the first took the row) and a
+    chat call after a /completions call go where their ids do."""
+    from lib.agents.samples import episode_rows
 
     a = _call([1, 2, 3], [10, 11, 9])
     b = _call([1, 2, 3, 10, 11, 9, 50, 51], [12, 9], extends=True, start=3)
@@ -230,10 +231,12 @@ def test_calls_merge_where_they_continue_and_split_where_the_history_was_rewritt
     assert rows[0].response == [10, 11, 9, 50, 51, 12, 9] and rows[0].mask == [1, 1, 1, 0, 0, 1, 1]
     assert rows[0].logps == [-0.5, -0.5, -0.5, 0.0, 0.0, -0.5, -0.5]
     assert rows[1].response == [13, 9, 70, 14, 9] and rows[1].mask == [1, 1, 0, 1, 1]
-    assert split_calls([a, b, c, d]) == 1 and split_calls([a, b]) == 0
-    broken = _call([1, 2, 4, 10, 11, 9, 50], [12, 9], extends=True)  # says it continues, and does not
-    with pytest.raises(RuntimeError):
-        episode_rows([a, broken])
+    twin = _call([1, 2, 3, 10, 11, 9, 50, 51], [15, 9], extends=True, start=3)  # b's history, sent beside b
+    rows = episode_rows([a, b, twin])
+    assert len(rows) == 2 and rows[1].prompt == twin.prompt_ids and rows[1].response == [15, 9]
+    completion = _call([7, 7], [8, 9])
+    rows = episode_rows([a, completion, b])  # b continues a's row, past the completion's
+    assert [r.prompt for r in rows] == [[1, 2, 3], [7, 7]] and rows[0].response[-2:] == [12, 9]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg"])
@@ -420,3 +423,41 @@ def test_the_agent_preset_through_the_vllm_engine(tmp_path, shared_assets_dir):
     for r in train:
         assert r["agent/calls_mean"] > 1.5 and r["agent/split_calls"] == 0, r
         assert abs(r["rollout_is_mean"] - 1) < 1e-3 and r["sync/gb"] > 0, (r["rollout_is_mean"], r["sync/gb"])
+
+
+def test_a_group_left_with_one_episode_leaves_whole_however_many_rows_it_has():
+    """GRPO's groups need two scored samples: a prompt whose 4 episodes all failed but one, that one split into two
+    rows, leaves the update whole (counted by episodes, not rows), while a group of two scored episodes stays."""
+    import numpy as np
+
+    from lib.protocol import DataProto
+    from lib.scoring import MASKED, mask_unscored
+
+    uids = ["p"] * 5 + ["q"] * 4
+    episodes = ["p#0", "p#0", "p#1", "p#2", "p#3", "q#4", "q#5", "q#6", "q#7"]
+    unscored = [False, False, True, True, True, False, False, True, True]
+    batch = DataProto.from_dict({"response_mask": torch.ones(9, 3), "token_level_scores": torch.ones(9, 3)},
+                                {"uid": np.array(uids, dtype=object), "episode": np.array(episodes, dtype=object)})
+    got = mask_unscored(batch, unscored, 2)
+    assert list(batch.non_tensor_batch[MASKED]) == [True] * 5 + [False, False, True, True]
+    assert got == {"judge/masked": 7.0, "judge/dropped_groups": 1.0}
+    assert batch.batch["response_mask"][:5].sum() == 0 and batch.batch["response_mask"][5:7].sum() == 6
+
+
+def test_a_request_the_endpoint_cannot_read_is_the_agents_error_not_the_engines(served):
+    """A value that is not a number, a message that is not an object: HTTP 400 with OpenAI's body, kept as the
+    episode's refusal (never a 500 that an SDK would retry and that blames the engine)."""
+    import httpx
+
+    endpoint, engine, _, _ = served
+    url = endpoint.base_url("unreadable") + "/chat/completions"
+
+    def work():
+        bad_number = httpx.post(url, json={"messages": [{"role": "user", "content": "1"}], "temperature": "warm"})
+        not_json = httpx.post(url, content=b"{nope", headers={"Content-Type": "application/json"})
+        return bad_number, not_json
+
+    bad_number, not_json = _serve(endpoint, engine, {"unreadable": work})["unreadable"]
+    assert bad_number.status_code == 400 and "cannot be read" in bad_number.json()["error"]["message"]
+    assert not_json.status_code == 400 and "not JSON" in not_json.json()["error"]["message"]
+    assert len(endpoint.refused["unreadable"]) == 2 and not endpoint.calls.get("unreadable")

@@ -86,6 +86,10 @@ class _Last:
     call: Call
 
 
+class EngineError(RuntimeError):
+    """The engine's call for a request failed (HTTP 500 to the agent; the rank's caller gets the error itself)."""
+
+
 class Refused(ValueError):
     """A request the endpoint does not take: OpenAI's error body, HTTP ``status``."""
 
@@ -202,6 +206,12 @@ class Endpoint:
         self.batches, self.engine_s, self._engine_calls, self.late_rounds = [], 0.0, 0, 0
         self.waited.clear()
         self.asking.clear()
+        while True:  # a request of an earlier rollout's late agent, queued as its rollout ended: refused
+            try:
+                _, _, _, answer = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            answer.set_exception(Refused("the episode is over (its rollout ended)", code="episode_over"))
 
     def end(self, episode: str) -> None:
         """The episode is over (its agent timed out): its later requests are refused, one waiting is answered so."""
@@ -227,7 +237,8 @@ class Endpoint:
                 continue  # take all that came before deciding
             except queue.Empty:
                 pass
-            for episode in [e for e in waiting if e in self._closed]:
+            for episode in [e for e in waiting if e in self._closed or (self._open is not None
+                                                                       and e not in self._open)]:
                 self.asking.pop(episode, None)
                 for _, _, answer in waiting.pop(episode):
                     answer.set_exception(Refused("the episode is over (its time limit passed)", code="episode_over"))
@@ -267,18 +278,21 @@ class Endpoint:
         async def handle(request: Request):
             episode = request.path_params.get("episode", default)
             try:
-                body = await request.json() if request.method == "POST" else {}
+                try:
+                    body = await request.json() if request.method == "POST" else {}
+                except ValueError as e:
+                    raise Refused(f"the request body is not JSON ({e})") from None
                 if not isinstance(body, dict):
                     raise Refused("the request body must be a JSON object")
                 return await work(episode, body)
-            except Refused as e:
-                self.refused[episode].append(f"{e.code or 'refused'}: {e}")
-                return JSONResponse(e.body(), status_code=e.status)
-            except ValueError as e:  # a body that is not JSON
-                return JSONResponse(Refused(f"the request body is not JSON ({e})").body(), status_code=400)
-            except Exception as e:  # noqa: BLE001 - the engine's error, told to the agent as OpenAI's servers do
-                error = Refused(f"the engine failed: {type(e).__name__}: {e}", code="engine_error", status=500)
+            except EngineError as e:  # the engine's error, told to the agent as OpenAI's servers do
+                error = Refused(f"the engine failed: {e}", code="engine_error", status=500)
                 return JSONResponse(error.body(), status_code=500)
+            except Exception as e:  # noqa: BLE001 - a request the endpoint cannot read or render: the agent's
+                error = e if isinstance(e, Refused) else Refused(
+                    f"the request cannot be read or rendered ({type(e).__name__}: {str(e)[:300]})")
+                self.refused[episode].append(f"{error.code or 'refused'}: {error}")
+                return JSONResponse(error.body(), status_code=error.status)
         return handle
 
     async def _models(self, episode: str, body: dict) -> JSONResponse:
@@ -314,7 +328,12 @@ class Endpoint:
             raise Refused("the episode is over (its time limit passed, or its rollout ended)", code="episode_over")
         answer: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put((episode, prompt_ids, cap, answer))
-        return await asyncio.wrap_future(answer)
+        try:
+            return await asyncio.wrap_future(answer)
+        except Refused:
+            raise
+        except Exception as e:  # noqa: BLE001 - what the engine raised
+            raise EngineError(f"{type(e).__name__}: {e}") from e
 
     def _stops(self, body: dict) -> list[str]:
         stop = body.get("stop") or []
@@ -380,7 +399,8 @@ class Endpoint:
         parsed = self.parse(text) if tools and choice != "none" else Parsed()
         calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
-        content = text.split("<tool_call>")[0].strip() if calls else text
+        # the text before the calls (hermes); a format whose calls are the whole text (llama3_json) leaves none
+        content = (text.split("<tool_call>")[0].strip() if "<tool_call>" in text else "") if calls else text
         reply = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
         finish = "tool_calls" if calls else "stop" if stopped or cut else "length"
         self.calls[episode].append(call)

@@ -14,9 +14,11 @@ endpoint refused (``refused``), or returned a reward that is not a number (``inv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -28,7 +30,7 @@ import torch
 
 from lib.agents import check_command, load_agent
 from lib.agents.endpoint import Endpoint
-from lib.agents.samples import Row, episode_rows, split_calls
+from lib.agents.samples import Row, episode_rows
 from lib.data import left_pad
 from lib.engine import RolloutEngine, build_output, expand_samples, rollout_columns
 from lib.multi_turn.loop import MultiTurn
@@ -93,11 +95,18 @@ class AgentRollout:
         uids = data.non_tensor_batch.get("uid")
         ids, mask = data.batch["input_ids"].cpu(), data.batch["attention_mask"].cpu()
         split = continued = 0
+        width = data.batch["input_ids"].shape[1]
         for i, (name, outcome) in enumerate(zip(names, outcomes)):
             calls = ep.calls.get(name, [])
-            split += split_calls(calls)
+            mine = episode_rows(calls)
+            split += max(len(mine) - 1, 0)
             continued += max(len(calls) - 1, 0)
-            mine = episode_rows(calls) or [Row(ids[i][mask[i].bool()].tolist())]  # no call: an empty row, masked
+            if any(len(r.prompt) > width for r in mine):  # a split row whose prompt the rows cannot hold
+                outcome = outcomes[i] = Outcome(kind="refused", message=(
+                    "two of its calls continued the same history at once, and the second's row would start with a "
+                    f"prompt over data.max_prompt_length={width}; send one call at a time on a history"))
+                mine = []
+            mine = mine or [Row(ids[i][mask[i].bool()].tolist())]  # no call: an empty row, masked
             for row in mine:
                 prompts.append(row.prompt)
                 rows.append(row)
@@ -105,7 +114,6 @@ class AgentRollout:
                 texts.append(calls[-1].text if calls else "")
                 turns.append(len(calls))
                 scores.append((outcome.value, outcome.kind, outcome.message))
-        width = data.batch["input_ids"].shape[1]
         p_ids, p_mask, p_pos = left_pad(prompts, width, self.tokenizer.pad_token_id)
         device = data.batch["input_ids"].device
         kept = [r.kept for r in rows]
@@ -162,8 +170,9 @@ class Play:
                 self.outcomes.setdefault(name, Outcome(kind="timeout", message=(
                     f"the agent ran past agent.timeout_s={self.rollout.cfg.timeout_s:g}")))
                 ep.end(name)
-                if i in self.procs:  # a command is killed; a function's thread cannot be
-                    self.procs[i].kill()
+                if i in self.procs:  # a command is killed, with what it started; a function's thread cannot be
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.procs[i].pid, signal.SIGKILL)
         while len(self.running) < self.limit and self.started < len(self.names):
             i = self.started
             self.started += 1

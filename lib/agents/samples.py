@@ -45,27 +45,21 @@ class Row:
 
 
 def episode_rows(calls: list[Call]) -> list[Row]:
-    """The rows of one episode's calls, in order (none for no call). A continuing call's prompt must be its row so
-    far exactly (raises otherwise: the endpoint built it so)."""
+    """The rows of one episode's calls, in order (none for no call). A continuing call joins the latest row whose ids
+    its prompt starts with (a /completions call between two chat calls has a row of its own); one that no row's ids
+    start any more (two calls sent at once on the same history: the first took the row) starts a row of its own. The
+    rows after the first are the episode's split calls."""
     rows: list[Row] = []
     for call in calls:
-        if call.extends and rows:
-            row = rows[-1]
-            whole = row.prompt + row.response
-            if call.prompt_ids[:len(whole)] != whole:
-                raise RuntimeError("an agent call marked as continuing its row does not start with the row's ids")
-            row.observed(call.prompt_ids[len(whole):])
+        row = next((r for r in reversed(rows) if call.extends
+                    and call.prompt_ids[:len(r.prompt) + len(r.response)] == r.prompt + r.response), None)
+        if row is not None:
+            row.observed(call.prompt_ids[len(row.prompt) + len(row.response):])
         else:
             row = Row(list(call.prompt_ids))
             rows.append(row)
         row.sampled(call)
     return rows
-
-
-def split_calls(calls: list[Call]) -> int:
-    """The calls after an episode's first that started a row of their own (the history was not passed back as the
-    endpoint returned it)."""
-    return sum(not c.extends for c in calls[1:])
 
 
 def once_per_episode(estimate: Callable[..., tuple[torch.Tensor, torch.Tensor]], rewards: torch.Tensor,
