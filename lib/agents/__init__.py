@@ -18,6 +18,7 @@ import shlex
 import shutil
 from typing import Any, Callable
 
+from lib.envs import scored_episode_problems
 from lib.multi_turn.parsers import PARSERS
 from lib.rewards import load_object
 
@@ -48,16 +49,9 @@ def config_problems(cfg: Any) -> list[str]:
                         f"rounds of their own, which a tensor-parallel group cannot share; use rollout.tp_size 1")
     if a.format not in PARSERS:
         problems.append(f"agent.format={a.format!r}; use one of {sorted(PARSERS)}")
-    for name in ("timeout_s", "round_wait_s"):
-        if getattr(a, name) <= 0:
-            problems.append(f"agent.{name}={getattr(a, name)} must be > 0")
+    problems += scored_episode_problems("agent", a, ("timeout_s", "round_wait_s"))
     if a.max_in_flight < 0:
         problems.append(f"agent.max_in_flight={a.max_in_flight} must be >= 0 (0: all of a rank's episodes at once)")
-    if not 0 <= a.max_failed_share <= 1:
-        problems.append(f"agent.max_failed_share={a.max_failed_share} must be between 0 and 1")
-    for name in ("weight", "rule_weight"):
-        if getattr(a, name) < 0:
-            problems.append(f"agent.{name}={getattr(a, name)} is negative: that trains the policy against that score")
     if not cfg.data.apply_chat_template:
         problems.append("agents send chat messages, rendered with the chat template: turn data.apply_chat_template on")
     if any(importlib.util.find_spec(m) is None for m in ("uvicorn", "starlette")):

@@ -26,6 +26,18 @@ def enabled(cfg: Any) -> bool:
     return bool(cfg.env.url or cfg.env.app or cfg.env.verifiers)
 
 
+def scored_episode_problems(prefix: str, section: Any, positive: tuple[str, ...]) -> list[str]:
+    """The settings an environment's and an agent's sections share: time limits (``positive``), the failed share
+    that stops a run, the weights of the episode's reward and the rule's."""
+    problems = [f"{prefix}.{name}={getattr(section, name)} must be > 0" for name in positive
+                if getattr(section, name) <= 0]
+    if not 0 <= section.max_failed_share <= 1:
+        problems.append(f"{prefix}.max_failed_share={section.max_failed_share} must be between 0 and 1")
+    problems += [f"{prefix}.{name}={getattr(section, name)} is negative: that trains the policy against that score"
+                 for name in ("weight", "rule_weight") if getattr(section, name) < 0]
+    return problems
+
+
 def config_problems(cfg: Any) -> list[str]:
     """What keeps the env section's values from running (each naming the fix); nothing when it is off."""
     e = cfg.env
@@ -50,16 +62,9 @@ def config_problems(cfg: Any) -> list[str]:
                       ("max_sessions", 0)):
         if getattr(e, name) < low:
             problems.append(f"env.{name}={getattr(e, name)} must be >= {low}")
-    for name in ("timeout_s", "deadline_s"):
-        if getattr(e, name) <= 0:
-            problems.append(f"env.{name}={getattr(e, name)} must be > 0")
+    problems += scored_episode_problems("env", e, ("timeout_s", "deadline_s"))
     if e.backoff_s < 0:
         problems.append(f"env.backoff_s={e.backoff_s} must be >= 0")
-    if not 0 <= e.max_failed_share <= 1:
-        problems.append(f"env.max_failed_share={e.max_failed_share} must be between 0 and 1")
-    for name in ("weight", "rule_weight"):
-        if getattr(e, name) < 0:
-            problems.append(f"env.{name}={getattr(e, name)} is negative: that trains the policy against that score")
     if e.action_fields:
         try:
             fixed = json.loads(e.action_fields)

@@ -3,17 +3,17 @@ rollout (the last number of its episode in its base URL, so that a prompt's 8 sa
 never call, send a request the endpoint refuses, rewrite their history (two rows), return a reward of their own,
 return one that is not a number, or play the tool loop as a user's agent would."""
 
-import json
 import time
 
 import httpx
 from openai import OpenAI
 
-from lib.toy import lookup
+from lib.rewards import load_object
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Look up the digits stored under a key.",
     "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
+PLAYS = load_object("examples/agent_programs/toy_tool_openai.py:agent", "the example agent")
 WAYS = ("raise", "sleep", "no_call", "refused", "rewrite", "own_reward", "bad_reward", "plays")
 
 
@@ -26,6 +26,8 @@ def agent(row, base_url):
         return None
     if way == "no_call":
         return 0.5
+    if way == "plays":  # as a user's agent would: the example's tool loop
+        return PLAYS(row, base_url)
     with httpx.Client(timeout=600) as http:
         client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http)
         messages = list(row["prompt"])
@@ -33,22 +35,9 @@ def agent(row, base_url):
                                                           max_tokens=24, **kw).choices[0].message
         if way == "refused":
             ask(temperature=0.5)  # raises BadRequestError: this run samples at temperature 1
-        message = ask()
+        ask()
         if way == "rewrite":  # the agent's own summary of the model's turn: the next call starts a row of its own
             messages += [{"role": "assistant", "content": "I looked it up."}, {"role": "user", "content": "Answer."}]
             ask()
             return None
-        if way in ("own_reward", "bad_reward"):
-            return 1.0 if way == "own_reward" else "fine"
-        for _ in range(2):
-            messages.append(message.model_dump(exclude_none=True))
-            if not message.tool_calls:
-                return None
-            for call in message.tool_calls:
-                try:
-                    result = lookup(**json.loads(call.function.arguments))
-                except (TypeError, ValueError) as e:
-                    result = f"error: {e}"
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-            message = ask()
-    return None
+        return 1.0 if way == "own_reward" else "fine"
