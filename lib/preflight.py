@@ -389,8 +389,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
     problems += _routing_problems(cfg, model_config)
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)
-    problems += env_problems(cfg)
-    problems += agent_problems(cfg)
+    problems += env_problems(cfg) + agent_problems(cfg)
     problems += partial_problems(cfg)
     if "wandb" in t.logger:
         if importlib.util.find_spec("wandb") is None:

@@ -210,7 +210,7 @@ def test_the_endpoint_turns_nagles_algorithm_off(served):
 
 
 def _call(prompt, ids, extends=False, start=None):
-    from lib.agents.endpoint import Call
+    from lib.agents.messages import Call
 
     return Call(prompt, ids, [-0.5] * len(ids), True, None, extends, len(prompt) if start is None else start)
 

@@ -3,6 +3,7 @@ serves this rank's rollout engine and keeps every token it saw and sampled.
 
 - ``endpoint``: the OpenAI-compatible endpoint (chat completions with tools and streaming, completions, models), its
   rounds into the engine, the calls' tokens kept per episode;
+- ``messages``: a call's kept tokens, OpenAI's error bodies, reading messages, server-sent events;
 - ``samples``: an episode's calls as training rows (merged where a call continues the previous, split where the
   agent rewrote its history);
 - ``runner``: the rollout: every sample's agent (``--agent.entry`` or ``--agent.command``) run while the rank serves.

@@ -40,8 +40,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 try:  # the agents extra (lib.agents.config_problems names it when missing)
     import uvicorn
@@ -52,86 +51,10 @@ try:  # the agents extra (lib.agents.config_problems names it when missing)
 except ImportError:
     uvicorn = None
 
+from lib.agents.messages import Call, EngineError, Refused, Last, calls_of, events, same, text_of
 from lib.engine import Turn
 from lib.multi_turn.parsers import Parsed
 from lib.multi_turn.render import ObservationRenderer
-
-
-@dataclass
-class Call:
-    """One completion call of an episode, as the engine saw and sampled it."""
-
-    prompt_ids: list[int]
-    ids: list[int]
-    """The sampled ids, a stop token included; cut after a ``stop`` string where the request gave one."""
-    logps: list[float]
-    stopped: bool
-    """Ended on the engine's stop token (not cut by the token cap or a stop string)."""
-    kept: list[int] | None = None
-    extends: bool = False
-    """Its prompt is the episode's previous call's prompt and sampled ids, then the new messages."""
-    start: int = 0
-    """The prompt length of the row it belongs to (its own, or the first call's of the calls it continues)."""
-    text: str = ""
-    """The reply's text (the content; a chat reply's tool calls as the model wrote them)."""
-
-
-@dataclass
-class _Last:
-    """An episode's last chat call: its messages, the assistant message returned, its tokens."""
-
-    messages: list[dict]
-    tools: Any
-    reply: dict
-    call: Call
-
-
-class EngineError(RuntimeError):
-    """The engine's call for a request failed (HTTP 500 to the agent; the rank's caller gets the error itself)."""
-
-
-class Refused(ValueError):
-    """A request the endpoint does not take: OpenAI's error body, HTTP ``status``."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.code, self.status = param, code, status
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
-
-
-def _text_of(content: Any) -> str:
-    """A message's content as text: a string, or the text parts of a list of parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-
-
-def _calls_of(message: dict) -> list[tuple[str, dict]]:
-    """A message's tool calls as (name, arguments) pairs, the arguments parsed where they came as JSON text."""
-    out = []
-    for c in message.get("tool_calls") or []:
-        f = c.get("function", c)
-        args = f.get("arguments") or {}
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                args = {"_text": args}
-        out.append((f.get("name", ""), args))
-    return out
-
-
-def _same(a: dict, b: dict) -> bool:
-    """Two messages say the same (the fields a chat template reads; absent and empty alike)."""
-    keys = ("role", "name", "tool_call_id")
-    return all((a.get(k) or None) == (b.get(k) or None) for k in keys) and _text_of(a.get("content")) == \
-        _text_of(b.get("content")) and _calls_of(a) == _calls_of(b) and \
-        [c.get("id") for c in a.get("tool_calls") or []] == [c.get("id") for c in b.get("tool_calls") or []]
 
 
 class Endpoint:
@@ -157,7 +80,7 @@ class Endpoint:
         """Seconds each episode's answered requests waited for their round and the engine."""
         self.asking: dict[str, float] = {}
         """The episodes with a request waiting now, and since when (``serve``'s clock)."""
-        self._last: dict[str, _Last] = {}
+        self._last: dict[str, Last] = {}
         self._queue: queue.Queue = queue.Queue()
         self._closed: set[str] = set()
         self._open: set[str] | None = None  # the episodes taken (None: any, before a rollout names them)
@@ -359,20 +282,20 @@ class Endpoint:
         if last is not None and tools == last.tools:
             k = len(last.messages)
             new = messages[k + 1:]
-            if len(messages) > k + 1 and all(_same(a, b) for a, b in zip(messages[:k], last.messages)) \
-                    and _same(messages[k], last.reply) and all(m.get("role") in ("tool", "user") for m in new):
+            if len(messages) > k + 1 and all(same(a, b) for a, b in zip(messages[:k], last.messages)) \
+                    and same(messages[k], last.reply) and all(m.get("role") in ("tool", "user") for m in new):
                 c = last.call
                 stop_text = self.tokenizer.decode(c.ids[-1:]) if c.stopped else ""
-                rendered = [{"role": m["role"], "content": _text_of(m.get("content")), "name": m.get("name"),
+                rendered = [{"role": m["role"], "content": text_of(m.get("content")), "name": m.get("name"),
                              "tool_call_id": m.get("tool_call_id")} for m in new]
                 return c.prompt_ids + c.ids + self.renderer.observation_ids(rendered, stop_text), True
         plain = []
         for m in messages:
-            out = {"role": m.get("role"), "content": _text_of(m.get("content"))}
+            out = {"role": m.get("role"), "content": text_of(m.get("content"))}
             for k in ("name", "tool_call_id"):
                 if m.get(k):
                     out[k] = m[k]
-            calls = _calls_of(m)
+            calls = calls_of(m)
             if calls:  # the calls in the parser's own format, as the model writes them
                 out["content"] += "".join('<tool_call>' + json.dumps({"name": n, "arguments": a}) + '</tool_call>'
                                           for n, a in calls)
@@ -404,7 +327,7 @@ class Endpoint:
         reply = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
         finish = "tool_calls" if calls else "stop" if stopped or cut else "length"
         self.calls[episode].append(call)
-        self._last[episode] = _Last(list(messages), tools, reply, call)
+        self._last[episode] = Last(list(messages), tools, reply, call)
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                  "total_tokens": len(prompt_ids) + len(ids)}
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
@@ -422,7 +345,7 @@ class Endpoint:
                        "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
         if (body.get("stream_options") or {}).get("include_usage"):
             chunks.append({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage})
-        return StreamingResponse(_events(chunks), media_type="text/event-stream")
+        return StreamingResponse(events(chunks), media_type="text/event-stream")
 
     async def _completion(self, episode: str, body: dict):
         self._check_sampling(body)
@@ -448,11 +371,4 @@ class Endpoint:
         chunks = [{**head, "choices": [choice]}]
         if (body.get("stream_options") or {}).get("include_usage"):
             chunks.append({**head, "choices": [], "usage": usage})
-        return StreamingResponse(_events(chunks), media_type="text/event-stream")
-
-
-def _events(chunks: list[dict]) -> Iterator[str]:
-    """Server-sent events: one ``data:`` line a chunk, then ``[DONE]``."""
-    for chunk in chunks:
-        yield f"data: {json.dumps(chunk)}\n\n"
-    yield "data: [DONE]\n\n"
+        return StreamingResponse(events(chunks), media_type="text/event-stream")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from lib.agents.endpoint import Call
+from lib.agents.messages import Call
 
 
 @dataclass
