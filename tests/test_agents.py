@@ -277,7 +277,8 @@ NOT_COMPARED = ("timing/", "perf/", "memory/", "sync/seconds", "sync/s_per_gb")
 
 @pytest.fixture(scope="module")
 def agent_runs(tmp_path_factory, shared_assets_dir):
-    """One launch of 2 CPU ranks (HF engine) on the toy tool task: the openai-SDK agent twice (2 steps), the OpenAI
+    """One launch of 2 CPU ranks (HF engine) on the toy tool task: the openai-SDK agent (2 steps; again, in two runs
+    of the same command: stopped after step 1, then resumed), the OpenAI
     Agents SDK's agent, the standard-library command, and the agents that misbehave in every way (1 step each)."""
     import sys
 
@@ -291,8 +292,9 @@ def agent_runs(tmp_path_factory, shared_assets_dir):
     small = ("--trainer.train_batch_size", "8", "--actor.mini_batch_size", "16", "--trainer.total_steps", "1")
     plan = [(name, "train_grpo.py", [*AGENT, *data, "--trainer.run_name", name, *args]) for name, args in (
         ("sdk", ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32", "--trainer.total_steps", "2")),
-        ("sdk_again", ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32",
-                       "--trainer.total_steps", "2")),
+        # the same agents again, saved after step 1 and resumed from there by a second launch of the same command
+        *((name, ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32", "--trainer.save_every", "1",
+                  "--trainer.total_steps", steps)) for name, steps in (("resumed", "1"), ("resumed", "2"))),
         ("agents_sdk", ("--agent.entry", "examples/agent_programs/toy_tool_agents_sdk.py:agent", *small)),
         ("command", ("--agent.entry", "", "--agent.command",
                      f"{sys.executable} examples/agent_programs/toy_tool_command.py", *small)),
@@ -326,14 +328,15 @@ def test_agents_nobody_wrote_for_rl_train_and_every_row_is_the_engines_tokens(ag
             assert r["actor/pg_loss"] == r["actor/pg_loss"] and r["actor/grad_norm"] > 0, name
 
 
-def test_the_same_agents_sample_the_same_tokens_again(agent_runs):
-    """Rounds hold every running episode's request, in the episodes' order, whatever the timing: two runs of the same
-    agents are the same run (every metric but time and memory; what lets a stop redo the step in flight), and two
-    programs that ask the same of the endpoint (the OpenAI Agents SDK's Runner, a command with no SDK) train on the
-    same tokens."""
-    from tests.helpers import run_rows
+def test_the_same_agents_sample_the_same_tokens_again_and_a_resumed_run_is_the_same_run(agent_runs):
+    """Rounds hold every running episode's request, in the episodes' order, whatever the timing: the same agents
+    stopped after step 1 and resumed from its checkpoint by the same command are the uninterrupted run, step for step
+    (every metric but time and memory), and two programs that ask the same of the endpoint (the OpenAI Agents SDK's
+    Runner, a command with no SDK) train on the same tokens."""
+    from tests.helpers import run_outputs, run_rows
 
-    a, b = run_rows(agent_runs, "sdk", 2), run_rows(agent_runs, "sdk_again", 2)
+    a, b = run_rows(agent_runs, "sdk", 2), run_rows(agent_runs, "resumed", 2)
+    assert "resumed from step 1" in run_outputs(agent_runs[1].stdout)["resumed"], agent_runs[1].stdout[-3000:]
     assert _same(a, b)
     assert _same(run_rows(agent_runs, "agents_sdk", 1), run_rows(agent_runs, "command", 1))
 
