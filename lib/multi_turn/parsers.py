@@ -1,8 +1,9 @@
-"""Tool-call parsers: the text of one assistant turn -> the calls it makes, and what was malformed.
+"""Tool-call parsers: the text of one assistant turn -> the calls it makes, and what was malformed; and their
+writers: calls -> the text a model of the format writes for them.
 
-A registry by name (``multi_turn.format``). Each parser returns ``Parsed(calls, errors)``: a malformed call is not
-dropped silently, its error text becomes an observation for the model. This module stays free of torch: tool
-workers import it.
+Registries by name (``multi_turn.format``, ``agent.format``). Each parser returns ``Parsed(calls, errors)``: a
+malformed call is not dropped silently, its error text becomes an observation for the model. A writer's text parses
+back to the same calls. This module stays free of torch: tool workers import it.
 """
 
 from __future__ import annotations
@@ -98,3 +99,16 @@ def parse_llama3_json(text: str) -> Parsed:
 
 
 PARSERS: dict[str, Callable[[str], Parsed]] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+
+
+def write_hermes(calls: list[Call]) -> str:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` a call, as Hermes and Qwen write them."""
+    return "".join(f'<tool_call>{json.dumps({"name": c.name, "arguments": c.arguments})}</tool_call>' for c in calls)
+
+
+def write_llama3_json(calls: list[Call]) -> str:
+    """``{"name": ..., "parameters": {...}}`` a call, separated by ``; `` (Llama-3.1/3.2 with JSON tools)."""
+    return "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}) for c in calls)
+
+
+WRITERS: dict[str, Callable[[list[Call]], str]] = {"hermes": write_hermes, "llama3_json": write_llama3_json}
