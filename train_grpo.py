@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lib import algos, config, distill, kl_control, metrics as metric_log, resume, startup
+from lib import algos, config, distill, kl_control, metrics as metric_log, resume, samples, startup
 from lib.actor import update_policy
 from lib.agents.samples import once_per_episode
 from lib.balance import balance_groups
@@ -152,6 +152,7 @@ def main(argv: list[str]) -> None:
                                               distill.topk(cfg))
                 metrics.update(distill.metrics(batch))
             compute_advantages(run, batch, kl_ctrl, metrics)
+            samples.mark(run, batch)  # the groups whose samples the step keeps (lib/samples)
             with stage("update", metrics), tower_clock(run.actor.model, metrics):  # its share, with images
                 metrics.update(update_policy(run.actor, batch, cfg.actor, cfg.rollout.temperature,
                                              run.sizes.mini_batch_per_rank, seed=step, truncation=run.truncation,

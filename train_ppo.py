@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from lib import algos, config, kl_control, metrics as metric_log, resume, startup
+from lib import algos, config, kl_control, metrics as metric_log, resume, samples, startup
 from lib.actor import Trainee
 from lib.actor import update_policy
 from lib.balance import balance_groups
@@ -105,6 +105,7 @@ def main(argv: list[str]) -> None:
             if cfg.rollout.partial.enabled:
                 metrics.update(partial.segment_metrics(batch, step))
             compute_advantages(run, batch, kl_ctrl, metrics)
+            samples.mark(run, batch)  # the groups whose samples the step keeps (lib/samples)
             with stage("update", metrics):
                 metrics.update(update_critic(critic, batch, cfg.critic, run.sizes.critic_mini_batch_per_rank, step))
                 if step >= cfg.algorithm.critic_warmup:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lib import algos, watchdog
+from lib import algos, samples, watchdog
 from lib.config import ActorConfig, BatchingConfig
 from lib.dist import Topology
 from lib.forward import KEPT_KEY, model_rows, response_log_probs, response_top_log_probs
@@ -121,6 +121,8 @@ def update_policy(actor: Trainee, data: DataProto, cfg: ActorConfig, temperature
             if topk:
                 logp, at_teacher_top = logp[..., 0], algos.with_tail(logp[..., 1:])
             old = b["old_log_probs"] if "old_log_probs" in b else logp.detach()
+            if epoch == 0:  # the samples kept (lib/samples): the log-probs and entropy the step trained on
+                samples.record(data, micro, topo.rank, old, entropy)
             agg = {"num_global_tokens": num_tokens, "num_global_seqs": num_seqs,
                    "norm_constant": cfg.loss_scale_factor or None}
             pg_loss, pg_metrics = loss_fn(old, logp, b["advantages"], mask, clip_ratio_c=cfg.clip_ratio_c,

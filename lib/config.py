@@ -23,6 +23,7 @@ import yaml
 from lib.config_agent import AgentConfig  # noqa: F401
 from lib.config_env import EnvConfig  # noqa: F401
 from lib.config_partial import PartialConfig  # noqa: F401
+from lib.config_samples import SamplesConfig  # noqa: F401
 from lib.config_judge import JudgeConfig  # noqa: F401
 from lib.config_trained import (ActorConfig, BatchingConfig, CriticConfig, FSDPConfig, LoraConfig,  # noqa: F401
                                  ModelConfig, OptimConfig, TrainedModelConfig)
@@ -278,6 +279,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 

@@ -14,6 +14,7 @@ from lib.envs import loop as env_loop
 from lib.multi_turn import loop as multi_turn_loop
 from lib.protocol import DataProto
 from lib.rewards import FAILURE_KINDS
+from lib.samples import keep as kept_samples
 from lib.scoring import MASKED
 from lib.run import Run
 
@@ -96,3 +97,4 @@ def log_step(run: Run, step: int, batch: DataProto, metrics: dict) -> None:
     if "judge/seconds" in metrics:  # an LLM judge: its share of the step's time
         metrics["judge/step_share"] = metrics["judge/seconds"] / max(metrics["timing/step_s"], 1e-9)
     run.logger.log(step + 1, global_metrics(run, metrics), samples_to_log(run, batch, run.cfg.trainer.log_samples))
+    kept_samples.keep(run, step + 1, batch)

@@ -21,6 +21,7 @@ from lib.dist import divisors
 from lib.agents import config_problems as agent_problems
 from lib.envs import config_problems as env_problems
 from lib.partial import config_problems as partial_problems
+from lib.samples import config_problems as sample_problems
 from lib.multi_turn import config_problems
 from lib.ulysses import check_heads
 
@@ -389,8 +390,7 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
     problems += _routing_problems(cfg, model_config)
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)
-    problems += env_problems(cfg) + agent_problems(cfg)
-    problems += partial_problems(cfg)
+    problems += env_problems(cfg) + agent_problems(cfg) + partial_problems(cfg) + sample_problems(cfg)
     if "wandb" in t.logger:
         if importlib.util.find_spec("wandb") is None:
             problems.append("trainer.logger wandb needs the wandb package: pip install wandb (the project installs "

@@ -33,6 +33,7 @@ import torch
 import yaml
 
 from lib import inject, restarts, watchdog
+from lib.samples import store as samples_store
 
 
 STAGES: list[str] = []
@@ -182,6 +183,7 @@ class RunLogger:
             yaml.safe_dump(config, f, sort_keys=False)
         metrics_path = os.path.join(path, "metrics.jsonl")
         keep_rows_through(metrics_path, start_step if start_step else -1)
+        samples_store.keep_steps_through(path, start_step if start_step else -1)  # the same for the samples kept
         if self.wandb is not None and os.path.isfile(metrics_path):
             # rows up to the checkpoint that wandb does not hold (a killed run's wandb process had not written
             # them yet) go to it now, from metrics.jsonl; then wandb holds every step once

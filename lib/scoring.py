@@ -35,6 +35,8 @@ def score(run: Run, batch: DataProto) -> dict[str, float]:
         metrics["reward/overlong_penalty"] = float(penalty.mean())
     batch.batch["token_level_scores"] = scores
     batch.non_tensor_batch["scores"] = np.array(per_row + [None], dtype=object)[:-1]
+    if scored.terms is not None:  # what the samples kept show (lib/samples)
+        batch.non_tensor_batch["reward_terms"] = np.array(scored.terms + [None], dtype=object)[:-1]
     if "env_score" in batch.non_tensor_batch:
         env_failures(run, batch)
     if scored.unscored is not None:

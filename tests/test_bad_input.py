@@ -136,6 +136,7 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
     ("save-every", "train_grpo.py", "--trainer.save_every -1", "trainer.save_every=-1"),
     ("keep-last", "train_grpo.py", "--trainer.keep_last -1", "trainer.keep_last=-1"),
     ("max-bad-steps", "train_grpo.py", "--trainer.max_bad_steps 0", "trainer.max_bad_steps=0"),
+    ("samples-share", "train_grpo.py", "--samples.share 2", "samples.share=2 is a share"),
     ("ppo-estimator", "train_ppo.py", "--algorithm.adv_estimator grpo", "train_ppo.py computes advantages with GAE"),
     ("ppo-filter-groups", "train_ppo.py", "--algorithm.filter-groups", "is train_grpo.py's; turn it off"),
     ("gamma", "train_ppo.py", "--algorithm.gamma 1.5", "algorithm.gamma=1.5"),

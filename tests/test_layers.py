@@ -86,12 +86,12 @@ def test_no_import_of_lib_inside_a_function():
 def test_the_config_tree_and_the_pure_pieces_import_nothing_of_lib():
     top, inner = graph()
     for name in ("lib.config_trained", "lib.config_judge", "lib.config_env", "lib.config_agent", "lib.config_partial",
-                 "lib.protocol",
+                 "lib.config_samples", "lib.protocol",
                  "lib.algos", "lib.logprobs", "lib.runfolder"):
         assert not top[name] | inner[name], (name, top[name] | inner[name])
     # the tree's root and its sections
     assert top["lib.config"] | inner["lib.config"] == {"lib.config_trained", "lib.config_judge", "lib.config_env",
-                                                       "lib.config_agent", "lib.config_partial"}
+                                                       "lib.config_agent", "lib.config_partial", "lib.config_samples"}
 
 
 def test_the_config_root_stays_short():

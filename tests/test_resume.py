@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cosine schedule with warm-up, dynamic sampling, several mini-batches: every piece of resumable state matters
 ARGS = ("--trainer.val_every", "3", "--trainer.save_every", "2", "--actor.optim.warmup_steps", "2",
         "--actor.optim.schedule", "cosine", "--algorithm.filter-groups", "--trainer.train_batch_size", "16",
-        "--actor.mini_batch_size", "8", "--trainer.log_samples", "0")
+        "--actor.mini_batch_size", "8", "--trainer.log_samples", "0", "--samples.share", "0.5")
 TIMING = ("timing/", "perf/", "memory/", "sync/seconds", "sync/s_per_gb")  # wall-clock and RSS: not compared
 
 
@@ -96,13 +96,27 @@ DISTILL = ("--config", "tiny_cpu_opd", "--rollout.n", "4")
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory):
-    """The uninterrupted 4-step run of ARGS, made once for the tests of this file that compare with it: its rows."""
+def whole_root(tmp_path_factory):
+    """The uninterrupted 4-step run of ARGS, made once for the tests of this file that compare with it: its output
+    root (the run is ``whole`` in it)."""
     root = tmp_path_factory.mktemp("whole")
     done = subprocess.run(command(root, "--trainer.total_steps", "4", *ARGS, name="whole"), cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    return rows(root, "whole")
+    return root
+
+
+@pytest.fixture(scope="module")
+def whole(whole_root):
+    """The uninterrupted run's metric rows."""
+    return rows(whole_root, "whole")
+
+
+def kept_samples(run_dir) -> dict[int, list[dict]]:
+    """The samples a run kept (lib/samples), step by step."""
+    from lib.samples import store
+
+    return {step: store.read_step(path) for step, path in store.steps(str(run_dir)).items()}
 
 
 @pytest.mark.slow
@@ -149,6 +163,13 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra, request):
     for a, b in zip(got, want):
         assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["latest", "step_2", "step_4"]
+    # the samples kept: the killed run's step 3 file dropped at the resume and written again, every step's file
+    # the uninterrupted run's, value for value
+    kept = kept_samples(tmp_path / "run")
+    reference = kept_samples((tmp_path if extra else request.getfixturevalue("whole_root")) / "whole")
+    assert sorted(kept) == sorted(reference) == [1, 2, 3, 4] and all(kept.values())
+    assert kept == reference
+    assert not [f for f in os.listdir(tmp_path / "run" / "samples") if not f.endswith(".parquet")]
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ class Scored:
     messages: dict[str, str]
     unscored: list[bool] | None = None  # with a judge or an environment: the rows left unscored (masked)
     rule_scores: list[float] | None = None  # with a judge: the rule / custom / RM scores alone, before it
+    terms: list[dict] | None = None  # per row, the reward's terms (a custom reward's, rm_score, env_return)
 
 
 def last_sampled(mask: torch.Tensor) -> torch.Tensor:
@@ -96,16 +97,22 @@ class Scorer:
             for k, v in extra.items():
                 sums[k].append(v)
         scores = [r[0] for r in results]
+        terms = [dict(r[1]) for r in results]
         if self.reward_model is not None:
             rm = self.reward_model(data).tolist()
             scores = [s + r for s, r in zip(scores, rm)]
             sums["rm_score"] = rm
+            for t, r in zip(terms, rm):
+                t["rm_score"] = r
         unscored, judged, rule = None, {}, None
         if env is not None:
             w_rule, w_env = self.env_weights
             scores = [s if value is None else w_rule * s + w_env * value for s, (value, _, _) in zip(scores, env)]
             unscored = [bool(kind) for _, kind, _ in env]
             played = [value for value, kind, _ in env if not kind and value is not None]
+            for t, (value, kind, _) in zip(terms, env):
+                if not kind and value is not None:
+                    t["env_return"] = value
             if played:
                 sums["env_return"] = played
         if self.judge is not None:
@@ -120,7 +127,7 @@ class Scorer:
         metrics.update({f"reward/{k}": float(np.mean(v)) for k, v in sums.items()})
         metrics.update(judged)
         return Scored(token_scores.to(mask.device), metrics, scores, [r[2] for r in results], texts, messages,
-                      unscored, rule)
+                      unscored, rule, terms)
 
     def _judge(self, data: DataProto, texts: list[str], truths: list[Any], rule: list[float]
                ) -> tuple[list[float], list[bool], dict[str, float]]:
