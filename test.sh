@@ -24,7 +24,8 @@ if [ ! -d "$ROOT/.venv/openenv_041/openenv" ]; then
     "openenv==0.4.1"
 fi
 set +e
-workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+# whole files to a worker, in collection order: tests/conftest.py puts the longest first
+workers=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 # the embedded tasks' builds (tests/conftest.py): made once for both passes, in a folder removed at the end
 if [ -z "${TEST_ASSETS:-}" ]; then
   TEST_ASSETS="$(mktemp -d "${TMPDIR:-/tmp}/test_assets.XXXXXX")"

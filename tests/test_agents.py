@@ -328,7 +328,8 @@ def agent_runs(tmp_path_factory, shared_assets_dir):
             assets["val"], "--trainer.output_root", str(root))
     small = ("--trainer.train_batch_size", "8", "--actor.mini_batch_size", "16", "--trainer.total_steps", "1")
     plan = [(name, "train_grpo.py", [*AGENT, *data, "--trainer.run_name", name, *args]) for name, args in (
-        ("sdk", ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32", "--trainer.total_steps", "2")),
+        ("sdk", ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32", "--trainer.total_steps", "2",
+                 "--samples.share", "1", "--samples.max_rows", "1000")),
         # the same agents again, saved after step 1 and resumed from there by a second launch of the same command
         *((name, ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32", "--trainer.save_every", "1",
                   "--trainer.total_steps", steps)) for name, steps in (("resumed", "1"), ("resumed", "2"))),
@@ -363,6 +364,21 @@ def test_agents_nobody_wrote_for_rl_train_and_every_row_is_the_engines_tokens(ag
             assert r["agent/failed_refused"] <= 0.1 * r["agent/episodes"], (name, r)  # the row's room ran out
             assert r["agent/late_rounds"] == 0 and r["agent/requests_per_round"] > 8, (name, r)
             assert r["actor/pg_loss"] == r["actor/pg_loss"] and r["actor/grad_norm"] > 0, name
+    # the samples kept (every one of the sdk run's): an episode's turns as the model saw them, the lookup it called
+    from lib.samples import store
+
+    for step, path in store.steps(str(agent_runs[0] / "sdk")).items():
+        rows = store.read_step(path)
+        assert len(rows) == 128, (step, len(rows))
+        called = 0
+        for r in rows:
+            turns = json.loads(r["turns"])
+            assert turns[0]["role"] == "assistant" and r["episode"]
+            assert [t["role"] for t in turns] == ["assistant", "observation"] * (len(turns) // 2) + \
+                ["assistant"] * (len(turns) % 2)
+            calls = [c for t in turns for c in t.get("tool_calls", [])]
+            called += any(c["name"] == "lookup" for c in calls) and len(turns) >= 3
+        assert called > len(rows) / 2, called
 
 
 def test_the_same_agents_sample_the_same_tokens_again_and_a_resumed_run_is_the_same_run(agent_runs):
