@@ -17,6 +17,7 @@ from lib.rewards import FAILURE_KINDS
 from lib.samples import keep as kept_samples
 from lib.scoring import MASKED
 from lib.run import Run
+from lib.runlog import stage
 
 
 def response_metrics(batch: DataProto, max_len: int, gather: Callable[[list], list] = lambda rows: rows
@@ -97,4 +98,5 @@ def log_step(run: Run, step: int, batch: DataProto, metrics: dict) -> None:
     if "judge/seconds" in metrics:  # an LLM judge: its share of the step's time
         metrics["judge/step_share"] = metrics["judge/seconds"] / max(metrics["timing/step_s"], 1e-9)
     run.logger.log(step + 1, global_metrics(run, metrics), samples_to_log(run, batch, run.cfg.trainer.log_samples))
-    kept_samples.keep(run, step + 1, batch)
+    with stage("samples", run.carried_metrics):  # its time logged with the next step's (timing/samples_s)
+        kept_samples.keep(run, step + 1, batch)
