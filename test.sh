@@ -23,6 +23,12 @@ if [ ! -d "$ROOT/.venv/openenv_041/openenv" ]; then
   python -m pip install --quiet --disable-pip-version-check --no-deps --target "$ROOT/.venv/openenv_041" \
     "openenv==0.4.1"
 fi
+# trackio 0.43 (the trackio logger's test, tests/test_wandb.py), apart as well: its pillow < 13 pin would replace
+# .venv's pillow; the three of its dependencies .venv lacks beside it
+if [ ! -d "$ROOT/.venv/trackio_pkgs/trackio" ]; then
+  python -m pip install --quiet --disable-pip-version-check --no-deps --target "$ROOT/.venv/trackio_pkgs" \
+    "trackio==0.43.0" "gradio-client==2.7.2" "orjson==3.13.0" "brotli==1.2.1"
+fi
 set +e
 # whole files to a worker, in collection order: tests/conftest.py puts the longest first
 workers=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)

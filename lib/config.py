@@ -226,7 +226,8 @@ class TrainerConfig:
     """Run folder under output_root. "": the script's name and a hash of the config (run-control settings aside),
     the same for the same command, so running it again resumes. metrics.jsonl, config.yaml, checkpoints go there."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    """Any of console, jsonl, wandb (offline unless WANDB_API_KEY or WANDB_MODE is set)."""
+    """Any of console, jsonl, wandb (offline unless WANDB_API_KEY or WANDB_MODE is set), trackio (local, in the run
+    folder unless TRACKIO_DIR is set; a Space with TRACKIO_SPACE_ID)."""
     project: str = "spmd-rl"
     log_samples: int = 2
     """Prompt/response pairs printed per step."""

@@ -199,7 +199,7 @@ def _routing_problems(cfg: Config, model_config: Any) -> list[str]:
     return problems
 
 
-LOGGERS = ("console", "jsonl", "wandb")
+LOGGERS = ("console", "jsonl", "wandb", "trackio")
 # estimators whose baseline comes from the other samples of the same prompt
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg")
 
@@ -391,12 +391,12 @@ def validate(cfg: Config, world_size: int, model_config: Any = None, need_critic
     problems += lora.problems(a.lora, model_config, r.engine)
     problems += config_problems(cfg)
     problems += env_problems(cfg) + agent_problems(cfg) + partial_problems(cfg) + sample_problems(cfg)
-    if "wandb" in t.logger:
-        if importlib.util.find_spec("wandb") is None:
-            problems.append("trainer.logger wandb needs the wandb package: pip install wandb (the project installs "
-                            "it), or drop wandb from --trainer.logger")
-        elif os.environ.get("WANDB_MODE", "") not in ("", "online", "offline", "disabled", "dryrun", "run"):
-            problems.append(f"WANDB_MODE={os.environ['WANDB_MODE']!r}: use online, offline or disabled")
+    for name, fix in (("wandb", "pip install wandb (the project installs it)"), ("trackio", "pip install -e .[trackio]")):
+        if name in t.logger and importlib.util.find_spec(name) is None:
+            problems.append(f"trainer.logger {name} needs the {name} package: {fix}, or drop it from --trainer.logger")
+    if "wandb" in t.logger and os.environ.get("WANDB_MODE", "") not in ("", "online", "offline", "disabled", "dryrun",
+                                                                        "run"):
+        problems.append(f"WANDB_MODE={os.environ['WANDB_MODE']!r}: use online, offline or disabled")
     problems += _packing_problems(cfg, need_critic)
     if model_config is not None:
         limit = getattr(model_config, "max_position_embeddings", None)

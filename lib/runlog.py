@@ -113,6 +113,22 @@ def start_wandb(path: str, project: str, config: dict) -> tuple[Any, int]:
     return run, max(done, int(getattr(run, "starting_step", 0) or 0) - 1)
 
 
+def start_trackio(path: str, project: str, config: dict) -> tuple[Any, int]:
+    """A trackio run for the run folder: local, its store in the run folder (``trackio/``, unless TRACKIO_DIR is
+    set), on a Hugging Face Space only with TRACKIO_SPACE_ID; named by the run folder, so a resumed run continues
+    it. Returns (the trackio module, the last step its store holds): a killed run's steps past its checkpoint are
+    not logged twice, and the rows it lacks are sent again from metrics.jsonl, as with wandb."""
+    os.environ.setdefault("TRACKIO_DIR", os.path.join(path, "trackio"))  # read when trackio is imported
+    import trackio  # deferred: an optional package, imported only when the trackio logger is asked for
+    from trackio.sqlite_storage import SQLiteStorage
+
+    name = os.path.basename(path)
+    done = max((int(r["step"]) for r in SQLiteStorage.get_logs(project, name) if "step" in r), default=-1)
+    trackio.init(project=project, name=name, config=config, resume="allow", space_id=os.environ.get(
+        "TRACKIO_SPACE_ID") or None, auto_log_cpu=False, auto_log_gpu=False)
+    return trackio, done
+
+
 def offline_wandb_steps(path: str, run_id: str) -> list[int]:
     """The steps of every history record in the run folder's offline wandb files of ``run_id``."""
     from wandb.proto import wandb_internal_pb2  # deferred with wandb itself (above)
@@ -174,23 +190,27 @@ class RunLogger:
         self.loggers = set(loggers)
         self.start_time, self.start_step = time.time(), start_step
         self.wandb, self.wandb_done = None, -1
+        self.trackio, self.trackio_done = None, -1
         if not is_main:
             return
         os.makedirs(path, exist_ok=True)
         if "wandb" in self.loggers:  # first: a wandb that cannot start leaves the run folder as it was
             self.wandb, self.wandb_done = start_wandb(path, project, config)
+        if "trackio" in self.loggers:
+            self.trackio, self.trackio_done = start_trackio(path, project, config)
         with open(os.path.join(path, "config.yaml"), "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)
         metrics_path = os.path.join(path, "metrics.jsonl")
         keep_rows_through(metrics_path, start_step if start_step else -1)
         samples_store.keep_steps_through(path, start_step if start_step else -1)  # the same for the samples kept
-        if self.wandb is not None and os.path.isfile(metrics_path):
-            # rows up to the checkpoint that wandb does not hold (a killed run's wandb process had not written
-            # them yet) go to it now, from metrics.jsonl; then wandb holds every step once
+        if os.path.isfile(metrics_path):
+            # rows up to the checkpoint that wandb or trackio does not hold (a killed run's wandb process had not
+            # written them yet) go to it now, from metrics.jsonl; then each holds every step once
             with open(metrics_path) as f:
                 for row in map(json.loads, f):
-                    if row["step"] > self.wandb_done:
-                        self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+                    for tracker, done in ((self.wandb, self.wandb_done), (self.trackio, self.trackio_done)):
+                        if tracker is not None and row["step"] > done:
+                            tracker.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
         self.jsonl = open(metrics_path, "a") if "jsonl" in self.loggers else None
 
     def print(self, *args: Any) -> None:
@@ -205,6 +225,8 @@ class RunLogger:
             self.jsonl.flush()
         if self.wandb is not None and step > self.wandb_done:  # a step a killed run's wandb holds is not sent again
             self.wandb.log(metrics, step=step)
+        if self.trackio is not None and step > self.trackio_done:
+            self.trackio.log(metrics, step=step)
         if "console" in self.loggers:
             done = step - self.start_step
             eta = (time.time() - self.start_time) / max(done, 1) * (self.total - step)
@@ -219,11 +241,20 @@ class RunLogger:
                 verdict = "masked (no verdict)" if score != score else f"score {score:.2f}"
                 print(f"    {prompt!r} -> {response!r}  {verdict}", flush=True)
 
+    def table(self, step: int, name: str, rows: list[dict]) -> None:
+        """A table of the step (the samples kept: lib/samples) for trackio, whose dashboard shows tables."""
+        if self.trackio is not None and step > self.trackio_done and rows:
+            columns = list(rows[0])
+            self.trackio.log({name: self.trackio.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])},
+                             step=step)
+
     def close(self) -> None:
         if self.is_main and self.jsonl is not None:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.trackio is not None:
+            self.trackio.finish()
 
 
 def keep_rows_through(path: str, step: int) -> None:

@@ -137,6 +137,9 @@ CASES = [  # (id, script, arguments (with {file} placeholders), what the one mes
     ("keep-last", "train_grpo.py", "--trainer.keep_last -1", "trainer.keep_last=-1"),
     ("max-bad-steps", "train_grpo.py", "--trainer.max_bad_steps 0", "trainer.max_bad_steps=0"),
     ("samples-share", "train_grpo.py", "--samples.share 2", "samples.share=2 is a share"),
+    # trackio is not in .venv (test.sh installs it apart): the logger is refused, naming the extra
+    ("trackio-missing", "train_grpo.py", "--trainer.logger console trackio",
+     "trainer.logger trackio needs the trackio package: pip install -e .[trackio]"),
     ("ppo-estimator", "train_ppo.py", "--algorithm.adv_estimator grpo", "train_ppo.py computes advantages with GAE"),
     ("ppo-filter-groups", "train_ppo.py", "--algorithm.filter-groups", "is train_grpo.py's; turn it off"),
     ("gamma", "train_ppo.py", "--algorithm.gamma 1.5", "algorithm.gamma=1.5"),

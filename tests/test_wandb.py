@@ -1,11 +1,13 @@
 """The wandb logger end to end, offline: metrics and config reach the run files (read back), a run killed and
-resumed continues the same wandb run and sends no step twice; a logger that cannot start is refused up front."""
+resumed continues the same wandb run and sends no step twice; a logger that cannot start is refused up front. The
+trackio logger the same way, its local store read back."""
 
 import glob
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -126,3 +128,46 @@ def test_steps_wandb_already_holds_are_not_sent_again(tmp_path, monkeypatch):
     log.log(5, {"x": 5.0})
     log.close()
     assert sorted(sessions(run, closed=True)[2][2]) == []  # wandb holds 1-5 already
+
+
+TRACKIO = os.path.join(ROOT, ".venv", "trackio_pkgs")
+"""trackio 0.43, installed apart by test.sh (its pillow pin would replace .venv's)."""
+
+
+def test_trackio_run_resumes_without_a_step_twice_and_holds_the_samples_table(tmp_path):
+    """--trainer.logger trackio: its store, in the run folder, holds every step's metrics once (the run killed with
+    kill -9 after step 3 and resumed from checkpoint 2), the numbers of metrics.jsonl, and each step's samples kept
+    as a table (lib/samples)."""
+    if not os.path.isdir(os.path.join(TRACKIO, "trackio")):
+        pytest.skip(f"trackio is not installed in {TRACKIO} (test.sh installs it there)")
+    e = {**env(), "PYTHONPATH": os.pathsep.join(filter(None, [TRACKIO, os.environ.get("PYTHONPATH")]))}
+    args = [a if a != "wandb" else "trackio" for a in ARGS] + ["--samples.share", "0.5"]
+    run = tmp_path / "run"
+    marker = tmp_path / "paused"
+    proc = subprocess.Popen(command(tmp_path, *args), cwd=ROOT, env={**e, **pause_at(3, marker)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_pause(marker, proc)
+    for pid in children(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=300)
+    again = subprocess.run(command(tmp_path, *args), cwd=ROOT, env=e, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "resumed from step 2" in again.stdout
+    read = subprocess.run([sys.executable, "-c", "import json, sys; from trackio.sqlite_storage import SQLiteStorage; "
+                           "print(json.dumps(SQLiteStorage.get_logs('spmd-rl', 'run')))"], env={
+                               **e, "TRACKIO_DIR": str(run / "trackio")}, capture_output=True, text=True, timeout=300)
+    assert read.returncode == 0, read.stderr[-3000:]
+    logs = json.loads(read.stdout.strip().splitlines()[-1])
+    steps = [r["step"] for r in logs if "reward/mean" in r]
+    assert steps == [1, 2, 3, 4, 5], steps  # once each, in order
+    rows = {json.loads(line)["step"]: json.loads(line) for line in open(run / "metrics.jsonl")}
+    for r in logs:
+        if "reward/mean" in r:
+            assert r["reward/mean"] == rows[r["step"]]["reward/mean"] and r["actor/lr"] == rows[r["step"]]["actor/lr"]
+    tables = {r["step"]: r["samples"]["_value"] for r in logs if "samples" in r}
+    assert sorted(tables) == [1, 2, 3, 4, 5], sorted(tables)
+    from lib.samples import store
+
+    for step, path in store.steps(str(run)).items():  # the table is the file's samples
+        assert [(t["uid"], t["reward"]) for t in tables[step]] == [(r["uid"], r["reward"]) for r in
+                                                                   store.read_step(path)]

@@ -14,6 +14,9 @@ from lib.protocol import DataProto
 from lib.samples import ROW_KEY, TOKENS_KEY, store
 from lib.scoring import MASKED
 
+TABLE = ("uid", "sample", "prompt", "response", "reward", "advantage", "length", "finish")
+"""The columns of the samples' table a logger that shows tables gets (trackio)."""
+
 
 def _tokens(values: torch.Tensor | list | None, n: int) -> list[float] | None:
     if values is None:
@@ -129,4 +132,5 @@ def keep(run: Any, step: int, batch: DataProto) -> None:
             break
         taken += group[:cfg.max_rows]
     store.write_step(run.path, step, taken)
+    run.logger.table(step, "samples", [{k: r[k] for k in TABLE} for r in taken])  # trackio's dashboard
 
