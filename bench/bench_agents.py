@@ -18,30 +18,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.launched import launch, steps_after_the_first  # noqa: E402
 RUNS = {"multi_turn": "configs/tiny_cpu_grpo_tools.yaml", "agent": "configs/tiny_cpu_grpo_agent.yaml"}
 
 
-def launch(root: str, name: str, args: list[str]) -> dict:
-    os.makedirs(root, exist_ok=True)
-    t0 = time.monotonic()
-    with open(os.path.join(root, f"{name}.log"), "w") as log:
-        code = subprocess.call(["bash", "launch.sh", "train_grpo.py", "--trainer.output_root", root,
-                                "--trainer.run_name", name, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "NPROC": os.environ.get("NPROC", "2")})
-    return {"exit": code, "wall_s": round(time.monotonic() - t0, 1)}
-
-
 def summary(folder: str, samples_per_step: int) -> dict:
-    try:
-        with open(os.path.join(folder, "metrics.jsonl")) as f:
-            rows = [r for r in map(json.loads, f) if "actor/pg_loss" in r][1:]  # the first step warms up
-    except OSError:
-        return {}
+    rows = steps_after_the_first(folder, "actor/pg_loss")
     if not rows:
         return {}
     mean = lambda k: statistics.fmean(r[k] for r in rows if k in r) if any(k in r for r in rows) else None  # noqa: E731

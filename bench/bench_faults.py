@@ -20,11 +20,13 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.launched import launch  # noqa: E402
 KINDS = ("kill", "stop", "hang")
 STAGES = ("step/rollout", "step/score", "step/log_probs", "step/update")
 NOT_COMPARED = ("timing/", "perf/", "memory/", "sync/seconds", "sync/s_per_gb", "fault/")
@@ -35,17 +37,6 @@ def draw(n: int, steps: int, ranks: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     at = sorted(rng.sample(range(2, steps + 1), n))
     return [f"{rng.choice(KINDS)}:{rng.choice(STAGES)}:{step}:{rng.randrange(ranks)}:{i}" for i, step in enumerate(at)]
-
-
-def launch(root: str, name: str, args: list[str], extra_env: dict[str, str]) -> dict:
-    """One run through launch.sh, its log kept beside its folder: exit code and wall time."""
-    os.makedirs(root, exist_ok=True)
-    t0 = time.monotonic()
-    with open(os.path.join(root, f"{name}.log"), "w") as log:
-        code = subprocess.call(["bash", "launch.sh", "train_grpo.py", "--trainer.output_root", root,
-                                "--trainer.run_name", name, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "NPROC": os.environ.get("NPROC", "2"), **extra_env})
-    return {"exit": code, "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def rows(folder: str) -> list[dict]:
