@@ -124,9 +124,10 @@ def start_trackio(path: str, project: str, config: dict) -> tuple[Any, int]:
 
     name = os.path.basename(path)
     done = max((int(r["step"]) for r in SQLiteStorage.get_logs(project, name) if "step" in r), default=-1)
-    trackio.init(project=project, name=name, config=config, resume="allow", space_id=os.environ.get(
+    run = trackio.init(project=project, name=name, config=config, resume="allow", space_id=os.environ.get(
         "TRACKIO_SPACE_ID") or None, auto_log_cpu=False, auto_log_gpu=False)
-    return trackio, done
+    # a Space's run keeps its logs there, not in the local store: its next step is the one it reports (0.43)
+    return trackio, max(done, int(getattr(run, "_next_step", 0) or 0) - 1)
 
 
 def offline_wandb_steps(path: str, run_id: str) -> list[int]:
@@ -184,6 +185,9 @@ class RunLogger:
     (a killed run's steps past its last checkpoint, or everything on a fresh start) are dropped first, so no
     step is ever logged twice; a wandb run resumes by the id kept in the run folder."""
 
+    starting = ""
+    """The tracker being started (wandb, trackio): what an error raised while starting came from."""
+
     def __init__(self, path: str, config: dict, total_steps: int, loggers: list[str], project: str,
                  is_main: bool, start_step: int = 0):
         self.path, self.total, self.is_main = path, total_steps, is_main
@@ -195,8 +199,10 @@ class RunLogger:
             return
         os.makedirs(path, exist_ok=True)
         if "wandb" in self.loggers:  # first: a wandb that cannot start leaves the run folder as it was
+            RunLogger.starting = "wandb"
             self.wandb, self.wandb_done = start_wandb(path, project, config)
         if "trackio" in self.loggers:
+            RunLogger.starting = "trackio"
             self.trackio, self.trackio_done = start_trackio(path, project, config)
         with open(os.path.join(path, "config.yaml"), "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)

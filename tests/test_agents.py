@@ -236,6 +236,13 @@ def test_a_rewritten_historys_tool_calls_are_written_as_the_model_was_taught(ser
                 {**call, "function": {"name": "lookup", "arguments": {"key": "12"}}}]}, messages[2]]
             want = tokenizer.apply_chat_template(structured, tools=TOOLS, add_generation_prompt=True, tokenize=False)
             assert ids == tokenizer(want, add_special_tokens=False)["input_ids"]
+            if template.startswith("meta-llama"):  # its template takes one call a message: two go in as text
+                from lib.agents.messages import render
+
+                two = [*messages[:1], {**messages[1], "tool_calls": [call, {**call, "id": "call_2"}]}, messages[2]]
+                want = render(tokenizer, two, TOOLS, endpoint.write_calls)
+                assert '{"name": "lookup", "parameters": {"key": "12"}}; {"name": "lookup"' in want
+                assert endpoint._prompt("e", two, TOOLS)[0] == tokenizer(want, add_special_tokens=False)["input_ids"]
         else:
             assert not endpoint.template_writes_calls
             assert "<tool_call>" not in text

@@ -102,3 +102,23 @@ def test_the_groups_kept_are_chosen_by_their_uid_and_capped(sample_runs):
         assert list(dict.fromkeys(r["uid"] for r in rows)) == want and len(rows) == 8 * len(want)
     assert not os.path.exists(sample_runs / "off" / "samples")
     assert _metrics(sample_runs, "off")[-1]["step"] == 2
+
+
+def test_the_samples_settings_are_run_control(tmp_path):
+    """What a run keeps of its samples is how it reports, not what it computes: a resume may change it, and the
+    default run folder's name does not depend on it (the same name as before the samples existed, so a job requeued
+    across the upgrade resumes its run)."""
+    from lib.config import parse, to_dict
+    from lib.runfolder import check_run_folder, default_run_name
+
+    base, other = (to_dict(parse(["--config", "tiny_cpu_grpo", *args])) for args in
+                   ([], ["--samples.share", "0.5", "--samples.max_rows", "8"]))
+    base_flat = {k: v for k, v in base.items() if k != "samples"}
+    assert default_run_name(base, "train_grpo.py") == default_run_name(other, "train_grpo.py") \
+        == default_run_name(base_flat, "train_grpo.py") == "train_grpo-d19a4981"
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_1").mkdir(parents=True)
+    import yaml
+
+    (run / "config.yaml").write_text(yaml.safe_dump(base))
+    check_run_folder(str(run), other, resume=True)  # no refusal

@@ -52,10 +52,9 @@ try:  # the agents extra (lib.agents.config_problems names it when missing)
 except ImportError:
     uvicorn = None
 
-from lib.agents.messages import Call, EngineError, Refused, Last, calls_of, events, same, text_of
+from lib.agents.messages import Call, EngineError, Refused, Last, events, render, same, text_of, writes_calls
 from lib.engine import Turn
 from lib.multi_turn.parsers import PARSERS, WRITERS, Parsed
-from lib.multi_turn.parsers import Call as ToolCall
 from lib.multi_turn.render import ObservationRenderer
 
 
@@ -282,14 +281,7 @@ class Endpoint:
 
     @functools.cached_property
     def template_writes_calls(self) -> bool:
-        """Whether the chat template writes an assistant message's ``tool_calls`` itself (Qwen's, Llama's, ...: a
-        probe message's call comes out in its text); else a rewritten history's calls go in as the format's text."""
-        probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "id": "call_0", "function": {"name": "probe_call_7f3", "arguments": {"a": 1}}}]}]
-        try:
-            return "probe_call_7f3" in self.tokenizer.apply_chat_template(probe, tokenize=False)
-        except Exception:  # noqa: BLE001 - a template that cannot take the message does not write calls
-            return False
+        return writes_calls(self.tokenizer)
 
     def _prompt(self, episode: str, messages: list[dict], tools: Any) -> tuple[list[int], bool]:
         """The prompt ids of a chat request, and whether they continue the episode's last call (its row)."""
@@ -304,21 +296,14 @@ class Endpoint:
                 rendered = [{"role": m["role"], "content": text_of(m.get("content")), "name": m.get("name"),
                              "tool_call_id": m.get("tool_call_id")} for m in new]
                 return c.prompt_ids + c.ids + self.renderer.observation_ids(rendered, stop_text), True
-        plain = []
-        for m in messages:
-            out = {"role": m.get("role"), "content": text_of(m.get("content"))}
-            for k in ("name", "tool_call_id"):
-                if m.get(k):
-                    out[k] = m[k]
-            calls = calls_of(m)
-            if calls and self.template_writes_calls:  # as the template writes them, what the model was taught
-                out["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {"name": n, "arguments": a}}
-                                     for c, (n, a) in zip(m["tool_calls"], calls)]
-            elif calls:  # in the text of the run's format (agent.format), as the model writes them
-                out["content"] += self.write_calls([ToolCall(n, a) for n, a in calls])
-            plain.append(out)
-        text = self.tokenizer.apply_chat_template(plain, tools=tools or None, add_generation_prompt=True,
-                                                  tokenize=False)
+        text = None
+        if self.template_writes_calls:  # as the template writes them, what the model was taught
+            try:
+                text = render(self.tokenizer, messages, tools)
+            except Exception:  # noqa: BLE001 - calls it cannot take (Llama-3.1's: one a message): the format's text
+                text = None
+        if text is None:
+            text = render(self.tokenizer, messages, tools, self.write_calls)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"], False
 
     async def _chat(self, episode: str, body: dict):

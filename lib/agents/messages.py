@@ -1,11 +1,13 @@
 """The OpenAI side of the agents' endpoint (lib/agents/endpoint.py): a call's kept tokens, the error bodies, reading
-messages (their text, their tool calls, whether two say the same) and server-sent events."""
+messages (their text, their tool calls, whether two say the same), rendering them, and server-sent events."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from lib.multi_turn.parsers import Call as ToolCall
 
 
 @dataclass
@@ -75,6 +77,36 @@ def calls_of(message: dict) -> list[tuple[str, dict]]:
                 args = {"_text": args}
         out.append((f.get("name", ""), args))
     return out
+
+
+def writes_calls(tokenizer: Any) -> bool:
+    """Whether the chat template writes an assistant message's ``tool_calls`` itself (Qwen's, Llama's, ...: a probe
+    message's call comes out in its text)."""
+    probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "call_0", "function": {"name": "probe_call_7f3", "arguments": {"a": 1}}}]}]
+    try:
+        return "probe_call_7f3" in tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot take the message does not write calls
+        return False
+
+
+def render(tokenizer: Any, messages: list[dict], tools: Any, write_calls: Callable | None = None) -> str:
+    """The chat template's text of ``messages`` (then the assistant's turn); an assistant message's tool calls go in
+    as ``tool_calls``, or with ``write_calls`` (lib.multi_turn.parsers.WRITERS) as the text of the run's format."""
+    plain = []
+    for m in messages:
+        out = {"role": m.get("role"), "content": text_of(m.get("content"))}
+        for k in ("name", "tool_call_id"):
+            if m.get(k):
+                out[k] = m[k]
+        calls = calls_of(m)
+        if calls and write_calls is None:
+            out["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {"name": n, "arguments": a}}
+                                 for c, (n, a) in zip(m["tool_calls"], calls)]
+        elif calls:
+            out["content"] += write_calls([ToolCall(n, a) for n, a in calls])
+        plain.append(out)
+    return tokenizer.apply_chat_template(plain, tools=tools or None, add_generation_prompt=True, tokenize=False)
 
 
 def same(a: dict, b: dict) -> bool:

@@ -1,5 +1,5 @@
 """Every step keeps a share of its samples, as the step trained on them, in the run folder (``samples``; files:
-lib/samples/store.py; the page that shows them: lib/view.py).
+lib/samples/store.py; docs/samples.md).
 
 The groups kept are chosen by their uid (a hash below ``samples.share``), so the same groups whatever the ranks.
 ``mark`` flags their rows before the update (``sample_row``: the rank and the row's index, -1 elsewhere); the update
@@ -40,15 +40,25 @@ def chosen(uid: str, share: float) -> bool:
 
 
 def mark(run: Any, batch: DataProto) -> None:
-    """Flag the rows of the groups kept, before the update."""
-    share = run.cfg.samples.share
-    if not share:
+    """Flag the rows of the groups kept, before the update: of this rank's chosen groups, in the hash's order, those
+    within samples.max_rows rows (rank 0 takes the step's first groups in that order while they fit, and none of
+    them lies past a rank's own first max_rows rows), so that no rank makes records rank 0 drops."""
+    s = run.cfg.samples
+    if not s.share:
         return
-    uids = batch.non_tensor_batch["uid"]
-    rows = torch.full((len(batch),), -1, dtype=torch.int64)
+    uids = [str(u) for u in batch.non_tensor_batch["uid"]]
+    groups: dict[str, list[int]] = {}
     for i, uid in enumerate(uids):
-        if chosen(uid, share):
+        if chosen(uid, s.share):
+            groups.setdefault(uid, []).append(i)
+    rows = torch.full((len(batch),), -1, dtype=torch.int64)
+    taken = 0
+    for uid in sorted(groups, key=lambda u: (zlib.crc32(u.encode()), u)):
+        if taken and taken + len(groups[uid]) > s.max_rows:
+            break
+        for i in groups[uid][:s.max_rows]:
             rows[i] = run.topo.rank * RANK_STRIDE + i
+        taken += len(groups[uid])
     batch.batch[ROW_KEY] = rows.to(batch.batch["responses"].device)
     batch.meta_info[TOKENS_KEY] = {}
 
@@ -59,6 +69,10 @@ def record(data: DataProto, micro: DataProto, rank: int, logp: torch.Tensor, ent
     if kept is None or ROW_KEY not in micro.batch:
         return
     rows = micro.batch[ROW_KEY]
-    mine = (rows >= 0) & (rows // RANK_STRIDE == rank)
-    for j in torch.nonzero(mine).flatten().tolist():
-        kept[int(rows[j]) % RANK_STRIDE] = (logp[j].detach().float().cpu(), entropy[j].detach().float().cpu())
+    mine = torch.nonzero((rows >= 0) & (rows // RANK_STRIDE == rank)).flatten()
+    if not len(mine):
+        return
+    index = (rows[mine] % RANK_STRIDE).tolist()  # one copy to the host for the micro-batch's rows
+    values = torch.stack([logp.detach()[mine].float(), entropy.detach()[mine].float()], 1).cpu()
+    for k, i in enumerate(index):
+        kept[i] = (values[k, 0], values[k, 1])

@@ -119,8 +119,8 @@ def keep(run: Any, step: int, batch: DataProto) -> None:
     if not cfg.share:
         return
     mine = rows_of(run, step, batch)
-    parts: list = [None] * run.topo.world_size
-    dist.all_gather_object(parts, mine)  # world: the flagged rows are spread over every rank
+    parts: list | None = [None] * run.topo.world_size if run.topo.is_main else None
+    dist.gather_object(mine, parts, dst=0)  # world: the flagged rows are spread over every rank
     if not run.topo.is_main:
         return
     rows = sorted((r for part in parts for r in part),

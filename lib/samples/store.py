@@ -1,6 +1,7 @@
 """The samples' files in a run folder: ``samples/step_NNNNNN.parquet``, one a step, each written whole (a file takes
 its name only when complete, so a kill leaves no torn file); a resumed run drops the files after its checkpoint, as
-metrics.jsonl drops its rows, and writes those steps again. Free of torch: the viewer reads the files with it."""
+metrics.jsonl drops its rows, and writes those steps again. Files and pyarrow only: what reads the files needs
+nothing of the trainer."""
 
 from __future__ import annotations
 
