@@ -21,10 +21,11 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // WORKERS)))
 
 
-# The files' seconds in a fresh clone's run of the test command as CI runs it (2026-11-29, 2 workers, 2 cores; 73.5
-# min), the heaviest: test.sh hands whole files to its pytest-xdist workers in collection order
-# (--no-loadscope-reorder), so the longest go first and the short ones fill in at the end (xdist's own order, by the number of tests, left the SLURM file among the last: ~2.4 min longer
-# in a replay of those durations). A file not listed weighs 2 s a test.
+# The files' seconds in a fresh clone's run of the test command as CI runs it (2026-11-29, 2 workers, 2 cores;
+# 73.5 min), the heaviest: test.sh hands whole files to its pytest-xdist workers in collection order
+# (--no-loadscope-reorder), so the longest go first and the short ones fill in at the end (xdist's own order, by the
+# number of tests, left the SLURM file among the last: ~2.4 min longer in a replay of those durations). A file not
+# listed weighs 2 s a test.
 FILE_SECONDS = {"test_resume.py": 989, "test_acceptance.py": 760, "test_envs.py": 738, "test_judges.py": 620,
                 "test_bad_input.py": 592, "test_slurm.py": 541, "test_model_zoo.py": 486, "test_vision.py": 403,
                 "test_multi_turn.py": 401, "test_stops.py": 386, "test_lora.py": 385, "test_agents.py": 360,
