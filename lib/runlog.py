@@ -180,44 +180,60 @@ def wandb_log_records(path: str) -> Iterator[bytes]:
             yield parts + payload
 
 
+class TrackerFailed(Exception):
+    """A tracker of trainer.logger (wandb, trackio) that could not start: its name, and the fix to name."""
+
+    FIXES = {"wandb": "set WANDB_MODE=offline (the run stays on disk; wandb sync later), check WANDB_API_KEY",
+             "trackio": "check TRACKIO_DIR (the run folder's trackio/ by default) and TRACKIO_SPACE_ID"}
+
+    def __init__(self, name: str, error: Exception):
+        super().__init__(f"trainer.logger: {name} could not start ({type(error).__name__}: {str(error)[:300]}); "
+                         f"{self.FIXES[name]}, or drop {name} from --trainer.logger")
+
+
+TRACKERS = {"wandb": start_wandb, "trackio": start_trackio}
+"""The trackers trainer.logger may name, each started by its function: (what logs, the last step it holds)."""
+
+
 class RunLogger:
     """``start_step``: the step the run starts from (a resumed checkpoint's, or 0). Rows of metrics.jsonl after it
     (a killed run's steps past its last checkpoint, or everything on a fresh start) are dropped first, so no
-    step is ever logged twice; a wandb run resumes by the id kept in the run folder."""
-
-    starting = ""
-    """The tracker being started (wandb, trackio): what an error raised while starting came from."""
+    step is ever logged twice; a wandb or trackio run resumes by the run folder (its id, its name)."""
 
     def __init__(self, path: str, config: dict, total_steps: int, loggers: list[str], project: str,
                  is_main: bool, start_step: int = 0):
         self.path, self.total, self.is_main = path, total_steps, is_main
         self.loggers = set(loggers)
         self.start_time, self.start_step = time.time(), start_step
-        self.wandb, self.wandb_done = None, -1
-        self.trackio, self.trackio_done = None, -1
+        self.trackers: dict[str, tuple[Any, int]] = {}
+        """The trackers started: name -> (what logs: a wandb run, the trackio module; the last step it holds)."""
         if not is_main:
             return
         os.makedirs(path, exist_ok=True)
-        if "wandb" in self.loggers:  # first: a wandb that cannot start leaves the run folder as it was
-            RunLogger.starting = "wandb"
-            self.wandb, self.wandb_done = start_wandb(path, project, config)
-        if "trackio" in self.loggers:
-            RunLogger.starting = "trackio"
-            self.trackio, self.trackio_done = start_trackio(path, project, config)
+        for name, start in TRACKERS.items():  # first: a tracker that cannot start leaves the run folder as it was
+            if name in self.loggers:
+                try:
+                    self.trackers[name] = start(path, project, config)
+                except Exception as e:  # noqa: BLE001 - its own errors: the run cannot report, so it does not start
+                    raise TrackerFailed(name, e) from e
         with open(os.path.join(path, "config.yaml"), "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)
         metrics_path = os.path.join(path, "metrics.jsonl")
         keep_rows_through(metrics_path, start_step if start_step else -1)
         samples_store.keep_steps_through(path, start_step if start_step else -1)  # the same for the samples kept
         if os.path.isfile(metrics_path):
-            # rows up to the checkpoint that wandb or trackio does not hold (a killed run's wandb process had not
-            # written them yet) go to it now, from metrics.jsonl; then each holds every step once
+            # rows up to the checkpoint that a tracker does not hold (a killed run's wandb process had not written
+            # them yet) go to it now, from metrics.jsonl; then each holds every step once
             with open(metrics_path) as f:
                 for row in map(json.loads, f):
-                    for tracker, done in ((self.wandb, self.wandb_done), (self.trackio, self.trackio_done)):
-                        if tracker is not None and row["step"] > done:
-                            tracker.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+                    self._track(row["step"], {k: v for k, v in row.items() if k != "step"})
         self.jsonl = open(metrics_path, "a") if "jsonl" in self.loggers else None
+
+    def _track(self, step: int, metrics: dict) -> None:
+        """To each tracker that does not hold the step yet (a killed run's tracker may hold steps it redoes)."""
+        for tracker, done in self.trackers.values():
+            if step > done:
+                tracker.log(metrics, step=step)
 
     def print(self, *args: Any) -> None:
         if self.is_main and "console" in self.loggers:
@@ -229,10 +245,7 @@ class RunLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self.jsonl.flush()
-        if self.wandb is not None and step > self.wandb_done:  # a step a killed run's wandb holds is not sent again
-            self.wandb.log(metrics, step=step)
-        if self.trackio is not None and step > self.trackio_done:
-            self.trackio.log(metrics, step=step)
+        self._track(step, metrics)
         if "console" in self.loggers:
             done = step - self.start_step
             eta = (time.time() - self.start_time) / max(done, 1) * (self.total - step)
@@ -249,18 +262,17 @@ class RunLogger:
 
     def table(self, step: int, name: str, rows: list[dict]) -> None:
         """A table of the step (the samples kept: lib/samples) for trackio, whose dashboard shows tables."""
-        if self.trackio is not None and step > self.trackio_done and rows:
+        trackio, done = self.trackers.get("trackio", (None, step))
+        if step > done and rows:
             columns = list(rows[0])
-            self.trackio.log({name: self.trackio.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])},
-                             step=step)
+            trackio.log({name: trackio.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step)
 
     def close(self) -> None:
         if self.is_main and self.jsonl is not None:
             self.jsonl.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-        if self.trackio is not None:
-            self.trackio.finish()
+        for tracker, _ in self.trackers.values():
+            tracker.finish()
+
 
 
 def keep_rows_through(path: str, step: int) -> None:

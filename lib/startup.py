@@ -26,7 +26,7 @@ from lib.preflight import picks_vllm, resolve
 from lib.rewards.scorer import RewardModel, Scorer
 from lib.run import Run
 from lib.runfolder import run_dir
-from lib.runlog import RunLogger, excepthook_rank
+from lib.runlog import RunLogger, TrackerFailed, excepthook_rank
 from lib.update import Trainee
 
 
@@ -86,13 +86,10 @@ def start(cfg: Config, need_critic: bool = False) -> Run:
     try:
         logger = RunLogger(path, to_dict(cfg), total, cfg.trainer.logger, cfg.trainer.project, topo.is_main,
                            start_step=start_step or 0)
-    except Exception as e:  # noqa: BLE001 - a tracker's own errors: the run cannot report, so it does not start
-        which = "wandb" if RunLogger.starting == "wandb" else "trackio"
-        fix = ("set WANDB_MODE=offline (the run stays on disk; wandb sync later), check WANDB_API_KEY" if which ==
-               "wandb" else "check TRACKIO_DIR (the run folder's trackio/ by default) and TRACKIO_SPACE_ID")
-        failed = [f"trainer.logger: {which} could not start ({type(e).__name__}: {str(e)[:300]}); {fix}, or drop "
-                  f"{which} from --trainer.logger"]
-    dist.broadcast_object_list(failed, src=0)  # only rank 0 starts wandb; every rank stops together
+    except Exception as e:  # noqa: BLE001 - the run cannot report, so it does not start (every rank stops together)
+        failed = [str(e) if isinstance(e, TrackerFailed) else
+                  f"the run's logs in {path} could not start ({type(e).__name__}: {str(e)[:300]})"]
+    dist.broadcast_object_list(failed, src=0)  # only rank 0 starts the trackers; every rank stops together
     if failed[0]:
         if topo.is_main:
             print(f"error: {failed[0]}", file=sys.stderr, flush=True)

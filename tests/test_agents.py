@@ -240,7 +240,7 @@ def test_a_rewritten_historys_tool_calls_are_written_as_the_model_was_taught(ser
                 from lib.agents.messages import render
 
                 two = [*messages[:1], {**messages[1], "tool_calls": [call, {**call, "id": "call_2"}]}, messages[2]]
-                want = render(tokenizer, two, TOOLS, endpoint.write_calls)
+                want = render(tokenizer, two, TOOLS, endpoint.write_calls, structured=False)
                 assert '{"name": "lookup", "parameters": {"key": "12"}}; {"name": "lookup"' in want
                 assert endpoint._prompt("e", two, TOOLS)[0] == tokenizer(want, add_special_tokens=False)["input_ids"]
         else:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import json
 import queue
 import socket
@@ -66,6 +65,7 @@ class Endpoint:
         (rollout.max_response_length)."""
         self.tokenizer, self.model_name = tokenizer, model_name
         self.parse, self.write_calls = PARSERS[format], WRITERS[format]
+        self.template_writes_calls = writes_calls(tokenizer)  # a rewritten history's calls go in as tool_calls
         self.temperature, self.top_p = temperature, top_p
         self.max_prompt, self.max_response = max_prompt, max_response
         self.renderer = ObservationRenderer(tokenizer)
@@ -279,10 +279,6 @@ class Endpoint:
                  if any(s in self.tokenizer.decode(body[:k], skip_special_tokens=True) for s in stops if s))
         return ids[:k], logps[:k], None if kept is None else kept[:k], False, text[:at], True
 
-    @functools.cached_property
-    def template_writes_calls(self) -> bool:
-        return writes_calls(self.tokenizer)
-
     def _prompt(self, episode: str, messages: list[dict], tools: Any) -> tuple[list[int], bool]:
         """The prompt ids of a chat request, and whether they continue the episode's last call (its row)."""
         last = self._last.get(episode)
@@ -296,14 +292,7 @@ class Endpoint:
                 rendered = [{"role": m["role"], "content": text_of(m.get("content")), "name": m.get("name"),
                              "tool_call_id": m.get("tool_call_id")} for m in new]
                 return c.prompt_ids + c.ids + self.renderer.observation_ids(rendered, stop_text), True
-        text = None
-        if self.template_writes_calls:  # as the template writes them, what the model was taught
-            try:
-                text = render(self.tokenizer, messages, tools)
-            except Exception:  # noqa: BLE001 - calls it cannot take (Llama-3.1's: one a message): the format's text
-                text = None
-        if text is None:
-            text = render(self.tokenizer, messages, tools, self.write_calls)
+        text = render(self.tokenizer, messages, tools, self.write_calls, self.template_writes_calls)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"], False
 
     async def _chat(self, episode: str, body: dict):

@@ -90,23 +90,33 @@ def writes_calls(tokenizer: Any) -> bool:
         return False
 
 
-def render(tokenizer: Any, messages: list[dict], tools: Any, write_calls: Callable | None = None) -> str:
-    """The chat template's text of ``messages`` (then the assistant's turn); an assistant message's tool calls go in
-    as ``tool_calls``, or with ``write_calls`` (lib.multi_turn.parsers.WRITERS) as the text of the run's format."""
-    plain = []
-    for m in messages:
-        out = {"role": m.get("role"), "content": text_of(m.get("content"))}
-        for k in ("name", "tool_call_id"):
-            if m.get(k):
-                out[k] = m[k]
-        calls = calls_of(m)
-        if calls and write_calls is None:
-            out["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {"name": n, "arguments": a}}
-                                 for c, (n, a) in zip(m["tool_calls"], calls)]
-        elif calls:
-            out["content"] += write_calls([ToolCall(n, a) for n, a in calls])
-        plain.append(out)
-    return tokenizer.apply_chat_template(plain, tools=tools or None, add_generation_prompt=True, tokenize=False)
+def render(tokenizer: Any, messages: list[dict], tools: Any, write_calls: Callable, structured: bool) -> str:
+    """The chat template's text of ``messages`` (then the assistant's turn). An assistant message's tool calls go in
+    as ``tool_calls`` (``structured``: the template writes them, as the model was taught), or as the text of the
+    run's format (``write_calls``, lib.multi_turn.parsers.WRITERS), which is also what a template that refuses the
+    structured calls gets (Llama-3.1's takes one a message)."""
+    def text(structured: bool) -> str:
+        plain = []
+        for m in messages:
+            out = {"role": m.get("role"), "content": text_of(m.get("content"))}
+            for k in ("name", "tool_call_id"):
+                if m.get(k):
+                    out[k] = m[k]
+            calls = calls_of(m)
+            if calls and structured:
+                out["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {"name": n, "arguments": a}}
+                                     for c, (n, a) in zip(m["tool_calls"], calls)]
+            elif calls:
+                out["content"] += write_calls([ToolCall(n, a) for n, a in calls])
+            plain.append(out)
+        return tokenizer.apply_chat_template(plain, tools=tools or None, add_generation_prompt=True, tokenize=False)
+
+    if structured:
+        try:
+            return text(True)
+        except Exception:  # noqa: BLE001 - calls the template cannot take: the format's text
+            pass
+    return text(False)
 
 
 def same(a: dict, b: dict) -> bool:

@@ -21,7 +21,8 @@ ROW_KEY = "sample_row"
 """The batch's column of the rows kept: rank x RANK_STRIDE + the row's index on its rank; -1 for the others."""
 RANK_STRIDE = 1 << 32
 TOKENS_KEY = "sample_tokens"
-"""The batch's meta_info entry the update fills: {row index: (trainer log-probs, entropy)} of this rank's rows."""
+"""The batch's meta_info entry the update fills: {row index: (trainer log-probs, entropy) as lists} of this rank's
+rows."""
 
 
 def config_problems(cfg: Any) -> list[str]:
@@ -39,6 +40,22 @@ def chosen(uid: str, share: float) -> bool:
     return zlib.crc32(str(uid).encode()) < share * 2**32
 
 
+def order(uid: str) -> tuple[int, str]:
+    """The groups' order in a step's file: by hash (ties by uid)."""
+    return zlib.crc32(uid.encode()), uid
+
+
+def fit(groups: dict[str, list], max_rows: int) -> list:
+    """The rows of ``groups`` ({uid: its rows}) in the groups' order while whole groups fit in ``max_rows`` (a first
+    group over it is cut)."""
+    taken: list = []
+    for uid in sorted(groups, key=order):
+        if taken and len(taken) + len(groups[uid]) > max_rows:
+            break
+        taken += groups[uid][:max_rows]
+    return taken
+
+
 def mark(run: Any, batch: DataProto) -> None:
     """Flag the rows of the groups kept, before the update: of this rank's chosen groups, in the hash's order, those
     within samples.max_rows rows (rank 0 takes the step's first groups in that order while they fit, and none of
@@ -46,19 +63,13 @@ def mark(run: Any, batch: DataProto) -> None:
     s = run.cfg.samples
     if not s.share:
         return
-    uids = [str(u) for u in batch.non_tensor_batch["uid"]]
     groups: dict[str, list[int]] = {}
-    for i, uid in enumerate(uids):
+    for i, uid in enumerate(map(str, batch.non_tensor_batch["uid"])):
         if chosen(uid, s.share):
             groups.setdefault(uid, []).append(i)
     rows = torch.full((len(batch),), -1, dtype=torch.int64)
-    taken = 0
-    for uid in sorted(groups, key=lambda u: (zlib.crc32(u.encode()), u)):
-        if taken and taken + len(groups[uid]) > s.max_rows:
-            break
-        for i in groups[uid][:s.max_rows]:
-            rows[i] = run.topo.rank * RANK_STRIDE + i
-        taken += len(groups[uid])
+    for i in fit(groups, s.max_rows):
+        rows[i] = run.topo.rank * RANK_STRIDE + i
     batch.batch[ROW_KEY] = rows.to(batch.batch["responses"].device)
     batch.meta_info[TOKENS_KEY] = {}
 
@@ -73,6 +84,6 @@ def record(data: DataProto, micro: DataProto, rank: int, logp: torch.Tensor, ent
     if not len(mine):
         return
     index = (rows[mine] % RANK_STRIDE).tolist()  # one copy to the host for the micro-batch's rows
-    values = torch.stack([logp.detach()[mine].float(), entropy.detach()[mine].float()], 1).cpu()
-    for k, i in enumerate(index):
-        kept[i] = (values[k, 0], values[k, 1])
+    values = torch.stack([logp.detach()[mine].float(), entropy.detach()[mine].float()], 1).cpu().tolist()
+    for i, (lp, ent) in zip(index, values):
+        kept[i] = (lp, ent)

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import json
-import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lib import agents
 from lib.multi_turn.parsers import PARSERS
 from lib.protocol import DataProto
-from lib.samples import ROW_KEY, TOKENS_KEY, store
+from lib.samples import ROW_KEY, TOKENS_KEY, fit, store
 from lib.scoring import MASKED
 
 TABLE = ("uid", "sample", "prompt", "response", "reward", "advantage", "length", "finish")
 """The columns of the samples' table a logger that shows tables gets (trackio)."""
-
-
-def _tokens(values: torch.Tensor | list | None, n: int) -> list[float] | None:
-    if values is None:
-        return None
-    return values[:n] if isinstance(values, list) else values[:n].float().tolist()
 
 
 def _turns(ids: list[int], sampled: list[bool], tokenizer: Any, parse: Any) -> list[dict]:
@@ -59,7 +53,7 @@ def rows_of(run: Any, step: int, batch: DataProto) -> list[dict]:
     kept = batch.meta_info.get(TOKENS_KEY, {})
     stops = set(run.engine.stop_ids(False)) if run.engine is not None else set()
     multi_turn = run.multi_turn is not None
-    fmt = run.cfg.agent.format if run.cfg.agent.entry or run.cfg.agent.command else run.cfg.multi_turn.format
+    fmt = run.cfg.agent.format if agents.enabled(run.cfg) else run.cfg.multi_turn.format
     parse = PARSERS.get(fmt) if multi_turn else None
     masked, terms = nt.get(MASKED), nt.get("reward_terms")
     attention, prompts, responses = rows("attention_mask"), rows("prompts"), rows("responses")
@@ -98,7 +92,7 @@ def rows_of(run: Any, step: int, batch: DataProto) -> list[dict]:
             "images": _image_refs(nt, i),
             "prompt_ids": prompt_ids[j], "response_ids": r, "sampled_mask": s, "loss_mask": loss,
             "engine_logp": engine[j][:n] if engine is not None else None,
-            "trainer_logp": _tokens(logp, n), "entropy": _tokens(entropy, n), "advantages": adv})
+            "trainer_logp": logp and logp[:n], "entropy": entropy and entropy[:n], "advantages": adv})
     return out
 
 
@@ -123,14 +117,10 @@ def keep(run: Any, step: int, batch: DataProto) -> None:
     dist.gather_object(mine, parts, dst=0)  # world: the flagged rows are spread over every rank
     if not run.topo.is_main:
         return
-    rows = sorted((r for part in parts for r in part),
-                  key=lambda r: (zlib.crc32(r["uid"].encode()), r["uid"], r["sample"]))
-    taken: list[dict] = []
-    for uid in dict.fromkeys(r["uid"] for r in rows):
-        group = [r for r in rows if r["uid"] == uid]
-        if taken and len(taken) + len(group) > cfg.max_rows:
-            break
-        taken += group[:cfg.max_rows]
+    groups: dict[str, list[dict]] = {}
+    for r in (r for part in parts for r in part):  # a group's rows are on one rank, in their order
+        groups.setdefault(r["uid"], []).append(r)
+    taken = fit(groups, cfg.max_rows)
     store.write_step(run.path, step, taken)
     run.logger.table(step, "samples", [{k: r[k] for k in TABLE} for r in taken])  # trackio's dashboard
 
