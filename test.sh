@@ -5,9 +5,10 @@
 # tests skip). Both passes run in TEST_WORKERS pytest-xdist workers (default 2; 0: in this process), a test file
 # to a worker. Extra arguments go to pytest in both passes, e.g. `bash test.sh -m "not slow" -x`.
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
-# the ecosystem's environment libraries (optional extras, lib/envs) for their tests, added to .venv once;
+# the ecosystem's environment libraries (optional extras, lib/envs) and the viewer's (lib/view) for their tests,
+# added to .venv once;
 # openenv-core without its dependencies (they pull gradio; an OpenEnv server needs the envs-test extra's only)
-if ! python -c "import reasoning_gym, websockets, openenv.core.env_server, verifiers.v1, openai, uvicorn, starlette, agents" 2>/dev/null; then
+if ! python -c "import reasoning_gym, websockets, openenv.core.env_server, verifiers.v1, openai, uvicorn, starlette, agents, nicegui, selenium" 2>/dev/null; then
   python -m pip install --quiet --disable-pip-version-check -e "$ROOT[envs-test]" &&
     python -m pip install --quiet --disable-pip-version-check --no-deps "openenv-core==0.3.0"
 fi

@@ -34,8 +34,10 @@ if TYPE_CHECKING:
 
 PAUSE = "SPMD_RL_TEST_PAUSE"
 """Test hook, ``STEP:FILE``: at the end of step STEP (its metrics logged, before the stop check) rank 0 creates FILE
-and every rank waits until a stop signal reaches it (a kill ends the wait too). A test that signals or kills a run
-waits for FILE first, so its signal can never come too late (after the last step) on a loaded machine."""
+and every rank waits until a stop signal reaches it or the test creates FILE.go, which lets the run go on (a kill ends
+the wait too). A test that signals or kills a run waits for FILE first, so its signal can never come too late (after
+the last step) on a loaded machine; one that watches a run in progress (the viewer's) holds it there as long as it
+looks."""
 
 
 def _parts(trainees: dict[str, Trainee]) -> dict:
@@ -131,7 +133,7 @@ def _pause_for_a_test(run: Run, step: int) -> None:
     if run.topo.is_main:
         with open(marker, "w") as f:
             f.write(f"{step}\n")
-    while not stops.requested():
+    while not stops.requested() and not os.path.exists(marker + ".go"):
         watchdog.beat()  # a wait on purpose, however long the test takes to signal: not a hang
         time.sleep(0.05)
 

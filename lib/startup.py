@@ -272,7 +272,8 @@ def finish(run: Run) -> None:
         else:
             export.export_hf(run.actor.model, run.cfg.actor.model.path, f"{run.path}/hf_final", run.topo,
                              run.cfg.actor.model.trust_remote_code, run.kind)
-        run.logger.print(f"done: {run.path} (plots: python -m lib.plot {run.path})")
+        run.logger.print(f"done: {run.path} (samples and curves in the browser: python -m lib.view {run.path}; "
+                         f"plots: python -m lib.plot {run.path})")
     run.logger.close()
     run.scorer.close()
     if run.multi_turn is not None:

@@ -101,8 +101,10 @@ class Endpoint:
         self.url = f"http://{host}:{sock.getsockname()[1]}"
         # an agent's connection may wait between calls as long as its episode lasts: kept open (uvicorn closes idle
         # ones after 5 s by default, and a client that sends on it then fails)
+        # the event loop and HTTP parser named: uvicorn's "auto" takes uvloop and httptools where they are installed
+        # (the viewer's nicegui brings them), and the endpoint stays the one tested whatever else is installed
         config = uvicorn.Config(Starlette(routes=routes), log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=3600)
+                                timeout_keep_alive=3600, loop="asyncio", http="h11")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name="agent-endpoint")

@@ -121,6 +121,7 @@ def keep(run: Any, step: int, batch: DataProto) -> None:
     for r in (r for part in parts for r in part):  # a group's rows are on one rank, in their order
         groups.setdefault(r["uid"], []).append(r)
     taken = fit(groups, cfg.max_rows)
+    store.write_tokenizer(run.path, run.tokenizer)
     store.write_step(run.path, step, taken)
     run.logger.table(step, "samples", [{k: r[k] for k in TABLE} for r in taken])  # trackio's dashboard
 

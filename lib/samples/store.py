@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,6 +69,18 @@ def write_step(run_path: str, step: int, rows: list[dict]) -> str:
     pq.write_table(table, path + ".tmp", compression="zstd")
     os.replace(path + ".tmp", path)
     return path
+
+
+def write_tokenizer(run_path: str, tokenizer: Any) -> None:
+    """The run's tokenizer beside its samples (``samples/tokenizer``, once a run), so that the files can be read
+    token by token (python -m lib.view) where the model is not: a run copied from a cluster."""
+    path = os.path.join(folder(run_path), "tokenizer")
+    if os.path.isdir(path):
+        return
+    partial = path + "-partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    tokenizer.save_pretrained(partial)
+    os.replace(partial, path)
 
 
 def read_step(path: str) -> list[dict]:

@@ -1,0 +1,150 @@
+"""The viewer's page (NiceGUI): the run's curves, each step's samples in a table to filter and sort, a sample's
+tokens coloured by a per-token value and its turns as a conversation. It reads the run folder again every
+``POLL_S`` seconds, so a run in progress shows its new steps (and a resumed run its rewritten ones)."""
+
+from __future__ import annotations
+
+import os
+
+from nicegui import ui
+
+from lib.plot import GROUPS
+from lib.view import read
+
+POLL_S = 1.0
+COLUMNS = [{"name": k, "label": k.replace("_", " "), "field": k, "sortable": k != "response",
+            "align": "left" if k in ("uid", "source", "finish", "response") else "right",
+            **({"style": "max-width: 18rem; overflow: hidden; text-overflow: ellipsis"} if k == "response" else {})}
+           for k in ("id", "uid", "sample", "reward", "advantage", "length", "finish", "logp_diff", "entropy",
+                     "source", "response")]
+
+
+class View:
+    """One browser tab's page and what it shows (each tab has its own)."""
+
+    def __init__(self, run_path: str):
+        self.run = run_path
+        self.metrics = read.Metrics(run_path)
+        self.files: dict[int, float] = {}  # the steps with samples, and their files' times
+        self.rows: list[dict] = []  # the shown step's samples, whole
+        self.table_all: list[dict] = []
+        self.tok = None
+        self.shown: int | None = None  # the sample in the detail
+
+    def build(self) -> None:
+        with ui.header().classes("items-center bg-slate-800"):
+            ui.label(os.path.basename(self.run) or self.run).classes("text-lg")
+            self.status = ui.label().classes("view-status text-sm opacity-80")
+        with ui.row().classes("w-full items-center"):
+            self.group = ui.toggle(list(GROUPS), value="reward", on_change=self.draw_curves)
+        self.chart = ui.echart({"xAxis": {"type": "value", "name": "step"}, "yAxis": {"type": "value", "scale": True},
+                                "legend": {}, "tooltip": {"trigger": "axis"}, "series": [],
+                                "animation": False}).classes("w-full h-64 view-curves")
+        with ui.row().classes("w-full items-center gap-4"):
+            self.step = ui.select([], label="step", on_change=self.load).classes("w-32 view-step")
+            self.follow = ui.switch("follow the newest step", value=True).classes("view-follow")
+            self.rmin = ui.number("reward from", on_change=self.filter).classes("w-32 view-rmin")
+            self.rmax = ui.number("reward to", on_change=self.filter).classes("w-32 view-rmax")
+            self.text = ui.input("text in the response or uid", on_change=self.filter).classes("w-64 view-text")
+            self.count = ui.label().classes("view-count")
+        with ui.row().classes("w-full no-wrap items-start"):
+            self.table = ui.table(rows=[], columns=COLUMNS, row_key="id",
+                                  pagination={"rowsPerPage": 25}).classes("w-3/5 view-table").props("dense")
+            self.table.on("rowClick", lambda e: self.show(e.args[1]["id"]))
+            self.detail()
+        ui.timer(POLL_S, self.poll)
+        self.poll()
+
+    def detail(self) -> None:
+        with ui.card().classes("w-2/5 sticky top-20 view-detail"):
+            self.title = ui.label("click a sample to read it").classes("view-title")
+            with ui.row().classes("items-center gap-4"):
+                self.colour_by = ui.select({k: f"{k}: {v}" for k, v in read.VALUES.items()}, value="advantage",
+                                           label="colour the tokens by", on_change=self.draw_tokens).classes(
+                                               "w-96 view-colour")
+                self.legend = ui.label().classes("view-legend text-sm")
+            self.tokens = ui.html("").classes("view-tokens font-mono whitespace-pre-wrap")
+            with ui.expansion("prompt").classes("w-full"):
+                self.prompt = ui.label().classes("view-prompt font-mono whitespace-pre-wrap")
+            self.terms = ui.label().classes("view-terms text-sm")
+            self.conversation = ui.column().classes("w-full view-turns")
+
+    def poll(self) -> None:
+        if self.metrics.update():
+            self.draw_curves()
+        files = {}
+        for s, path in read.store.steps(self.run).items():
+            try:
+                files[s] = os.stat(path).st_mtime
+            except FileNotFoundError:  # dropped by a resumed run since it was listed
+                pass
+        last = self.metrics.rows[-1]["step"] if self.metrics.rows else None
+        self.status.set_text(f"{len(files)} steps with samples, metrics to step {last}" if files or last is not None
+                             else f"waiting for the run's first step in {self.run}")
+        if files == self.files:
+            return
+        redo = self.step.value in files and files[self.step.value] != self.files.get(self.step.value)
+        self.files = files
+        self.step.set_options(list(files))
+        if files and (self.follow.value or self.step.value not in files):
+            if self.step.value != max(files):
+                self.step.set_value(max(files))  # loads it
+                return
+        if redo:
+            self.load()
+
+    def draw_curves(self) -> None:
+        curves = self.metrics.curves(GROUPS[self.group.value])
+        self.chart.options["series"] = [{"name": k, "type": "line", "data": pts, "showSymbol": len(pts) < 30}
+                                        for k, pts in curves.items()]
+        self.chart.update()
+
+    def load(self) -> None:
+        if self.step.value is None:
+            return
+        try:
+            self.rows = read.samples(self.run, self.step.value)
+        except (FileNotFoundError, KeyError):  # dropped by a resumed run: the next poll lists what is there
+            return
+        self.table_all = read.table_rows(self.rows)
+        self.filter()
+        if self.shown is not None and self.shown < len(self.rows):
+            self.show(self.shown)
+
+    def filter(self) -> None:
+        kept = read.keep(self.table_all, self.rmin.value, self.rmax.value, self.text.value or "")
+        self.table.rows = kept
+        self.table.update()
+        self.count.set_text(f"{len(kept)} of {len(self.table_all)} samples of step {self.step.value}")
+
+    def show(self, i: int) -> None:
+        self.shown = i
+        r = self.rows[i]
+        reward = "masked (no verdict)" if r["reward"] is None else f"{r['reward']:.4g}"
+        advantage = "-" if r["advantage"] is None else f"{r['advantage']:.4g}"
+        self.title.set_text(f"step {r['step']}, sample {i}: group {r['uid']} #{r['sample']}, reward {reward}, "
+                            f"advantage {advantage}, {r['length']} tokens sampled, finish {r['finish']}")
+        self.prompt.set_text(r["prompt"])
+        self.terms.set_text(f"reward terms: {r['reward_terms']}" if r["reward_terms"] else "")
+        self.draw_tokens()
+        self.conversation.clear()
+        with self.conversation:
+            for t in read.turns(r):
+                calls = "".join(f"\n-> {c['name']}({c['arguments']})" for c in t.get("tool_calls") or [])
+                ui.chat_message(t["text"] + calls, name=t["role"], sent=t["role"] == "assistant").classes("view-turn")
+
+    def draw_tokens(self) -> None:
+        if self.shown is None or self.shown >= len(self.rows):
+            return
+        if self.tok is None:
+            self.tok = read.tokenizer(self.run)
+        r, key = self.rows[self.shown], self.colour_by.value
+        content, scale = read.tokens_html(read.pieces(self.tok, r["response_ids"]), read.per_token(r, key), key)
+        self.tokens.set_content(content)
+        sign = "±" if key in read.SIGNED else "0 to "
+        self.legend.set_text(f"{read.VALUES[key]}; full colour at {sign}{scale:.3g}"
+                             + ("" if self.tok else "; token ids shown: no tokenizer in the run folder"))
+
+
+def page(run_path: str) -> None:
+    View(run_path).build()
