@@ -169,7 +169,7 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra, request):
     reference = kept_samples((tmp_path if extra else request.getfixturevalue("whole_root")) / "whole")
     assert sorted(kept) == sorted(reference) == [1, 2, 3, 4] and all(kept.values())
     assert kept == reference
-    assert not [f for f in os.listdir(tmp_path / "run" / "samples") if not f.endswith(".parquet")]
+    assert [f for f in os.listdir(tmp_path / "run" / "samples") if not f.endswith(".parquet")] == ["tokenizer"]
 
 
 @pytest.mark.slow

@@ -104,6 +104,18 @@ def test_the_groups_kept_are_chosen_by_their_uid_and_capped(sample_runs):
     assert _metrics(sample_runs, "off")[-1]["step"] == 2
 
 
+def test_the_run_keeps_its_tokenizer_beside_its_samples(sample_runs):
+    """samples/tokenizer: the policy's tokenizer, with which the viewer reads a copied run's tokens: it gives back the
+    kept prompts' ids from their text and the responses' text from their ids."""
+    from lib.view import read
+
+    tok = read.tokenizer(str(sample_runs / "all"))
+    assert os.path.isdir(sample_runs / "all" / "samples" / "tokenizer")
+    for r in _kept(sample_runs, "all")[2][:16]:
+        assert tok(r["prompt"], add_special_tokens=False)["input_ids"] == r["prompt_ids"]
+        assert tok.decode(r["response_ids"], skip_special_tokens=True) == r["response"]
+
+
 def test_the_samples_settings_are_run_control(tmp_path):
     """What a run keeps of its samples is how it reports, not what it computes: a resume may change it, and the
     default run folder's name does not depend on it (the same name as before the samples existed, so a job requeued

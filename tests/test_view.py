@@ -89,6 +89,12 @@ def test_a_tokens_text_is_the_responses_text(shared_assets_dir, tmp_path):
     assert read.pieces(None, [5, 6]) == ["[5]", "[6]"]
 
 
+def test_a_path_that_is_no_run_folder_is_one_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "lib.view", str(tmp_path / "no" / "such")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=WAIT_S)
+    assert out.returncode == 1 and "is no run folder, nor is its parent" in out.stderr, out.stderr
+
+
 # the page in a browser
 
 def _browser_missing() -> str:

@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 
+try:
+    from lib.view.page import serve
+except ModuleNotFoundError as e:  # the view extra not installed: said once the arguments are read
+    if e.name != "nicegui":
+        raise
+    serve = None
+
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m lib.view", description="A run's curves and samples in the browser: "
@@ -16,15 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     run = os.path.abspath(a.run)
     if not os.path.isdir(run) and not os.path.isdir(os.path.dirname(run)):
         raise SystemExit(f"error: {a.run} is no run folder, nor is its parent: point lib.view at runs/<name>")
-    try:
-        from nicegui import ui
-    except ImportError:
+    if serve is None:
         raise SystemExit("error: the viewer needs nicegui: pip install -e '.[view]' (bash test.sh adds it to .venv)")
-    from lib.view.page import page
-
     print(f"viewer of {run}: open http://{a.host}:{a.port}/ in a browser (Ctrl-C stops it)", flush=True)
-    ui.run(lambda: page(run), host=a.host, port=a.port, title=f"run {os.path.basename(run)}", reload=False,
-           show=False, show_welcome_message=False, uvicorn_logging_level="warning")
+    serve(run, a.host, a.port)
 
 
 if __name__ == "__main__":

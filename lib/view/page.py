@@ -146,5 +146,7 @@ class View:
                              + ("" if self.tok else "; token ids shown: no tokenizer in the run folder"))
 
 
-def page(run_path: str) -> None:
-    View(run_path).build()
+def serve(run_path: str, host: str, port: int) -> None:
+    """The page at http://host:port/ until Ctrl-C: each browser tab gets its own View."""
+    ui.run(lambda: View(run_path).build(), host=host, port=port, title=f"run {os.path.basename(run_path)}",
+           reload=False, show=False, show_welcome_message=False, uvicorn_logging_level="warning")
