@@ -83,6 +83,20 @@ def child_env(**hooks: str) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1", **hooks}
 
 
+def apt_install(packages: tuple[str, ...]) -> str:
+    """Install Debian ``packages`` (as root, apt-get; a test that needs system programs); returns why not, or "".
+    Two test files installing at once wait for each other's lock (a state), not fail."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return "no apt-get as root to install the Debian packages " + " ".join(packages)
+    out = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=900",
+                          *packages], capture_output=True, text=True,
+                         env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=1800)
+    return f"apt-get install {' '.join(packages)} failed: {out.stderr.strip()[-300:]}" if out.returncode else ""
+
+
 def launch_runs(plan: list[tuple[str, str, list[str]]], folder, timeout: int = 1800, nproc: int = 2,
                 plan_name: str = "plan.json"):
     """The runs of ``plan`` ([(name, script, arguments)]) one after another in one torchrun launch of ``nproc`` gloo

@@ -34,13 +34,9 @@ def _why_not() -> str:
         return "a local SLURM cluster (slurmd) needs root"
     if all(shutil.which(b) for b in ("slurmd", "slurmctld", "sbatch", "munged", "mungekey")):
         return ""
-    if not shutil.which("apt-get"):
-        return "no slurmd/munge and no apt-get to install them (Debian packages " + " ".join(PACKAGES) + ")"
-    out = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES], capture_output=True,
-                         text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
-    if out.returncode:
-        return f"apt-get install {' '.join(PACKAGES)} failed: {out.stderr.strip()[-300:]}"
-    return ""
+    from tests.helpers import apt_install
+
+    return apt_install(PACKAGES)
 
 
 @pytest.fixture(scope="module")

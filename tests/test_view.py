@@ -98,15 +98,9 @@ def test_a_path_that_is_no_run_folder_is_one_error(tmp_path):
 # the page in a browser
 
 def _browser_missing() -> str:
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        if os.geteuid() != 0 or not shutil.which("apt-get"):
-            return ("no chromium and chromedriver, and no apt-get as root to install them (Debian packages "
-                    + " ".join(PACKAGES) + ")")
-        out = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES], capture_output=True,
-                             text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
-        if out.returncode != 0:
-            return f"apt-get install {' '.join(PACKAGES)} failed: {out.stderr.strip()[-300:]}"
-    return ""
+    from tests.helpers import apt_install
+
+    return "" if shutil.which("chromium") and shutil.which("chromedriver") else apt_install(PACKAGES)
 
 
 @pytest.fixture(scope="module")
