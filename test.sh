@@ -8,7 +8,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 # the ecosystem's environment libraries (optional extras, lib/envs) and the viewer's (lib/view) for their tests,
 # added to .venv once;
 # openenv-core without its dependencies (they pull gradio; an OpenEnv server needs the envs-test extra's only)
-if ! python -c "import reasoning_gym, websockets, openenv.core.env_server, verifiers.v1, openai, uvicorn, starlette, agents, nicegui, selenium" 2>/dev/null; then
+if ! python -c "import reasoning_gym, websockets, openenv.core.env_server, verifiers.v1, openai, uvicorn, uvloop, httptools, starlette, agents, nicegui, selenium" 2>/dev/null; then
   python -m pip install --quiet --disable-pip-version-check -e "$ROOT[envs-test]" &&
     python -m pip install --quiet --disable-pip-version-check --no-deps "openenv-core==0.3.0"
 fi
