@@ -29,6 +29,12 @@ class AgentConfig:
     max_in_flight: int = 0
     """Episodes a rank plays at once; the next starts when one ends. 0: all of the rank's at once. Keep it within
     what the agent program lets run at once (an HTTP client's connection cap, a semaphore)."""
+    workers: int = 0
+    """Worker processes a rank runs agent.entry's functions in, each playing many episodes at once (a thread each;
+    episodes go to the workers in turn): the agents' own Python (their SDK's requests and replies) then runs beside
+    the rank's, which serves the endpoint and drives the engine. 0: threads of the rank's own process. A command
+    runs as a process of its own already. An agent that ends its process (os._exit, a crash) fails the episodes its
+    worker was playing; a fresh worker takes over."""
     round_wait_s: float = 5.0
     """The endpoint answers in rounds: once every running episode has a request waiting, all of them in one engine
     call, so that the samples do not depend on timing. An episode that has not asked after this long (its agent is

@@ -104,7 +104,8 @@ RUN_CONTROL = ("trainer.total_steps", "trainer.epochs", "trainer.val_every", "tr
                "trainer.collective_timeout_s", "trainer.max_restarts", "trainer.hang_timeout_s", "reward.timeout_s",
                "reward.num_workers", "rollout.kv_cache_gb",
                "rollout.max_num_seqs", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
-               "rollout.logp_diff_limit", "rollout.max_engine_failures", "samples.share", "samples.max_rows")
+               "rollout.logp_diff_limit", "rollout.max_engine_failures", "samples.share", "samples.max_rows",
+               "agent.workers")
 """Settings a resumed run may change: how long it runs and how it reports, not what it computes."""
 
 

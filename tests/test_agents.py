@@ -320,11 +320,69 @@ AGENT = ("--config", "configs/tiny_cpu_grpo_agent.yaml", "--trainer.val_every", 
 NOT_COMPARED = ("timing/", "perf/", "memory/", "sync/seconds", "sync/s_per_gb")
 
 
+POOLED = """
+import os, threading
+
+def agent(row, base_url):
+    if row["k"] == "raise":
+        raise KeyError("no such key")
+    if row["k"] == "exit":
+        os._exit(3)
+    if row["k"] == "wait":
+        threading.Event().wait()
+    if row["k"] == "lambda":
+        return lambda: 0
+    return {"score": 1.0, "url": base_url}
+"""
+
+
+def test_function_agents_in_worker_processes_end_fail_and_die_apart(tmp_path):
+    """agent.workers (lib/agents/pool.py): episodes go to two worker processes in turn; a return comes back as the
+    agent gave it, one that raised fails as an error, one whose return cannot leave the process as invalid; an agent
+    that ends its process fails the episodes its worker was playing and no other's, and a fresh worker takes over."""
+    import time
+
+    from lib.agents.pool import AgentPool
+
+    (tmp_path / "pooled.py").write_text(POOLED)
+    pool = AgentPool(f"{tmp_path / 'pooled.py'}:agent", 2)
+    got = {}
+
+    def until(names):
+        t0 = time.monotonic()
+        while not all(n in got for n in names):
+            assert time.monotonic() - t0 < 120, got  # a hang's guard: the loop ends on the results
+            got.update({n: (k, v) for n, k, v in pool.ended()})
+            time.sleep(0.01)
+
+    try:
+        first = ["ok0", "ok1", "raise", "lambda", "wait", "ok5"]  # workers 0, 1, 0, 1, 0, 1
+        for name in first:
+            pool.start(name, {"k": name.rstrip("0123456789")}, f"http://x/{name}")
+        until(["ok0", "ok1", "raise", "lambda", "ok5"])
+        assert pool.running("wait") and not pool.running("ok0")
+        pool.start("exit", {"k": "exit"}, "")  # worker 0, where "wait" still plays
+        until(["exit", "wait"])
+        for name in ("ok0", "ok1", "ok5"):
+            assert got[name] == ("", {"score": 1.0, "url": f"http://x/{name}"})
+        assert got["raise"][0] == "error" and "KeyError" in got["raise"][1]
+        assert got["lambda"][0] == "invalid" and "cannot be sent back" in got["lambda"][1]
+        for name in ("exit", "wait"):
+            assert got[name][0] == "error" and "worker process died (exit code 3)" in got[name][1]
+        for name in ("ok7", "ok8"):  # workers 1 and 0 (the fresh one)
+            pool.start(name, {"k": "ok"}, name)
+        until(["ok7", "ok8"])
+        assert got["ok7"] == ("", {"score": 1.0, "url": "ok7"}) and got["ok8"] == ("", {"score": 1.0, "url": "ok8"})
+    finally:
+        pool.close()
+
+
 @pytest.fixture(scope="module")
 def agent_runs(tmp_path_factory, shared_assets_dir):
     """One launch of 2 CPU ranks (HF engine) on the toy tool task: the openai-SDK agent (2 steps; again, in two runs
-    of the same command: stopped after step 1, then resumed), the OpenAI
-    Agents SDK's agent, the standard-library command, and the agents that misbehave in every way (1 step each)."""
+    of the same command: stopped after step 1, then resumed; again in worker processes), the OpenAI
+    Agents SDK's agent, the standard-library command, and the agents that misbehave in every way (1 step each; in
+    threads and in worker processes)."""
     import sys
 
     from lib import toy
@@ -338,15 +396,19 @@ def agent_runs(tmp_path_factory, shared_assets_dir):
     plan = [(name, "train_grpo.py", [*AGENT, *data, "--trainer.run_name", name, *args]) for name, args in (
         ("sdk", ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32", "--trainer.total_steps", "2",
                  "--samples.share", "1", "--samples.max_rows", "1000")),
+        # the same agents in two worker processes a rank (agent.workers)
+        ("workers", ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32", "--trainer.total_steps",
+                     "2", "--agent.workers", "2")),
         # the same agents again, saved after step 1 and resumed from there by a second launch of the same command
         *((name, ("--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32", "--trainer.save_every", "1",
                   "--trainer.total_steps", steps)) for name, steps in (("resumed", "1"), ("resumed", "2"))),
         ("agents_sdk", ("--agent.entry", "examples/agent_programs/toy_tool_agents_sdk.py:agent", *small)),
         ("command", ("--agent.entry", "", "--agent.command",
                      f"{sys.executable} examples/agent_programs/toy_tool_command.py", *small)),
-        ("mixed", ("--agent.entry", "tests/data/agents_mixed.py:agent", "--agent.timeout_s", "3",
-                   "--agent.round_wait_s", "60", "--agent.max_failed_share", "1", *small,
-                   "--data.max_prompt_length", "48")))]  # room for the rewritten history's row to start
+        *((name, ("--agent.entry", "tests/data/agents_mixed.py:agent", "--agent.timeout_s", "3",
+                  "--agent.round_wait_s", "60", "--agent.max_failed_share", "1", *small,
+                  "--data.max_prompt_length", "48",  # room for the rewritten history's row to start
+                  "--agent.workers", workers)) for name, workers in (("mixed", "0"), ("mixed_workers", "2"))))]
     return root, launch_runs(plan, root)
 
 
@@ -392,30 +454,33 @@ def test_agents_nobody_wrote_for_rl_train_and_every_row_is_the_engines_tokens(ag
 def test_the_same_agents_sample_the_same_tokens_again_and_a_resumed_run_is_the_same_run(agent_runs):
     """Rounds hold every running episode's request, in the episodes' order, whatever the timing: the same agents
     stopped after step 1 and resumed from its checkpoint by the same command are the uninterrupted run, step for step
-    (every metric but time and memory), and two programs that ask the same of the endpoint (the OpenAI Agents SDK's
+    (every metric but time and memory), as are the same agents in two worker processes a rank, and two programs that ask the same of the endpoint (the OpenAI Agents SDK's
     Runner, a command with no SDK) train on the same tokens."""
     from tests.helpers import run_outputs, run_rows
 
     a, b = run_rows(agent_runs, "sdk", 2), run_rows(agent_runs, "resumed", 2)
     assert "resumed from step 1" in run_outputs(agent_runs[1].stdout)["resumed"], agent_runs[1].stdout[-3000:]
     assert _same(a, b)
+    assert _same(a, run_rows(agent_runs, "workers", 2))  # in two worker processes a rank (agent.workers): the same
     assert _same(run_rows(agent_runs, "agents_sdk", 1), run_rows(agent_runs, "command", 1))
 
 
-def test_agents_that_fail_are_masked_and_counted_by_kind(agent_runs):
+@pytest.mark.parametrize("name", ["mixed", "mixed_workers"])
+def test_agents_that_fail_are_masked_and_counted_by_kind(agent_runs, name):
     """Each prompt's 8 samples take the 8 ways of tests/data/agents_mixed.py, 32 episodes a rank: raised, timed out,
     never called, refused (a temperature the run does not sample at), a reward that is not a number: 8 of each over
     the 2 ranks, masked, none rewarded 0. The agent that rewrote its history has two rows (its second call split),
-    the one that gave its own reward is scored by it, the one that plays by the rule."""
+    the one that gave its own reward is scored by it, the one that plays by the rule. The same in threads of the rank
+    and in its worker processes (agent.workers 2)."""
     from tests.helpers import run_outputs, run_rows
 
-    (r,) = run_rows(agent_runs, "mixed", 1)
+    (r,) = run_rows(agent_runs, name, 1)
     for kind in ("error", "timeout", "no_calls", "refused", "invalid"):
         assert r[f"agent/failed_{kind}"] == 8, (kind, r)
     assert r["agent/episodes"] == 64 and r["agent/masked"] == 40, r
     assert r["agent/rows_per_episode"] == pytest.approx(36 / 32), r  # 32 episodes a rank, 4 of them in two rows
     assert r["agent/split_calls"] > 0 and r["rollout/logp_abs_diff"] < 1e-5, r
-    log = run_outputs(agent_runs[1].stdout)["mixed"]
+    log = run_outputs(agent_runs[1].stdout)[name]
     for kind in ("error", "timeout", "no_calls", "refused", "invalid"):
         assert log.count(f"warning: agent/failed_{kind}:") == 1, (kind, log[-3000:])
     assert "KeyError" in log and "agent.timeout_s=3" in log and "temperature" in log

@@ -6,11 +6,13 @@ serves this rank's rollout engine and keeps every token it saw and sampled.
 - ``messages``: a call's kept tokens, OpenAI's error bodies, reading messages, server-sent events;
 - ``samples``: an episode's calls as training rows (merged where a call continues the previous, split where the
   agent rewrote its history);
-- ``runner``: the rollout: every sample's agent (``--agent.entry`` or ``--agent.command``) run while the rank serves.
+- ``runner``: the rollout: every sample's agent (``--agent.entry`` or ``--agent.command``) run while the rank serves;
+- ``pool`` and ``worker``: function agents in worker processes of the rank (``--agent.workers``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
@@ -51,6 +53,11 @@ def config_problems(cfg: Any) -> list[str]:
     if a.format not in PARSERS:
         problems.append(f"agent.format={a.format!r}; use one of {sorted(PARSERS)}")
     problems += scored_episode_problems("agent", a, ("timeout_s", "round_wait_s"))
+    if a.workers < 0:
+        problems.append(f"agent.workers={a.workers} must be >= 0 (0: the agents in threads of the rank's process)")
+    if a.workers and a.command:
+        problems.append(f"agent.workers={a.workers} runs agent.entry's functions in worker processes; agent.command "
+                        f"runs as a process of its own already: drop agent.workers")
     if a.max_in_flight < 0:
         problems.append(f"agent.max_in_flight={a.max_in_flight} must be >= 0 (0: all of a rank's episodes at once)")
     if not cfg.data.apply_chat_template:
@@ -87,6 +94,22 @@ def load_agent(spec: str) -> Callable:
     except ValueError:  # no signature to read (a builtin): called as it is
         pass
     return fn
+
+
+def play(fn: Callable, row: dict, base_url: str) -> tuple[str, Any]:
+    """One episode of a function agent, where it runs (a thread of the rank, or of a worker process): ("", what it
+    returned) or ("error", why it failed). ``async def`` agents run in an event loop of their own."""
+    try:
+        out = fn(row, base_url)
+        if inspect.isawaitable(out):
+            out = asyncio.run(_awaited(out))
+    except BaseException as e:  # noqa: BLE001 - the user's agent: whatever it raised fails its episode
+        return "error", f"the agent raised {type(e).__name__}: {str(e)[:300]}"
+    return "", out
+
+
+async def _awaited(coroutine: Any) -> Any:
+    return await coroutine
 
 
 def check_command(command: str) -> list[str]:

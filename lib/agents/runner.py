@@ -13,9 +13,7 @@ endpoint refused (``refused``), or returned a reward that is not a number (``inv
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import inspect
 import json
 import os
 import signal
@@ -28,8 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lib.agents import check_command, load_agent
+from lib.agents import check_command, load_agent, play
 from lib.agents.endpoint import Endpoint
+from lib.agents.pool import AgentPool
 from lib.agents.samples import Row, episode_rows
 from lib.data import left_pad
 from lib.engine import RolloutEngine, build_output, expand_samples, rollout_columns
@@ -63,11 +62,14 @@ class AgentRollout:
         self.fn = load_agent(cfg.entry) if cfg.entry else None
         self.argv = check_command(cfg.command) if cfg.command else None
         self.endpoint = Endpoint(tokenizer, cfg.format, 1.0, 1.0, max_prompt, max_response, model_name)
+        self.pool = AgentPool(cfg.entry, cfg.workers) if cfg.entry and cfg.workers else None
         self.tokenizer = tokenizer
         self.rollouts = 0
 
     def close(self) -> None:
         self.endpoint.close()
+        if self.pool is not None:
+            self.pool.close()
 
     def rollout(self, engine: RolloutEngine, data: DataProto, validate: bool = False) -> DataProto:
         """Left-padded prompts -> n episodes a prompt, played by the agents -> their rows (lib.engine.build_output's
@@ -141,9 +143,19 @@ class AgentRollout:
         return DataProto.from_dict(fields, non_tensor, {**data.meta_info, **meta})
 
 
+class _Placed:
+    """An episode playing in a worker process (agent.workers), as ``live`` asks after a thread."""
+
+    def __init__(self, pool: AgentPool, name: str):
+        self.pool, self.name = pool, name
+
+    def is_alive(self) -> bool:
+        return self.pool.running(self.name)
+
+
 class Play:
     """The episodes of one rollout: started in order as slots free (on the main thread, in ``live``), each in a
-    thread of its own, ended by its agent's return or its time limit."""
+    thread of its own or of a worker process (agent.workers), ended by its agent's return or its time limit."""
 
     def __init__(self, rollout: AgentRollout, rows: list[dict], names: list[str]):
         self.rollout, self.rows, self.names = rollout, rows, names
@@ -152,13 +164,19 @@ class Play:
         self.running: dict[int, tuple[threading.Thread, float]] = {}
         self.outcomes: dict[str, Outcome] = {}
         self.procs: dict[int, subprocess.Popen] = {}
+        self.index = set(names)
 
     def live(self) -> list[str]:
         """The episodes whose agents run, in order, after ending those past their time limit (the time their
         requests waited for the endpoint not counted: a round waits for every running episode) and starting the next
         ones where slots are free."""
         now = time.monotonic()
-        ep = self.rollout.endpoint
+        r = self.rollout
+        ep = r.endpoint
+        if r.pool is not None:
+            for name, kind, out in r.pool.ended():
+                if name in self.index:  # not one an earlier rollout left past its time limit
+                    self.outcomes.setdefault(name, Outcome(kind=kind, message=out) if kind else _outcome(out))
         for i, (thread, deadline) in list(self.running.items()):
             name = self.names[i]
             waited = ep.waited.get(name, 0.0) + (now - ep.asking[name] if name in ep.asking else 0.0)
@@ -175,26 +193,25 @@ class Play:
         while len(self.running) < self.limit and self.started < len(self.names):
             i = self.started
             self.started += 1
+            if r.pool is not None:
+                name = self.names[i]
+                r.pool.start(name, self.rows[i], ep.base_url(name))
+                self.running[i] = (_Placed(r.pool, name), now + r.cfg.timeout_s)
+                continue
             thread = threading.Thread(target=self._play, args=(i,), daemon=True, name=f"agent-{i}")
-            self.running[i] = (thread, now + self.rollout.cfg.timeout_s)
+            self.running[i] = (thread, now + r.cfg.timeout_s)
             thread.start()
         return [self.names[i] for i in sorted(self.running)]
 
     def _play(self, i: int) -> None:
         name, r = self.names[i], self.rollout
         url = r.endpoint.base_url(name)
-        try:
-            if r.fn is not None:
-                out = r.fn(self.rows[i], url)
-                if inspect.isawaitable(out):
-                    out = asyncio.run(_awaited(out))
-            else:
-                out = run_command(r.argv, self.rows[i], url, lambda proc: self.procs.__setitem__(i, proc))
-        except BaseException as e:  # noqa: BLE001 - the user's agent: whatever it raised fails its episode
-            self.outcomes.setdefault(name, Outcome(kind="error", message=f"the agent raised {type(e).__name__}: "
-                                                                          f"{str(e)[:300]}"))
-            return
-        self.outcomes.setdefault(name, _outcome(out))
+        if r.fn is not None:
+            kind, out = play(r.fn, self.rows[i], url)
+        else:
+            kind, out = play(lambda row, url: run_command(r.argv, row, url, lambda p: self.procs.__setitem__(i, p)),
+                             self.rows[i], url)
+        self.outcomes.setdefault(name, Outcome(kind=kind, message=out) if kind else _outcome(out))
 
     def outcome(self, name: str) -> Outcome:
         """The episode's outcome once every agent ended: a refused request (what an agent that raised was most
@@ -210,10 +227,6 @@ class Play:
         if not ep.calls.get(name):
             return Outcome(kind="no_calls", message="the agent never called the endpoint")
         return got
-
-
-async def _awaited(coroutine: Any) -> Any:
-    return await coroutine
 
 
 def _outcome(out: Any) -> Outcome:

@@ -28,18 +28,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 Result = tuple[float, dict, Any, str, str]  # score, numeric extras, answer, failure kind, message
 
 
+def spawn(module: str, *args: str, cwd: str = ROOT) -> tuple[subprocess.Popen, Connection, Connection]:
+    """``python -m module READ_FD WRITE_FD *args``, a pipe each way (the reward workers, the agent workers):
+    returns the process, what it sends (its inbox here) and what it reads (its outbox)."""
+    parent_read, child_write = os.pipe()
+    child_read, parent_write = os.pipe()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", module, str(child_read), str(child_write), *args],
+                            pass_fds=(child_read, child_write), env=env, cwd=cwd, stdin=subprocess.DEVNULL)
+    os.close(child_read)
+    os.close(child_write)
+    return proc, Connection(parent_read, writable=False), Connection(parent_write, readable=False)
+
+
 class _Worker:
     def __init__(self, custom: str, mode: str = "score"):
-        parent_read, child_write = os.pipe()
-        child_read, parent_write = os.pipe()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([sys.executable, "-m", "lib.rewards.worker", str(child_read),
-                                      str(child_write), custom, mode], pass_fds=(child_read, child_write), env=env,
-                                     cwd=ROOT, stdin=subprocess.DEVNULL)
-        os.close(child_read)
-        os.close(child_write)
-        self.inbox = Connection(parent_read, writable=False)
-        self.outbox = Connection(parent_write, readable=False)
+        self.proc, self.inbox, self.outbox = spawn("lib.rewards.worker", custom, mode)
         self.chunk: deque = deque()  # indices sent and not yet reported, in order
         self.since = 0.0  # when the current sample started (the last report, the send, or the ready report)
         self.ready = False  # the worker said it has started (its first message)
