@@ -12,6 +12,7 @@ loss or grad norm) are counted; after ``trainer.max_bad_steps`` in a row the run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -131,6 +132,8 @@ def _pause_for_a_test(run: Run, step: int) -> None:
     if not at or int(at) != step:
         return
     if run.topo.is_main:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(marker + ".go")  # an earlier pause's
         with open(marker, "w") as f:
             f.write(f"{step}\n")
     while not stops.requested() and not os.path.exists(marker + ".go"):

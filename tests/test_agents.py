@@ -339,7 +339,8 @@ def agent(row, base_url):
 def test_function_agents_in_worker_processes_end_fail_and_die_apart(tmp_path):
     """agent.workers (lib/agents/pool.py): episodes go to two worker processes in turn; a return comes back as the
     agent gave it, one that raised fails as an error, one whose return cannot leave the process as invalid; an agent
-    that ends its process fails the episodes its worker was playing and no other's, and a fresh worker takes over."""
+    that ends its process fails the episodes its worker was playing and no other's, and a fresh worker takes over; a
+    worker that cannot load the agent is an error of the run."""
     import time
 
     from lib.agents.pool import AgentPool
@@ -373,6 +374,17 @@ def test_function_agents_in_worker_processes_end_fail_and_die_apart(tmp_path):
             pool.start(name, {"k": "ok"}, name)
         until(["ok7", "ok8"])
         assert got["ok7"] == ("", {"score": 1.0, "url": "ok7"}) and got["ok8"] == ("", {"score": 1.0, "url": "ok8"})
+    finally:
+        pool.close()
+    # a worker that cannot load the agent (the rank could: its file changed since) stops the rollout, naming it
+    (tmp_path / "pooled.py").write_text("raise ImportError('gone')\n")
+    pool = AgentPool(f"{tmp_path / 'pooled.py'}:agent", 1)
+    try:
+        with pytest.raises(RuntimeError, match="could not load agent.entry"):
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 120:
+                pool.ended()
+                time.sleep(0.01)
     finally:
         pool.close()
 

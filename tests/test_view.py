@@ -63,12 +63,14 @@ def test_a_samples_values_token_by_token_and_the_tables_filter():
     assert scale == 0.5 and texts.count('class="tok"') == 3 and texts.count('class="tok obs"') == 1
     assert "&lt;b&gt;" in texts and "rgba(34,160,70,0.850)" in texts and "rgba(34,160,70,0.000)" in texts
     assert read.colour(-0.25, 0.5, True) == "rgba(215,40,60,0.425)" and read.colour(1, 2, False) == "rgba(245,140,0,0.425)"
-    rows = read.table_rows([dict(_row(reward=v, uid=f"0-{i}", response=t), id=i)
-                            for i, (v, t) in enumerate([(1.0, "x"), (0.0, "y"), (None, "xy"), (0.5, "Xz")])])
-    assert [r["id"] for r in read.keep(rows, reward_min=0.5)] == [0, 3]
-    assert [r["id"] for r in read.keep(rows, reward_max=0.5)] == [1, 3]  # a masked sample is outside any bound
-    assert [r["id"] for r in read.keep(rows, text="x")] == [0, 2, 3]
-    assert [r["id"] for r in read.keep(rows, 0.0, 0.5, "x")] == [3]
+    samples = [dict(_row(reward=v, uid=f"0-{i}", response=t), id=i) for i, (v, t) in enumerate(
+        [(1.0, "x"), (0.0, "y"), (None, "xy"), (0.5, "Xz"), (0.0, "y" * 200 + "needle")])]
+    rows = read.table_rows(samples)
+    assert [r["id"] for r in read.keep(rows, samples, reward_min=0.5)] == [0, 3]
+    assert [r["id"] for r in read.keep(rows, samples, reward_max=0.5)] == [1, 3, 4]  # a masked one is outside any
+    assert [r["id"] for r in read.keep(rows, samples, text="x")] == [0, 2, 3]
+    assert [r["id"] for r in read.keep(rows, samples, 0.0, 0.5, "x")] == [3]
+    assert [r["id"] for r in read.keep(rows, samples, text="NEEDLE")] == [4]  # past what the table shows
     assert rows[0]["logp_diff"] == pytest.approx(0.25)
 
 

@@ -20,11 +20,13 @@ class AgentPool:
     def __init__(self, entry: str, workers: int):
         self.entry = entry
         self.workers = [self._spawn() for _ in range(workers)]
+        self.ready = [False] * workers  # each worker has loaded the agent (its first message)
         self.placed: dict[str, int] = {}  # the episodes playing: their worker
         self.sent = 0
 
     def _spawn(self) -> tuple:
-        return spawn("lib.agents.worker", self.entry, cwd=os.getcwd())  # agent.entry's path as the rank reads it
+        # in the rank's folder: agent.entry's path, and the paths the agent opens, read as the rank reads them
+        return spawn("lib.agents.worker", self.entry, cwd=os.getcwd())
 
     def start(self, name: str, row: dict, base_url: str) -> None:
         k = self.sent % len(self.workers)
@@ -41,20 +43,18 @@ class AgentPool:
     def ended(self) -> list[tuple[str, str, Any]]:
         """(name, kind, value) of the episodes ended since the last call: kind "" and the agent's return, or the
         failure's kind and why."""
-        out = []
+        out: list = []
         inboxes = [w[1] for w in self.workers]
         for conn in wait(inboxes, timeout=0):
-            try:
-                while conn.poll():
-                    name, kind, value = conn.recv()
-                    self.placed.pop(name, None)
-                    out.append((name, kind, value))
-            except (EOFError, OSError):  # a dead worker's pipe: below
-                pass
+            self._read(inboxes.index(conn), out)
         for k, (proc, inbox, outbox) in enumerate(self.workers):
             code = proc.poll()
             if code is None:
                 continue
+            self._read(k, out)  # what it sent before it died
+            if not self.ready[k]:
+                raise RuntimeError(f"agent.workers: a worker process could not load agent.entry={self.entry!r} "
+                                   f"(exit code {code}; its error is above)")
             for name in [n for n, j in self.placed.items() if j == k]:
                 del self.placed[name]
                 out.append((name, "error", f"the agent's worker process died (exit code {code}), and the episodes "
@@ -62,7 +62,21 @@ class AgentPool:
             inbox.close()
             outbox.close()
             self.workers[k] = self._spawn()
+            self.ready[k] = False
         return out
+
+    def _read(self, k: int, out: list) -> None:
+        conn = self.workers[k][1]
+        try:
+            while conn.poll():
+                got = conn.recv()
+                if got is None:
+                    self.ready[k] = True
+                    continue
+                self.placed.pop(got[0], None)
+                out.append(got)
+        except (EOFError, OSError):  # a dead worker's pipe: ended() fails what it still played
+            pass
 
     def close(self) -> None:
         for proc, inbox, outbox in self.workers:

@@ -1,6 +1,6 @@
-"""An agent worker process (``agent.workers``): ``python -m lib.agents.worker READ_FD WRITE_FD ENTRY``.
+"""An agent worker process (``agent.workers``; started by lib/agents/pool.py, arguments READ_FD WRITE_FD ENTRY).
 
-Loads ``agent.entry`` once, then plays each episode it is sent, ``(name, row, base_url)``, in a thread of its own (an
+Loads ``agent.entry`` once and says so (``None``), then plays each episode it is sent, ``(name, row, base_url)``, in a thread of its own (an
 agent waits for the endpoint most of its time) and sends ``(name, kind, value)`` as each ends: kind "" and what the
 agent returned, or the failure's kind and why. The agents' own Python (their SDK's requests and replies) runs here,
 off the rank's interpreter, which serves the endpoint and drives the engine. Ignores the stop signals, as the reward
@@ -10,6 +10,7 @@ workers do (stopping is the trainer's: it closes the pool); exits when the rank 
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -24,18 +25,20 @@ def main(argv: list[str]) -> None:
     inbox, outbox = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
     fn = load_agent(argv[2])
     lock = threading.Lock()
+    outbox.send(None)  # started: the agent loaded
 
     def run(name: str, row: dict, url: str) -> None:
         kind, out = play(fn, row, url)
+        try:
+            pickle.loads(pickle.dumps(out))  # what the rank could not read back would cost the rollout, not this
+        except Exception as e:  # noqa: BLE001 - the user's return value: whatever pickling raised
+            kind, out = "invalid", (f"the agent returned a {type(out).__name__}, which cannot be sent back from its "
+                                    f"worker process ({type(e).__name__}: {e}); return a number or a dict")
         with lock:
             try:
                 outbox.send((name, kind, out))
             except OSError:  # the rank is gone
                 pass
-            except Exception as e:  # noqa: BLE001 - a return value that cannot be pickled
-                outbox.send((name, "invalid", f"the agent returned a {type(out).__name__}, which cannot be sent back "
-                                              f"from its worker process ({type(e).__name__}: {e}); return a number "
-                                              f"or a dict"))
 
     while True:
         try:

@@ -29,12 +29,14 @@ Result = tuple[float, dict, Any, str, str]  # score, numeric extras, answer, fai
 
 
 def spawn(module: str, *args: str, cwd: str = ROOT) -> tuple[subprocess.Popen, Connection, Connection]:
-    """``python -m module READ_FD WRITE_FD *args``, a pipe each way (the reward workers, the agent workers):
-    returns the process, what it sends (its inbox here) and what it reads (its outbox)."""
+    """``module``'s ``main([READ_FD, WRITE_FD, *args])`` in a process of its own, a pipe each way (the reward
+    workers, the agent workers), in ``cwd`` with this project first on its path (before ``cwd``, which may hold a
+    ``lib`` of its own): returns the process, what it sends (its inbox here) and what it reads (its outbox)."""
     parent_read, child_write = os.pipe()
     child_read, parent_write = os.pipe()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-m", module, str(child_read), str(child_write), *args],
+    start = f"import sys; sys.path.insert(0, {ROOT!r}); from {module} import main; main(sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", start, str(child_read), str(child_write), *args],
                             pass_fds=(child_read, child_write), env=env, cwd=cwd, stdin=subprocess.DEVNULL)
     os.close(child_read)
     os.close(child_write)

@@ -48,12 +48,14 @@ def steps(run_path: str) -> dict[int, str]:
 
 
 def keep_steps_through(run_path: str, step: int) -> None:
-    """Drop the files of the steps after ``step`` (a killed run's steps past its checkpoint; all of them with -1)
-    and any file a kill left unnamed."""
+    """Drop the files of the steps after ``step`` (a killed run's steps past its checkpoint; all of them, and the
+    tokenizer, with -1: a fresh start, perhaps of another model) and any file a kill left unnamed."""
     for s, path in steps(run_path).items():
         if s > step:
             os.remove(path)
     d = folder(run_path)
+    if step < 0:
+        shutil.rmtree(os.path.join(d, "tokenizer"), ignore_errors=True)
     if os.path.isdir(d):
         for name in os.listdir(d):
             if name.endswith(".tmp"):

@@ -28,7 +28,7 @@ class View:
         self.files: dict[int, float] = {}  # the steps with samples, and their files' times
         self.rows: list[dict] = []  # the shown step's samples, whole
         self.table_all: list[dict] = []
-        self.tok = None
+        self.tok: object = None  # the run's tokenizer once read (False: none to read)
         self.shown: int | None = None  # the sample in the detail
 
     def build(self) -> None:
@@ -85,6 +85,10 @@ class View:
             return
         redo = self.step.value in files and files[self.step.value] != self.files.get(self.step.value)
         self.files = files
+        if not files:  # a fresh start in the same folder dropped every step
+            self.rows, self.table_all = [], []
+            self.filter()
+            self.clear()
         self.step.set_options(list(files))
         if files and (self.follow.value or self.step.value not in files):
             if self.step.value != max(files):
@@ -109,10 +113,20 @@ class View:
         self.table_all = read.table_rows(self.rows)
         self.filter()
         if self.shown is not None and self.shown < len(self.rows):
-            self.show(self.shown)
+            self.show(self.shown)  # the same place in the new step's file
+        else:
+            self.clear()
+
+    def clear(self) -> None:
+        self.shown = None
+        self.title.set_text("click a sample to read it")
+        for label in (self.legend, self.prompt, self.terms):
+            label.set_text("")
+        self.tokens.set_content("")
+        self.conversation.clear()
 
     def filter(self) -> None:
-        kept = read.keep(self.table_all, self.rmin.value, self.rmax.value, self.text.value or "")
+        kept = read.keep(self.table_all, self.rows, self.rmin.value, self.rmax.value, self.text.value or "")
         self.table.rows = kept
         self.table.update()
         self.count.set_text(f"{len(kept)} of {len(self.table_all)} samples of step {self.step.value}")
@@ -137,13 +151,14 @@ class View:
         if self.shown is None or self.shown >= len(self.rows):
             return
         if self.tok is None:
-            self.tok = read.tokenizer(self.run)
+            self.tok = read.tokenizer(self.run) or False
+        tok = self.tok or None
         r, key = self.rows[self.shown], self.colour_by.value
-        content, scale = read.tokens_html(read.pieces(self.tok, r["response_ids"]), read.per_token(r, key), key)
+        content, scale = read.tokens_html(read.pieces(tok, r["response_ids"]), read.per_token(r, key), key)
         self.tokens.set_content(content)
         sign = "±" if key in read.SIGNED else "0 to "
         self.legend.set_text(f"{read.VALUES[key]}; full colour at {sign}{scale:.3g}"
-                             + ("" if self.tok else "; token ids shown: no tokenizer in the run folder"))
+                             + ("" if tok else "; token ids shown: no tokenizer in the run folder it can read"))
 
 
 def serve(run_path: str, host: str, port: int) -> None:

@@ -40,17 +40,18 @@ class Metrics:
     def update(self) -> bool:
         """Whether rows changed."""
         try:
-            st = os.stat(self.path)
+            f = open(self.path, "rb")
         except FileNotFoundError:
             changed = bool(self.rows)
             self.rows, self._offset, self._inode = [], 0, None
             return changed
-        again = st.st_ino != self._inode or st.st_size < self._offset
-        if again:
-            self.rows, self._offset, self._inode = [], 0, st.st_ino
-        if st.st_size == self._offset:
-            return again
-        with open(self.path, "rb") as f:
+        with f:
+            st = os.fstat(f.fileno())  # the file opened, not one that replaced it since
+            again = st.st_ino != self._inode or st.st_size < self._offset
+            if again:
+                self.rows, self._offset, self._inode = [], 0, st.st_ino
+            if st.st_size == self._offset:
+                return again
             f.seek(self._offset)
             chunk = f.read(st.st_size - self._offset)
         whole = chunk[:chunk.rfind(b"\n") + 1]
@@ -113,10 +114,10 @@ def table_rows(rows: list[dict]) -> list[dict]:
              "entropy": num(loss_mean(r, "entropy")), "response": r["response"][:120]} for r in rows]
 
 
-def keep(rows: list[dict], reward_min: float | None = None, reward_max: float | None = None,
+def keep(rows: list[dict], samples: list[dict], reward_min: float | None = None, reward_max: float | None = None,
          text: str = "") -> list[dict]:
-    """The table's rows within the reward bounds (a masked sample, no reward, is out of any bound) whose response
-    or uid holds ``text``."""
+    """The table's rows (``samples``: the step's records, by ``id``) within the reward bounds (a masked sample, no
+    reward, is out of any bound) whose whole response or uid holds ``text``."""
     def inside(r: dict) -> bool:
         v = r["reward"]
         if (reward_min is not None or reward_max is not None) and v is None:
@@ -125,7 +126,7 @@ def keep(rows: list[dict], reward_min: float | None = None, reward_max: float | 
             return False
         if reward_max is not None and v > reward_max:
             return False
-        return not text or text.lower() in (r["response"] + " " + r["uid"]).lower()
+        return not text or text.lower() in (samples[r["id"]]["response"] + " " + r["uid"]).lower()
 
     return [r for r in rows if inside(r)]
 
@@ -137,7 +138,10 @@ def tokenizer(run_path: str) -> Any | None:
     for d in (TOKENIZER, "hf_final"):
         path = os.path.join(run_path, d)
         if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-            return AutoTokenizer.from_pretrained(path)
+            try:
+                return AutoTokenizer.from_pretrained(path)
+            except Exception:  # noqa: BLE001 - one that needs its remote code, or is torn: the ids are shown
+                return None
     return None
 
 
