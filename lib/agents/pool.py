@@ -3,13 +3,15 @@
 Episodes go to the workers in turn, in the order they start (the rank decides it, between the endpoint's rounds);
 each worker plays many at once, a thread each. ``ended`` is asked between rounds, on the rank's main thread: the
 episodes whose agents returned since, and those of a worker found dead (an agent that called ``os._exit``, a
-segfault), which fail as errors; a fresh worker takes the dead one's place. An agent past its time limit is left to
+segfault), which fail as errors; a fresh worker takes the dead one's place. An episode's time limit counts from when
+its worker had loaded the agent (a worker's start-up is no episode's time). An agent past its time limit is left to
 end in its worker (a thread cannot be killed); what it returns then is dropped.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -20,7 +22,7 @@ class AgentPool:
     def __init__(self, entry: str, workers: int):
         self.entry = entry
         self.workers = [self._spawn() for _ in range(workers)]
-        self.ready = [False] * workers  # each worker has loaded the agent (its first message)
+        self.ready: list[float | None] = [None] * workers  # when each worker had loaded the agent (its first message)
         self.placed: dict[str, int] = {}  # the episodes playing: their worker
         self.sent = 0
 
@@ -40,6 +42,12 @@ class AgentPool:
     def running(self, name: str) -> bool:
         return name in self.placed
 
+    def since(self, name: str, started: float) -> float | None:
+        """When the episode ``name``, sent at ``started``, began to count against its time limit: then, or once its
+        worker had loaded the agent; None while it has not."""
+        ready = self.ready[self.placed[name]] if name in self.placed else started
+        return None if ready is None else max(ready, started)
+
     def ended(self) -> list[tuple[str, str, Any]]:
         """(name, kind, value) of the episodes ended since the last call: kind "" and the agent's return, or the
         failure's kind and why."""
@@ -52,7 +60,7 @@ class AgentPool:
             if code is None:
                 continue
             self._read(k, out)  # what it sent before it died
-            if not self.ready[k]:
+            if self.ready[k] is None:
                 raise RuntimeError(f"agent.workers: a worker process could not load agent.entry={self.entry!r} "
                                    f"(exit code {code}; its error is above)")
             for name in [n for n, j in self.placed.items() if j == k]:
@@ -62,7 +70,7 @@ class AgentPool:
             inbox.close()
             outbox.close()
             self.workers[k] = self._spawn()
-            self.ready[k] = False
+            self.ready[k] = None
         return out
 
     def _read(self, k: int, out: list) -> None:
@@ -71,7 +79,7 @@ class AgentPool:
             while conn.poll():
                 got = conn.recv()
                 if got is None:
-                    self.ready[k] = True
+                    self.ready[k] = time.monotonic()
                     continue
                 self.placed.pop(got[0], None)
                 out.append(got)

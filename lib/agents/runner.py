@@ -152,6 +152,11 @@ class _Placed:
     def is_alive(self) -> bool:
         return self.pool.running(self.name)
 
+    def since(self, started: float) -> float | None:
+        """When its time limit's clock started: once its worker had loaded the agent (a worker's start-up, slow on a
+        loaded machine, is no episode's time); None before."""
+        return self.pool.since(self.name, started)
+
 
 class Play:
     """The episodes of one rollout: started in order as slots free (on the main thread, in ``live``), each in a
@@ -161,7 +166,7 @@ class Play:
         self.rollout, self.rows, self.names = rollout, rows, names
         self.limit = rollout.cfg.max_in_flight or len(names)
         self.started = 0
-        self.running: dict[int, tuple[threading.Thread, float]] = {}
+        self.running: dict[int, tuple[threading.Thread | _Placed, float]] = {}  # and when each started
         self.outcomes: dict[str, Outcome] = {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.index = set(names)
@@ -177,12 +182,13 @@ class Play:
             for name, kind, out in r.pool.ended():
                 if name in self.index:  # not one an earlier rollout left past its time limit
                     self.outcomes.setdefault(name, Outcome(kind=kind, message=out) if kind else _outcome(out))
-        for i, (thread, deadline) in list(self.running.items()):
+        for i, (thread, started) in list(self.running.items()):
             name = self.names[i]
             waited = ep.waited.get(name, 0.0) + (now - ep.asking[name] if name in ep.asking else 0.0)
+            since = thread.since(started) if isinstance(thread, _Placed) else started
             if not thread.is_alive():
                 del self.running[i]
-            elif now > deadline + waited:
+            elif since is not None and now > since + r.cfg.timeout_s + waited:
                 del self.running[i]
                 self.outcomes.setdefault(name, Outcome(kind="timeout", message=(
                     f"the agent ran past agent.timeout_s={self.rollout.cfg.timeout_s:g}")))
@@ -196,10 +202,10 @@ class Play:
             if r.pool is not None:
                 name = self.names[i]
                 r.pool.start(name, self.rows[i], ep.base_url(name))
-                self.running[i] = (_Placed(r.pool, name), now + r.cfg.timeout_s)
+                self.running[i] = (_Placed(r.pool, name), now)
                 continue
             thread = threading.Thread(target=self._play, args=(i,), daemon=True, name=f"agent-{i}")
-            self.running[i] = (thread, now + r.cfg.timeout_s)
+            self.running[i] = (thread, now)
             thread.start()
         return [self.names[i] for i in sorted(self.running)]
 
