@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
+
+from lib.view.read import Metrics
 
 GROUPS = {
     "reward": ["reward/mean", "val/mean@1", "val/score_mean", "val/best@N", "val/maj@N"],
@@ -21,18 +22,18 @@ def plot(run: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = os.path.join(run, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise SystemExit(f"{path} not found: point lib.plot at a run folder")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    metrics = Metrics(run)
+    if not os.path.isfile(metrics.path):
+        raise SystemExit(f"{metrics.path} not found: point lib.plot at a run folder")
+    metrics.update()
     os.makedirs(os.path.join(run, "plots"), exist_ok=True)
     written = []
     for name, keys in GROUPS.items():
         fig, ax = plt.subplots(figsize=(6, 3.5))
         drawn = 0
+        curves = metrics.curves(keys)
         for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if key in r]
+            pts = curves.get(key)
             if pts:
                 ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, markersize=3, label=key)
                 drawn += 1

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from lib.agents.pool import AgentPool
 from tests.conftest import shared_assets
 
 for _module in ("openai", "uvicorn", "starlette"):  # test.sh installs them (the envs-test extra)
@@ -342,8 +343,6 @@ def test_function_agents_in_worker_processes_end_fail_and_die_apart(tmp_path):
     that ends its process fails the episodes its worker was playing and no other's, and a fresh worker takes over; a
     worker that cannot load the agent is an error of the run."""
     import time
-
-    from lib.agents.pool import AgentPool
 
     (tmp_path / "pooled.py").write_text(POOLED)
     pool = AgentPool(f"{tmp_path / 'pooled.py'}:agent", 2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lib.samples import chosen, store
+from lib.view import read
 
 ALL = ("--samples.share", "1", "--samples.max_rows", "100000")
 
@@ -107,8 +108,6 @@ def test_the_groups_kept_are_chosen_by_their_uid_and_capped(sample_runs):
 def test_the_run_keeps_its_tokenizer_beside_its_samples(sample_runs):
     """samples/tokenizer: the policy's tokenizer, with which the viewer reads a copied run's tokens: it gives back the
     kept prompts' ids from their text and the responses' text from their ids."""
-    from lib.view import read
-
     tok = read.tokenizer(str(sample_runs / "all"))
     assert os.path.isdir(sample_runs / "all" / "samples" / "tokenizer")
     for r in _kept(sample_runs, "all")[2][:16]:

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.helpers import apt_install
 from tests.test_resume import ROOT, TIMING
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -34,8 +35,6 @@ def _why_not() -> str:
         return "a local SLURM cluster (slurmd) needs root"
     if all(shutil.which(b) for b in ("slurmd", "slurmctld", "sbatch", "munged", "mungekey")):
         return ""
-    from tests.helpers import apt_install
-
     return apt_install(PACKAGES)
 
 

@@ -16,8 +16,11 @@ import urllib.request
 
 import pytest
 
+from lib import toy
 from lib.samples import store
 from lib.view import read
+from tests.conftest import shared_assets
+from tests.helpers import apt_install
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("chromium", "chromium-driver")
@@ -79,9 +82,6 @@ def test_a_tokens_text_is_the_responses_text(shared_assets_dir, tmp_path):
     one the ids are shown."""
     from transformers import AutoTokenizer
 
-    from lib import toy
-    from tests.conftest import shared_assets
-
     model = toy.prepare(str(shared_assets(shared_assets_dir, "toy_assets")))["model"]
     assert read.tokenizer(str(tmp_path)) is None
     store.write_tokenizer(str(tmp_path), AutoTokenizer.from_pretrained(model))
@@ -100,8 +100,6 @@ def test_a_path_that_is_no_run_folder_is_one_error(tmp_path):
 # the page in a browser
 
 def _browser_missing() -> str:
-    from tests.helpers import apt_install
-
     return "" if shutil.which("chromium") and shutil.which("chromedriver") else apt_install(PACKAGES)
 
 
@@ -166,7 +164,7 @@ def _cells(driver, column):
     """The shown rows' values of ``column`` (COLUMNS' order)."""
     from selenium.webdriver.common.by import By
 
-    from lib.view.page import COLUMNS
+    from lib.view.page import COLUMNS  # needs nicegui, an optional package (the tests above need none)
 
     k = [c["name"] for c in COLUMNS].index(column)
     return [tr.find_elements(By.CSS_SELECTOR, "td")[k].text
@@ -187,9 +185,6 @@ def test_the_page_follows_a_default_run_filters_its_samples_and_colours_their_to
     tokens coloured by its advantages and then by its entropy, the values the step trained with (the file's); then the
     run goes on and the page follows it to its last step."""
     from selenium.webdriver.common.by import By
-
-    from lib import toy
-    from tests.conftest import shared_assets
 
     digits = toy.prepare(str(shared_assets(shared_assets_dir, "toy_assets")))
     run = tmp_path / "run"

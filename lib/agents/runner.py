@@ -212,11 +212,8 @@ class Play:
     def _play(self, i: int) -> None:
         name, r = self.names[i], self.rollout
         url = r.endpoint.base_url(name)
-        if r.fn is not None:
-            kind, out = play(r.fn, self.rows[i], url)
-        else:
-            kind, out = play(lambda row, url: run_command(r.argv, row, url, lambda p: self.procs.__setitem__(i, p)),
-                             self.rows[i], url)
+        agent = r.fn or (lambda row, url: run_command(r.argv, row, url, lambda p: self.procs.__setitem__(i, p)))
+        kind, out = play(agent, self.rows[i], url)
         self.outcomes.setdefault(name, Outcome(kind=kind, message=out) if kind else _outcome(out))
 
     def outcome(self, name: str) -> Outcome:

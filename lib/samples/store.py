@@ -62,11 +62,14 @@ def keep_steps_through(run_path: str, step: int) -> None:
                 os.remove(os.path.join(d, name))
 
 
+def step_path(run_path: str, step: int) -> str:
+    return os.path.join(folder(run_path), f"step_{step:06d}.parquet")
+
+
 def write_step(run_path: str, step: int, rows: list[dict]) -> str:
     """The step's samples as one parquet file (zstd), named once whole; returns its path."""
-    d = folder(run_path)
-    os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, f"step_{step:06d}.parquet")
+    os.makedirs(folder(run_path), exist_ok=True)
+    path = step_path(run_path, step)
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
     pq.write_table(table, path + ".tmp", compression="zstd")
     os.replace(path + ".tmp", path)

@@ -25,7 +25,8 @@ class View:
     def __init__(self, run_path: str):
         self.run = run_path
         self.metrics = read.Metrics(run_path)
-        self.files: dict[int, float] = {}  # the steps with samples, and their files' times
+        self.steps: list[int] = []  # the steps with samples
+        self.loaded: int | None = None  # which write of the shown step's file the table shows (read.version)
         self.rows: list[dict] = []  # the shown step's samples, whole
         self.table_all: list[dict] = []
         self.tok: object = None  # the run's tokenizer once read (False: none to read)
@@ -72,30 +73,22 @@ class View:
     def poll(self) -> None:
         if self.metrics.update():
             self.draw_curves()
-        files = {}
-        for s, path in read.store.steps(self.run).items():
-            try:
-                files[s] = os.stat(path).st_mtime
-            except FileNotFoundError:  # dropped by a resumed run since it was listed
-                pass
+        steps = list(read.store.steps(self.run))
         last = self.metrics.rows[-1]["step"] if self.metrics.rows else None
-        self.status.set_text(f"{len(files)} steps with samples, metrics to step {last}" if files or last is not None
+        self.status.set_text(f"{len(steps)} steps with samples, metrics to step {last}" if steps or last is not None
                              else f"waiting for the run's first step in {self.run}")
-        if files == self.files:
-            return
-        redo = self.step.value in files and files[self.step.value] != self.files.get(self.step.value)
-        self.files = files
-        if not files:  # a fresh start in the same folder dropped every step
-            self.rows, self.table_all = [], []
-            self.filter()
-            self.clear()
-        self.step.set_options(list(files))
-        if files and (self.follow.value or self.step.value not in files):
-            if self.step.value != max(files):
-                self.step.set_value(max(files))  # loads it
+        if steps != self.steps:
+            self.steps = steps
+            if not steps:  # a fresh start in the same folder dropped every step
+                self.rows, self.table_all = [], []
+                self.filter()
+                self.clear()
+            self.step.set_options(steps)
+            if steps and (self.follow.value or self.step.value not in steps) and self.step.value != steps[-1]:
+                self.step.set_value(steps[-1])  # loads it
                 return
-        if redo:
-            self.load()
+        if self.step.value in steps and read.version(self.run, self.step.value) != self.loaded:
+            self.load()  # written again since (a resumed run's step)
 
     def draw_curves(self) -> None:
         curves = self.metrics.curves(GROUPS[self.group.value])
@@ -106,10 +99,12 @@ class View:
     def load(self) -> None:
         if self.step.value is None:
             return
+        loaded = read.version(self.run, self.step.value)
         try:
             self.rows = read.samples(self.run, self.step.value)
-        except (FileNotFoundError, KeyError):  # dropped by a resumed run: the next poll lists what is there
+        except FileNotFoundError:  # dropped by a resumed run: the next poll lists what is there
             return
+        self.loaded = loaded
         self.table_all = read.table_rows(self.rows)
         self.filter()
         if self.shown is not None and self.shown < len(self.rows):

@@ -70,13 +70,17 @@ class Metrics:
         return {k: sorted(v.items()) for k, v in out.items()}
 
 
-def steps(run_path: str) -> list[int]:
-    return list(store.steps(run_path))
+def version(run_path: str, step: int) -> int | None:
+    """Which write of the step's samples file is there (a resumed run writes a step again); None: no file."""
+    try:
+        return os.stat(store.step_path(run_path, step)).st_mtime_ns
+    except FileNotFoundError:
+        return None
 
 
 def samples(run_path: str, step: int) -> list[dict]:
     """The step's samples, each with ``id``: its place in the file."""
-    rows = store.read_step(store.steps(run_path)[step])
+    rows = store.read_step(store.step_path(run_path, step))
     for i, r in enumerate(rows):
         r["id"] = i
     return rows
