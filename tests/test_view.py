@@ -127,12 +127,13 @@ def _viewer(run_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # nicegui's own test mode, else
+    log = open(os.path.join(os.path.dirname(str(run_path)), f"viewer_{port}.log"), "w")  # read by no one: not a pipe
     proc = subprocess.Popen([sys.executable, "-m", "lib.view", str(run_path), "--port", str(port)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/"
     t0 = time.monotonic()
     while True:
-        assert proc.poll() is None, proc.communicate()[0]
+        assert proc.poll() is None, open(log.name).read()[-3000:]
         try:
             urllib.request.urlopen(url, timeout=5)
             return proc, url

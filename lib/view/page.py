@@ -158,5 +158,8 @@ class View:
 
 def serve(run_path: str, host: str, port: int) -> None:
     """The page at http://host:port/ until Ctrl-C: each browser tab gets its own View."""
+    # a tab whose connection pauses (a laptop asleep, a busy machine) keeps its page for a minute (nicegui's 3 s
+    # default dropped it on a loaded 2-core machine, and the page stopped following the run)
     ui.run(lambda: View(run_path).build(), host=host, port=port, title=f"run {os.path.basename(run_path)}",
-           reload=False, show=False, show_welcome_message=False, uvicorn_logging_level="warning")
+           reload=False, show=False, show_welcome_message=False, uvicorn_logging_level="warning",
+           reconnect_timeout=60.0)
