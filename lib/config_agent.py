@@ -23,9 +23,10 @@ class AgentConfig:
     JSON on its standard input; the last line it prints, if JSON (a number or a dict), is the reward. Not with
     entry."""
     timeout_s: float = 300.0
-    """One episode's time limit, the time its requests wait for the endpoint's answers not counted (a round waits
-    for every running episode); past it the episode fails (a command is killed; a function's thread cannot be, and
-    its later requests are refused)."""
+    """One episode's time limit, from when its agent starts (in a worker: when the worker begins it), the time its
+    requests wait for the endpoint's answers not counted (a round waits for every running episode); past it the
+    episode fails (a command is killed; a function's thread cannot be, and its later requests are refused).
+    timing/agent_own_s_max: how near it the agents that ended came."""
     max_in_flight: int = 0
     """Episodes a rank plays at once; the next starts when one ends. 0: all of the rank's at once. Keep it within
     what the agent program lets run at once (an HTTP client's connection cap, a semaphore)."""

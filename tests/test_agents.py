@@ -322,9 +322,13 @@ NOT_COMPARED = ("timing/", "perf/", "memory/", "sync/seconds", "sync/s_per_gb")
 
 
 POOLED = """
-import os, threading
+import os, threading, time
+
+time.sleep(1)  # a slow load: no episode's time
 
 def agent(row, base_url):
+    if row["k"] == "nap":
+        time.sleep(0.5)
     if row["k"] == "raise":
         raise KeyError("no such key")
     if row["k"] == "exit":
@@ -341,38 +345,43 @@ def test_function_agents_in_worker_processes_end_fail_and_die_apart(tmp_path):
     """agent.workers (lib/agents/pool.py): episodes go to two worker processes in turn; a return comes back as the
     agent gave it, one that raised fails as an error, one whose return cannot leave the process as invalid; an agent
     that ends its process fails the episodes its worker was playing and no other's, and a fresh worker takes over; a
-    worker that cannot load the agent is an error of the run."""
+    worker that cannot load the agent is an error of the run. An episode's clock starts when its worker begins it
+    (after the worker's slow load), and the seconds each ran come back with it."""
     import time
 
     (tmp_path / "pooled.py").write_text(POOLED)
     pool = AgentPool(f"{tmp_path / 'pooled.py'}:agent", 2)
-    got = {}
+    got, ran = {}, {}
 
     def until(names):
         t0 = time.monotonic()
         while not all(n in got for n in names):
             assert time.monotonic() - t0 < 120, got  # a hang's guard: the loop ends on the results
-            got.update({n: (k, v) for n, k, v in pool.ended()})
+            for n, k, v, seconds in pool.ended():
+                got[n], ran[n] = (k, v), seconds
             time.sleep(0.01)
 
     try:
-        first = ["ok0", "ok1", "raise", "lambda", "wait", "ok5"]  # workers 0, 1, 0, 1, 0, 1
+        first = ["ok0", "ok1", "raise", "lambda", "wait", "ok5", "nap6", "ok7"]  # workers 0, 1, 0, 1, 0, 1, 0, 1
         for name in first:
             pool.start(name, {"k": name.rstrip("0123456789")}, f"http://x/{name}")
-        until(["ok0", "ok1", "raise", "lambda", "ok5"])
+        assert pool.since("ok0") is None  # its worker is still loading the agent: its clock has not started
+        until(["ok0", "ok1", "raise", "lambda", "ok5", "nap6", "ok7"])
+        assert ran["nap6"] >= 0.5 and all(ran[n] >= 0 for n in ran), ran
         assert pool.running("wait") and not pool.running("ok0")
         pool.start("exit", {"k": "exit"}, "")  # worker 0, where "wait" still plays
         until(["exit", "wait"])
-        for name in ("ok0", "ok1", "ok5"):
+        for name in ("ok0", "ok1", "ok5", "ok7"):
             assert got[name] == ("", {"score": 1.0, "url": f"http://x/{name}"})
         assert got["raise"][0] == "error" and "KeyError" in got["raise"][1]
         assert got["lambda"][0] == "invalid" and "cannot be sent back" in got["lambda"][1]
         for name in ("exit", "wait"):
             assert got[name][0] == "error" and "worker process died (exit code 3)" in got[name][1]
-        for name in ("ok7", "ok8"):  # workers 1 and 0 (the fresh one)
+        assert ran["wait"] >= 0  # it had begun
+        for name in ("ok9", "ok10"):  # workers 1 and 0 (the fresh one)
             pool.start(name, {"k": "ok"}, name)
-        until(["ok7", "ok8"])
-        assert got["ok7"] == ("", {"score": 1.0, "url": "ok7"}) and got["ok8"] == ("", {"score": 1.0, "url": "ok8"})
+        until(["ok9", "ok10"])
+        assert got["ok9"] == ("", {"score": 1.0, "url": "ok9"}) and got["ok10"] == ("", {"score": 1.0, "url": "ok10"})
     finally:
         pool.close()
     # a worker that cannot load the agent (the rank could: its file changed since) stops the rollout, naming it
@@ -491,6 +500,7 @@ def test_agents_that_fail_are_masked_and_counted_by_kind(agent_runs, name):
     assert r["agent/episodes"] == 64 and r["agent/masked"] == 40, r
     assert r["agent/rows_per_episode"] == pytest.approx(36 / 32), r  # 32 episodes a rank, 4 of them in two rows
     assert r["agent/split_calls"] > 0 and r["rollout/logp_abs_diff"] < 1e-5, r
+    assert r["timing/agent_own_s_max"] > 0, r  # the agents' own time, measured in either place they run
     log = run_outputs(agent_runs[1].stdout)[name]
     for kind in ("error", "timeout", "no_calls", "refused", "invalid"):
         assert log.count(f"warning: agent/failed_{kind}:") == 1, (kind, log[-3000:])
@@ -535,6 +545,54 @@ def test_an_agent_of_an_earlier_rollout_is_refused(served):
 
         assert _serve(endpoint, engine, {"6-0": late})["6-0"] == "episode_over"
         assert not endpoint.calls.get("6-0") and endpoint.batches == []
+    finally:
+        endpoint.reset(1.0, 1.0)
+
+
+def test_a_request_that_came_during_a_round_waited_from_when_it_came(served):
+    """The time an episode's request waits for the rank is not its agent's (agent.timeout_s counts the agent's own
+    time): a request that came while a round was in the engine waited from when the server queued it, not from when
+    the rank's thread took it after the round (CI's loaded machine ran 20 of 64 agents past a 3 s limit so)."""
+    import time
+
+    import openai
+
+    endpoint, engine, _, _ = served
+    endpoint.reset(1.0, 1.0, ["9-0", "9-1"])
+    second = threading.Event()
+
+    class Held:
+        """The engine, its first round held until the second episode's request is queued, and 1 s more."""
+
+        rounds = 0
+
+        def generate_ids(self, *args):
+            Held.rounds += 1
+            if Held.rounds == 1:
+                second.set()
+                while endpoint._queue.qsize() == 0:  # a state: the second request queued
+                    time.sleep(0.005)
+                time.sleep(1.0)
+            return engine.generate_ids(*args)
+
+    def ask(name, after=None):
+        if after is not None:
+            after.wait()
+        client = openai.OpenAI(base_url=endpoint.base_url(name), api_key="none", max_retries=0)
+        client.chat.completions.create(model="toy-tool", messages=[{"role": "user", "content": "1"}], max_tokens=1)
+
+    threads = {"9-0": threading.Thread(target=ask, args=("9-0",)),
+               "9-1": threading.Thread(target=ask, args=("9-1", second))}
+    try:
+        for t in threads.values():
+            t.start()
+        # the second episode runs once the first's round is in the engine
+        endpoint.serve(Held(), lambda: [n for n, t in threads.items() if t.is_alive() and (n == "9-0" or second.is_set())],
+                       key=0)
+        for t in threads.values():
+            t.join()
+        assert endpoint.batches == [1, 1]
+        assert endpoint.waited["9-1"] >= 1.0, endpoint.waited  # before: only its own round's time
     finally:
         endpoint.reset(1.0, 1.0)
 

@@ -19,6 +19,7 @@ import inspect
 import os
 import shlex
 import shutil
+import sys
 from typing import Any, Callable
 
 from lib.envs import scored_episode_problems
@@ -94,6 +95,23 @@ def load_agent(spec: str) -> Callable:
     except ValueError:  # no signature to read (a builtin): called as it is
         pass
     return fn
+
+
+def warm() -> None:
+    """Where the agent imports the openai SDK: its first client and first ``client.chat.completions`` import the
+    SDK's resources and their types (~1.3 s of a core measured, several times that on a loaded machine), done here
+    once, when the process loads the agent, so that no episode's time limit pays for it (a worker's first episodes
+    timed out at 3 s on a loaded 2-core machine). Nothing where openai is not imported."""
+    openai = sys.modules.get("openai")
+    if openai is None or not hasattr(openai, "OpenAI"):
+        return
+    client = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="unused", max_retries=0)
+    try:
+        for resource in ("chat", "completions", "models"):
+            getattr(client, resource)
+        client.chat.completions  # noqa: B018 - the attribute's import is the work
+    finally:
+        client.close()
 
 
 def play(fn: Callable, row: dict, base_url: str) -> tuple[str, Any]:

@@ -82,7 +82,7 @@ class Endpoint:
         self.waited: dict[str, float] = defaultdict(float)
         """Seconds each episode's answered requests waited for their round and the engine."""
         self.asking: dict[str, float] = {}
-        """The episodes with a request waiting now, and since when (``serve``'s clock)."""
+        """The episodes with a request waiting now, and since when (the server queued it; time.monotonic)."""
         self._last: dict[str, Last] = {}
         self._queue: queue.Queue = queue.Queue()
         self._closed: set[str] = set()
@@ -137,7 +137,7 @@ class Endpoint:
         self.asking.clear()
         while True:  # a request of an earlier rollout's late agent, queued as its rollout ended: refused
             try:
-                _, _, _, answer = self._queue.get_nowait()
+                _, _, _, answer, _ = self._queue.get_nowait()
             except queue.Empty:
                 break
             answer.set_exception(Refused("the episode is over (its rollout ended)", code="episode_over"))
@@ -158,11 +158,13 @@ class Endpoint:
         since = 0.0
         while True:
             try:
-                episode, *request = self._queue.get(timeout=poll_s)
+                episode, prompt, cap, answer, asked = self._queue.get(timeout=poll_s)
                 if not waiting:
                     since = time.monotonic()
-                waiting.setdefault(episode, []).append(request)
-                self.asking.setdefault(episode, time.monotonic())
+                waiting.setdefault(episode, []).append((prompt, cap, answer))
+                # from when the server queued it: the time it waited for this thread (a round in the engine) is not
+                # the agent's
+                self.asking.setdefault(episode, asked)
                 continue  # take all that came before deciding
             except queue.Empty:
                 pass
@@ -256,7 +258,7 @@ class Endpoint:
         if episode in self._closed or (self._open is not None and episode not in self._open):
             raise Refused("the episode is over (its time limit passed, or its rollout ended)", code="episode_over")
         answer: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((episode, prompt_ids, cap, answer))
+        self._queue.put((episode, prompt_ids, cap, answer, time.monotonic()))
         try:
             return await asyncio.wrap_future(answer)
         except Refused:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lib.agents import check_command, load_agent, play
+from lib.agents import check_command, load_agent, play, warm
 from lib.agents.endpoint import Endpoint
 from lib.agents.pool import AgentPool
 from lib.agents.samples import Row, episode_rows
@@ -63,6 +63,8 @@ class AgentRollout:
         self.argv = check_command(cfg.command) if cfg.command else None
         self.endpoint = Endpoint(tokenizer, cfg.format, 1.0, 1.0, max_prompt, max_response, model_name)
         self.pool = AgentPool(cfg.entry, cfg.workers) if cfg.entry and cfg.workers else None
+        if self.fn is not None and self.pool is None:
+            warm()  # the SDK's first use, before the episodes' clocks start (a worker does its own)
         self.tokenizer = tokenizer
         self.rollouts = 0
 
@@ -88,9 +90,10 @@ class AgentRollout:
         engine.calls[validate] += 1
         elapsed = time.perf_counter() - t0
         outcomes = [play.outcome(name) for name in names]
-        return self._rows(data, names, outcomes, elapsed)
+        return self._rows(data, names, outcomes, elapsed, play.own)
 
-    def _rows(self, data: DataProto, names: list[str], outcomes: list[Outcome], elapsed: float) -> DataProto:
+    def _rows(self, data: DataProto, names: list[str], outcomes: list[Outcome], elapsed: float,
+              own: list[float]) -> DataProto:
         ep = self.endpoint
         prompts, rows, owner, texts, turns, scores = [], [], [], [], [], []
         uids = data.non_tensor_batch.get("uid")
@@ -137,6 +140,8 @@ class AgentRollout:
                    "timing/agent_rollout_s": elapsed, "timing/agent_engine_s": ep.engine_s,
                    # the time a call costs beyond the engine's: the agents' own work, HTTP, rendering, waiting
                    "perf/agent_overhead_ms_per_call": 1e3 * (elapsed - ep.engine_s) / max(sum(ep.batches), 1)}
+        # the longest an agent that ended in time ran against agent.timeout_s (how near the limit they come)
+        metrics["timing/agent_own_s_max"] = max(own, default=0.0)
         metrics.update({f"agent/failed_{k}": float(sum(o.kind == k for o in outcomes)) for k in FAILURES})
         meta = {"generate_s": elapsed, "generated_tokens": sampled, "tokens_per_s": sampled / max(elapsed, 1e-9),
                 "multi_turn": metrics}
@@ -153,9 +158,9 @@ class _Placed:
         return self.pool.running(self.name)
 
     def since(self, started: float) -> float | None:
-        """When its time limit's clock started: once its worker had loaded the agent (a worker's start-up, slow on a
-        loaded machine, is no episode's time); None before."""
-        return self.pool.since(self.name, started)
+        """When its time limit's clock started: when its thread began in its worker (a worker's start-up, slow on a
+        loaded machine, and the time the episode waited there for its thread are no episode's time); None before."""
+        return self.pool.since(self.name)
 
 
 class Play:
@@ -168,6 +173,8 @@ class Play:
         self.started = 0
         self.running: dict[int, tuple[threading.Thread | _Placed, float]] = {}  # and when each started
         self.outcomes: dict[str, Outcome] = {}
+        self.own: list[float] = []  # the time each agent that ended in time counted against its limit
+        self.ran: dict[str, float | None] = {}  # the seconds each agent ran (its end noticed later, between rounds)
         self.procs: dict[int, subprocess.Popen] = {}
         self.index = set(names)
 
@@ -179,8 +186,9 @@ class Play:
         r = self.rollout
         ep = r.endpoint
         if r.pool is not None:
-            for name, kind, out in r.pool.ended():
+            for name, kind, out, ran in r.pool.ended():
                 if name in self.index:  # not one an earlier rollout left past its time limit
+                    self.ran[name] = ran
                     self.outcomes.setdefault(name, Outcome(kind=kind, message=out) if kind else _outcome(out))
         for i, (thread, started) in list(self.running.items()):
             name = self.names[i]
@@ -188,6 +196,8 @@ class Play:
             since = thread.since(started) if isinstance(thread, _Placed) else started
             if not thread.is_alive():
                 del self.running[i]
+                if self.ran.get(name) is not None:
+                    self.own.append(max(self.ran[name] - ep.waited.get(name, 0.0), 0.0))
             elif since is not None and now > since + r.cfg.timeout_s + waited:
                 del self.running[i]
                 self.outcomes.setdefault(name, Outcome(kind="timeout", message=(
@@ -213,7 +223,9 @@ class Play:
         name, r = self.names[i], self.rollout
         url = r.endpoint.base_url(name)
         agent = r.fn or (lambda row, url: run_command(r.argv, row, url, lambda p: self.procs.__setitem__(i, p)))
+        began = time.monotonic()
         kind, out = play(agent, self.rows[i], url)
+        self.ran[name] = time.monotonic() - began
         self.outcomes.setdefault(name, Outcome(kind=kind, message=out) if kind else _outcome(out))
 
     def outcome(self, name: str) -> Outcome:

@@ -3,6 +3,7 @@ rollout (the last number of its episode in its base URL, so that a prompt's 8 sa
 never call, send a request the endpoint refuses, rewrite their history (two rows), return a reward of their own,
 return one that is not a number, or play the tool loop as a user's agent would."""
 
+import ssl
 import time
 
 import httpx
@@ -14,6 +15,7 @@ TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Look up the digits stored under a key.",
     "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
 PLAYS = load_object("examples/agent_programs/toy_tool_openai.py:agent", "the example agent")
+TLS = ssl.create_default_context()  # once, as docs/agents.md advises (a client's own costs ~50 ms of CPU)
 WAYS = ("raise", "sleep", "no_call", "refused", "rewrite", "own_reward", "bad_reward", "plays")
 
 
@@ -28,7 +30,7 @@ def agent(row, base_url):
         return 0.5
     if way == "plays":  # as a user's agent would: the example's tool loop
         return PLAYS(row, base_url)
-    with httpx.Client(timeout=600) as http:
+    with httpx.Client(verify=TLS, timeout=600) as http:
         client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http)
         messages = list(row["prompt"])
         ask = lambda **kw: client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,  # noqa: E731
