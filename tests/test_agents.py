@@ -4,6 +4,7 @@ main thread serving the HF engine. Every call's tokens are the ones the engine s
 trainer's (the canary, fp32)."""
 
 import json
+import os
 import threading
 
 import pytest
@@ -395,6 +396,21 @@ def test_function_agents_in_worker_processes_end_fail_and_die_apart(tmp_path):
                 time.sleep(0.01)
     finally:
         pool.close()
+
+
+def test_the_openai_sdks_first_use_is_done_when_the_agent_loads_not_in_an_episode():
+    """The openai SDK imports its resources and their types on a process's first client (~1.3 s of a core; more on a
+    loaded machine): lib.agents.warm does it where the agent imports openai (the rank's threads, each worker), so
+    that no episode's time limit pays it; where openai is not imported, it imports nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from lib.agents import warm; {imp}warm(); "
+            "print('openai.resources.chat.completions.completions' in sys.modules, 'openai' in sys.modules)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for imp, want in (("import openai; ", "True True"), ("", "False False")):
+        out = subprocess.run([sys.executable, "-c", code.format(imp=imp)], cwd=root, capture_output=True, text=True)
+        assert out.stdout.strip() == want, out.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
