@@ -10,6 +10,9 @@ import time
 
 import pytest
 
+from tests.conftest import link_assets
+from tests.helpers import launch_runs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cosine schedule with warm-up, dynamic sampling, several mini-batches: every piece of resumable state matters
 ARGS = ("--trainer.val_every", "3", "--trainer.save_every", "2", "--actor.optim.warmup_steps", "2",
@@ -95,14 +98,27 @@ VISION = ("--config", "tiny_cpu_grpo_vision", "--rollout.n", "4")
 DISTILL = ("--config", "tiny_cpu_opd", "--rollout.n", "4")
 
 
+MODES = {"full": (), "lora": LORA, "tools": TOOLS, "vision": VISION, "distill": DISTILL}
+
+
+def reference(mode: str) -> str:
+    """The name of the uninterrupted run of ARGS with ``mode``'s flags in ``whole_root``."""
+    return "whole" if mode == "full" else f"whole_{mode}"
+
+
 @pytest.fixture(scope="module")
-def whole_root(tmp_path_factory):
-    """The uninterrupted 4-step run of ARGS, made once for the tests of this file that compare with it: its output
-    root (the run is ``whole`` in it)."""
+def whole_root(tmp_path_factory, shared_assets_dir):
+    """The uninterrupted 4-step runs of ARGS, alone and with each mode's flags, made once for the tests of this file
+    that compare with them, in one launch of 2 ranks (tests/runs_driver.py: the ranks' start-up paid once, not five
+    times): their output root (the runs are ``reference(mode)`` in it)."""
     root = tmp_path_factory.mktemp("whole")
-    done = subprocess.run(command(root, "--trainer.total_steps", "4", *ARGS, name="whole"), cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
+    # the session's builds of the tasks, which the killed runs' folders get too (tests/conftest.py)
+    link_assets(shared_assets_dir, ["toy_assets", "toy_tool_assets", "toy_vision_assets", "toy_teacher_assets"], root)
+    plan = [(reference(mode), "train_grpo.py", ["--trainer.output_root", str(root), "--trainer.run_name",
+                                                 reference(mode), "--trainer.total_steps", "4", *ARGS, *extra])
+            for mode, extra in MODES.items()]
+    done = launch_runs(plan, root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return root
 
 
@@ -120,13 +136,10 @@ def kept_samples(run_dir) -> dict[int, list[dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), LORA, TOOLS, VISION, DISTILL], ids=["full", "lora", "tools", "vision", "distill"])
-def test_killed_rank_resumes_to_the_bit(tmp_path, extra, request):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_killed_rank_resumes_to_the_bit(tmp_path, mode, whole_root):
+    extra = MODES[mode]
     args = (*ARGS, *extra)
-    if extra:
-        reference = subprocess.run(command(tmp_path, "--trainer.total_steps", "4", *args, name="whole"), cwd=ROOT,
-                                   env=env(), capture_output=True, text=True, timeout=900)
-        assert reference.returncode == 0, reference.stderr[-4000:]
     # the same run, with rank 1 killed by SIGKILL at the end of step 3 (logged; checkpoint 2 written, 4 not)
     marker = tmp_path / "paused"
     proc = subprocess.Popen(command(tmp_path, "--trainer.total_steps", "4", *args), cwd=ROOT,
@@ -142,7 +155,7 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra, request):
                            capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resumed from step 2" in again.stdout
-    got, want = rows(tmp_path), rows(tmp_path, "whole") if extra else request.getfixturevalue("whole")
+    got, want = rows(tmp_path), rows(whole_root, reference(mode))
     if extra is LORA:  # a fresh engine holds no base yet (its memory before the first wake), takes the base once
         # more and numbers adapter versions anew: transfers and engine memory, not training
         got, want = ([{k: v for k, v in r.items() if not k.startswith(("sync/", "engine/mem_"))} for r in x]
@@ -166,9 +179,9 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, extra, request):
     # the samples kept: the killed run's step 3 file dropped at the resume and written again, every step's file
     # the uninterrupted run's, value for value
     kept = kept_samples(tmp_path / "run")
-    reference = kept_samples((tmp_path if extra else request.getfixturevalue("whole_root")) / "whole")
-    assert sorted(kept) == sorted(reference) == [1, 2, 3, 4] and all(kept.values())
-    assert kept == reference
+    want_kept = kept_samples(whole_root / reference(mode))
+    assert sorted(kept) == sorted(want_kept) == [1, 2, 3, 4] and all(kept.values())
+    assert kept == want_kept
     assert [f for f in os.listdir(tmp_path / "run" / "samples") if not f.endswith(".parquet")] == ["tokenizer"]
 
 
