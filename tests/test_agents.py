@@ -325,7 +325,8 @@ NOT_COMPARED = ("timing/", "perf/", "memory/", "sync/seconds", "sync/s_per_gb")
 POOLED = """
 import os, threading, time
 
-time.sleep(1)  # a slow load: no episode's time
+while not os.path.exists(GATE):  # a load that lasts until the test lets it end: no episode's time
+    time.sleep(0.01)
 
 def agent(row, base_url):
     if row["k"] == "nap":
@@ -350,7 +351,8 @@ def test_function_agents_in_worker_processes_end_fail_and_die_apart(tmp_path):
     (after the worker's slow load), and the seconds each ran come back with it."""
     import time
 
-    (tmp_path / "pooled.py").write_text(POOLED)
+    gate = tmp_path / "loaded"
+    (tmp_path / "pooled.py").write_text(POOLED.replace("GATE", repr(str(gate))))
     pool = AgentPool(f"{tmp_path / 'pooled.py'}:agent", 2)
     got, ran = {}, {}
 
@@ -366,7 +368,8 @@ def test_function_agents_in_worker_processes_end_fail_and_die_apart(tmp_path):
         first = ["ok0", "ok1", "raise", "lambda", "wait", "ok5", "nap6", "ok7"]  # workers 0, 1, 0, 1, 0, 1, 0, 1
         for name in first:
             pool.start(name, {"k": name.rstrip("0123456789")}, f"http://x/{name}")
-        assert pool.since("ok0") is None  # its worker is still loading the agent: its clock has not started
+        assert pool.ended() == [] and pool.since("ok0") is None  # its worker still loads: its clock has not started
+        gate.touch()
         until(["ok0", "ok1", "raise", "lambda", "ok5", "nap6", "ok7"])
         assert ran["nap6"] >= 0.5 and all(ran[n] >= 0 for n in ran), ran
         assert pool.running("wait") and not pool.running("ok0")
