@@ -606,8 +606,8 @@ def test_a_request_that_came_during_a_round_waited_from_when_it_came(served):
         for t in threads.values():
             t.start()
         # the second episode runs once the first's round is in the engine
-        endpoint.serve(Held(), lambda: [n for n, t in threads.items() if t.is_alive() and (n == "9-0" or second.is_set())],
-                       key=0)
+        live = lambda: [n for n, t in threads.items() if t.is_alive() and (n == "9-0" or second.is_set())]  # noqa: E731
+        endpoint.serve(Held(), live, key=0)
         for t in threads.values():
             t.join()
         assert endpoint.batches == [1, 1]

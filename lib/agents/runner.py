@@ -90,10 +90,10 @@ class AgentRollout:
         engine.calls[validate] += 1
         elapsed = time.perf_counter() - t0
         outcomes = [play.outcome(name) for name in names]
-        return self._rows(data, names, outcomes, elapsed, play.own)
+        return self._rows(data, names, outcomes, elapsed, play.own_s_max())
 
     def _rows(self, data: DataProto, names: list[str], outcomes: list[Outcome], elapsed: float,
-              own: list[float]) -> DataProto:
+              own_s_max: float) -> DataProto:
         ep = self.endpoint
         prompts, rows, owner, texts, turns, scores = [], [], [], [], [], []
         uids = data.non_tensor_batch.get("uid")
@@ -140,8 +140,7 @@ class AgentRollout:
                    "timing/agent_rollout_s": elapsed, "timing/agent_engine_s": ep.engine_s,
                    # the time a call costs beyond the engine's: the agents' own work, HTTP, rendering, waiting
                    "perf/agent_overhead_ms_per_call": 1e3 * (elapsed - ep.engine_s) / max(sum(ep.batches), 1)}
-        # the longest an agent that ended in time ran against agent.timeout_s (how near the limit they come)
-        metrics["timing/agent_own_s_max"] = max(own, default=0.0)
+        metrics["timing/agent_own_s_max"] = own_s_max
         metrics.update({f"agent/failed_{k}": float(sum(o.kind == k for o in outcomes)) for k in FAILURES})
         meta = {"generate_s": elapsed, "generated_tokens": sampled, "tokens_per_s": sampled / max(elapsed, 1e-9),
                 "multi_turn": metrics}
@@ -173,7 +172,6 @@ class Play:
         self.started = 0
         self.running: dict[int, tuple[threading.Thread | _Placed, float]] = {}  # and when each started
         self.outcomes: dict[str, Outcome] = {}
-        self.own: list[float] = []  # the time each agent that ended in time counted against its limit
         self.ran: dict[str, float | None] = {}  # the seconds each agent ran (its end noticed later, between rounds)
         self.procs: dict[int, subprocess.Popen] = {}
         self.index = set(names)
@@ -196,8 +194,6 @@ class Play:
             since = thread.since(started) if isinstance(thread, _Placed) else started
             if not thread.is_alive():
                 del self.running[i]
-                if self.ran.get(name) is not None:
-                    self.own.append(max(self.ran[name] - ep.waited.get(name, 0.0), 0.0))
             elif since is not None and now > since + r.cfg.timeout_s + waited:
                 del self.running[i]
                 self.outcomes.setdefault(name, Outcome(kind="timeout", message=(
@@ -227,6 +223,13 @@ class Play:
         kind, out = play(agent, self.rows[i], url)
         self.ran[name] = time.monotonic() - began
         self.outcomes.setdefault(name, Outcome(kind=kind, message=out) if kind else _outcome(out))
+
+    def own_s_max(self) -> float:
+        """The most own time, as agent.timeout_s counts it, of the agents that ended within it: how near the limit
+        they came."""
+        waited = self.rollout.endpoint.waited
+        return max([0.0] + [ran - waited.get(name, 0.0) for name, ran in list(self.ran.items())  # threads still add
+                            if ran is not None and self.outcomes.get(name, Outcome()).kind != "timeout"])
 
     def outcome(self, name: str) -> Outcome:
         """The episode's outcome once every agent ended: a refused request (what an agent that raised was most

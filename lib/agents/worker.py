@@ -3,9 +3,10 @@
 Loads ``agent.entry`` once (and warms the openai SDK: lib.agents.warm) and says so (``("ready",)``), then plays each
 episode it is sent, ``(name, row, base_url)``, in a thread of its own (an agent waits for the endpoint most of its
 time): the thread says ``("began", name, when)`` first (the episode's time limit counts from then) and ``("ended",
-name, kind, value, when)`` last: kind "" and what the agent returned, or the failure's kind and why. The agents' own Python (their SDK's requests and replies) runs here,
-off the rank's interpreter, which serves the endpoint and drives the engine. Ignores the stop signals, as the reward
-workers do (stopping is the trainer's: it closes the pool); exits when the rank closes its end or is gone.
+name, kind, value, when)`` last: kind "" and what the agent returned, or the failure's kind and why. The agents'
+own Python (their SDK's requests and replies) runs here, off the rank's interpreter, which serves the endpoint and
+drives the engine. Ignores the stop signals, as the reward workers do (stopping is the trainer's: it closes the
+pool); exits when the rank closes its end or is gone.
 """
 
 from __future__ import annotations
