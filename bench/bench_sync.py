@@ -77,6 +77,29 @@ def copy_floor_seconds(engine, device: torch.device) -> tuple[float, int, int]:
     return best, len(params), sum(p.numel() * p.element_size() for p in params)
 
 
+def profile_sync(model, engine, dtype, device: torch.device, path: str) -> dict:
+    """One switch into rollout (its sync inside) under torch.profiler, then back; the operators' table (by their own
+    host time, the device's beside it on a GPU) into ``path`` with the sync's figures: what a sync's milliseconds
+    are made of (the H200 of 2026-11-30 read 8.7x the floor with no split to say why). Returns the sync's
+    metrics."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lib.sync import enter_rollout, exit_rollout
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        metrics = enter_rollout(model, engine, dtype)
+    exit_rollout(model, engine, device)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    with open(path, "w") as f:
+        f.write(f"One switch into rollout under torch.profiler ({device}); the sync inside it (lib.sync.sync_weights, "
+                f"its own row): {metrics['sync/seconds'] * 1e3:.2f} ms, {metrics.get('sync/plan_tensors', 0):.0f} "
+                f"tensors through the sync plan, {metrics.get('sync/loader_tensors', 0):.0f} through vLLM's loader, "
+                f"{metrics.get('sync/device_allocs', 0):.0f} device allocations (cudaMalloc) in it\n"
+                f"Top 30 operators by their own host time:\n{table}\n")
+    return metrics
+
+
 def measure(model, engine, topo, dtype, rounds: int) -> dict:
     """The first sync (recorded and proved), then ``rounds`` alternating rounds of each path; best of each."""
     from lib.sync import enter_rollout, exit_rollout

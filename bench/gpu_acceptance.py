@@ -49,15 +49,21 @@ def check_function(name: str):
 
 
 def run_check(args) -> None:
-    """The child process of one check: its rows into checks/NAME.rows.json, also when its budget stops it."""
+    """The child process of one check: its rows into checks/NAME.rows.json, also when its budget stops it, and
+    whether a stop left its figures whole (every run it started had logged all its steps: the stop came in a run's
+    end, and running the check again would measure the same; the H200 run of 2026-11-30 ran grpo_vllm twice so)."""
+    from bench.acceptance import run_checks
+
     stop_on(signal.SIGTERM)
     try:
         rows = check_function(args.check)(args)
+        whole = set(run_checks.STOPPED) <= set(run_checks.WHOLE) and all(r.value != "not started" for r in rows)
     except Stopped:
         rows = [Row(args.check, "stopped by its budget", "", False,
                     "its log's last lines: " + log_tail(os.path.join(args.out, "checks", f"{args.check}.log")))]
+        whole = False
     with open(result_path(args.out, args.check, child=True), "w") as f:
-        json.dump([asdict(r) for r in rows], f)
+        json.dump({"rows": [asdict(r) for r in rows], "whole": whole}, f)
 
 
 def main() -> None:

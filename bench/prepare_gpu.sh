@@ -5,7 +5,8 @@
 #   .vstage/deps         our dependencies that the device image lacks (bench/gpu_deps.txt), Python 3.12 wheels
 # and checks that each call's carried folders plus the working tree fit the 64 MiB a call carries.
 #   STAGE_VLLM   the staging script (default: ../shared/tools/stage_vllm.sh beside this checkout)
-#   PART_MIB     the size of one part (default 56: the deps travel with part 0)
+#   PART_MIB     the size of one part (default: the most that fits a call beside the working tree and the deps,
+#                which travel with part 0; the tree grew past what a fixed 56 left room for on 2026-11-30)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -14,18 +15,24 @@ LIMIT=$((64 * 1048576))
 grep -qx '/.vstage/' .git/info/exclude 2>/dev/null || echo '/.vstage/' >> .git/info/exclude
 
 [ -f "$STAGE_VLLM" ] || { echo "error: $STAGE_VLLM not found; set STAGE_VLLM=path/to/stage_vllm.sh" >&2; exit 1; }
-PART_MIB=${PART_MIB:-56} LAYOUT=.vstage bash "$STAGE_VLLM" /tmp/vstage-build
 
-mkdir -p .vstage/deps
+DEPS=/tmp/vstage-deps  # here first: the staging below empties .vstage
+rm -rf "$DEPS" && mkdir -p "$DEPS"
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any)
-python3 -m pip download -q --no-deps "${plat[@]}" -d .vstage/deps -r bench/gpu_deps.txt 2>&1 | grep -v 'is ignored' || true
+python3 -m pip download -q --no-deps "${plat[@]}" -d "$DEPS" -r bench/gpu_deps.txt 2>&1 | grep -v 'is ignored' || true
 want=$(grep -cE '^[A-Za-z]' bench/gpu_deps.txt)
-have=$(ls .vstage/deps/*.whl | wc -l)
-[ "$want" = "$have" ] || { echo "error: .vstage/deps holds $have wheels, bench/gpu_deps.txt names $want" >&2; exit 1; }
+have=$(ls "$DEPS"/*.whl | wc -l)
+[ "$want" = "$have" ] || { echo "error: $DEPS holds $have wheels, bench/gpu_deps.txt names $want" >&2; exit 1; }
 
 # what one call carries: the working tree git would send (tracked and untracked-not-ignored files) and its folders
 tree=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+# a part as large as fits the first call (the tree, the deps and 1 MiB to spare): fewer calls, each ~6 s of the lease
+fit=$(( (LIMIT - tree - $(du -sb "$DEPS" | cut -f1)) / 1048576 - 1 ))
+PART_MIB=${PART_MIB:-$fit}
+echo "parts of $PART_MIB MiB (the most a call fits beside the tree and the deps: $fit)"
+PART_MIB=$PART_MIB LAYOUT=.vstage bash "$STAGE_VLLM" /tmp/vstage-build
+cp -r "$DEPS" .vstage/deps
 parts=(.vstage/p??)
 ok=1
 for i in "${!parts[@]}"; do

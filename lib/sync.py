@@ -61,6 +61,7 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bu
     if cuda:
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
+        allocs = torch.cuda.memory_stats(device).get("num_device_alloc", 0)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     sent = 0
@@ -80,14 +81,19 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bu
         # every engine parameter written (or a declared alias of one): never a stale tensor
         again = bool(engine.finish_sync())
         passes += 1
+    extra = {}
     if cuda:
         torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - t0
+    if cuda:
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+        # the allocator's calls into the device (cudaMalloc) in the sync, each a host stall (the cache is emptied
+        # before the sync)
+        extra["sync/device_allocs"] = float(torch.cuda.memory_stats(device).get("num_device_alloc", 0) - allocs)
     else:
         peak = largest_bucket / 2**30  # what the bucketing bounds on CPU, where no allocator peak is kept
-    elapsed = time.perf_counter() - t0
     return {"sync/seconds": elapsed, "sync/gb": sent / 2**30, "sync/peak_extra_gb": peak,
-            "sync/s_per_gb": elapsed / max(sent / 2**30, 1e-9), "sync/passes": float(passes)}
+            "sync/s_per_gb": elapsed / max(sent / 2**30, 1e-9), "sync/passes": float(passes), **extra}
 
 
 def sync_adapter(model: nn.Module, engine: RolloutEngine, adapter: lora.Sync) -> dict[str, float]:

@@ -102,6 +102,8 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
                  "distill hf engine: the teacher scores every step (reverse KL finite)",
                  "tools hf engine: 2 steps", "tools hf engine: rollout/logp_abs_diff (max)",
                  "tools hf engine: tool calls a sample (every step)",
+                 "agents hf engine: 2 steps", "agents hf engine: rollout/logp_abs_diff (max)",
+                 "agents hf engine: endpoint calls a sample (every step)",
                  "vision hf engine: 2 steps", "vision hf engine: rollout/logp_abs_diff (max)",
                  "vision hf engine: one image a sample, the tower synced every step",
                  "trl 1.16.0 colocate (CPU: transformers' generate): 2 steps",
@@ -113,6 +115,8 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
         assert rows[name]["passed"] is True, rows.get(name)
     trl = rows["trl 1.16.0 colocate (CPU: transformers' generate): ours (grpo hf engine) / TRL tokens/s"]["value"]
     assert float(trl.split("x")[0]) > 0, trl  # both measured in this run (a figure on CPU)
+    agents = rows["agents hf engine: agent / multi-turn rollout samples/s"]  # on CPU a figure where tools ended first
+    assert agents["passed"] is None and "ms a call beyond the engine" in agents["note"], agents
     # the fifth call runs what was left, no more (nothing, where no budget binds), and leaves nothing
     ran = re.findall(r"^(\w+) \(\d+ s\): ", said[3], re.M)
     assert ran == [n for n in CHECKS if n in left] and ("nothing to run" in said[3]) == (not left), (left, said[3])
@@ -127,11 +131,16 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
     with tarfile.open(tmp_path / "out" / "evidence.tar.gz") as tar:
         held = set(tar.getnames())
         profile = tar.extractfile("checks/update_profile.txt").read().decode()
+        sync_profile = tar.extractfile("checks/sync_profile.txt").read().decode()
     for name in ("checks/grpo_hf.log", "checks/update.log", "runs/grpo_hf_engine.log",
                  "runs/grpo_hf_engine/metrics.jsonl", "runs/trl_colocate.log", "background.log", "pytest_gpu.txt"):
         assert name in held, (name, sorted(held))
     # the update's profile (its CPU form: the operators' own time) and the GRPO run's split of a step
     assert "Shares by category:" in profile and "matmul" in profile and "Top 15" in profile, profile
+    # the sync's row: the best of 3 syncs (the first, cold, beside it), and a profile of a fourth
+    assert "Top 30 operators by their own host time" in sync_profile and "aten::" in sync_profile, sync_profile
+    sync_row = rows["sync (hf engine): time against a bare copy into the engine's parameters"]
+    assert "best of 3, the first (right after the update)" in sync_row["note"], sync_row
     assert "update: packed / padded tokens/s" in rows and "update: fsdp.grad_reduce step / micro_batch tokens/s" in rows
     for figure in ("update: AdamW fused / multi-tensor kernel (optim.fused) tokens/s",
                    "update: gradient checkpointing on / off (model.gradient_checkpointing) tokens/s",
@@ -149,8 +158,14 @@ def test_the_gpu_session_on_cpu(tmp_path, shared_assets_dir):
         assert f"{stage} " in split, split
     assert rows["sleep/wake"]["value"] == "not run" and "GPU" in rows["sleep/wake"]["note"]
     assert rows["grpo vllm engine"]["value"] == "not run" and "not installed" in rows["grpo vllm engine"]["note"]
+    # every gpu-marked test's verdict streamed as it ended (here each skipped, no GPU), the quick ones in a session
+    # before the update's rows, the slow ones after them
     gpu_tests = (tmp_path / "out" / "pytest_gpu.txt").read_text()
-    assert "skipped" in gpu_tests and "pytest -m gpu: exit 0" in gpu_tests, gpu_tests
+    assert "pytest -m 'gpu and not slow': exit 0" in gpu_tests and "pytest -m 'gpu and slow': exit 0" in gpu_tests
+    verdicts = re.findall(r"^skipped (tests/\S+) \(in setup\) [\d.]+ s: needs a CUDA GPU", gpu_tests, re.M)
+    assert len(verdicts) == len(set(verdicts)) and "tests/test_partial.py::test_partial_rollouts_on_a_gpu" in verdicts
+    assert verdicts.index("tests/test_partial.py::test_partial_rollouts_on_a_gpu") > verdicts.index(
+        "tests/test_rollout.py::test_hf_engine_on_gpu"), gpu_tests  # the slow after the quick
 
 
 def test_a_report_is_written_after_every_check(tmp_path):
@@ -319,16 +334,20 @@ def test_the_gpu_session_runs_every_file_with_gpu_marked_tests():
     assert named == marked, (sorted(marked - named), sorted(named - marked))
 
 
-def test_a_stopped_training_check_keeps_its_steps_its_figures_and_its_log(tmp_path):
+@pytest.mark.parametrize("steps", [4, 2])
+def test_a_stopped_training_check_keeps_its_steps_its_figures_and_its_log(tmp_path, steps):
     """A GRPO check stopped mid-run (the run's SIGTERM, as at a budget) is not an empty log: the trainer finishes its
     step and exits, and the row says how many steps it reached, with the canary, the step's split, tokens/s and the
-    run's streamed log. The stop is sent once the run has logged 2 of its 4 steps (lib/resume.py's pause hook: a
-    state, not a time). The H100 run of 2026-11-27 kept nothing of 180 s of GRPO (output captured, SIGKILL)."""
+    run's streamed log. The stop is sent once the run has logged 2 of its steps (lib/resume.py's pause hook: a
+    state, not a time). The H100 run of 2026-11-27 kept nothing of 180 s of GRPO (output captured, SIGKILL).
+    Stopped after its last step (2 of 2: in the run's end), the check's figures are whole: it passes and is
+    complete, and --missing does not run it again (the H200 run of 2026-11-30 spent 116 s of its last call so)."""
     marker = tmp_path / "paused"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "SPMD_RL_TEST_PAUSE": f"2:{marker}"}
     run = subprocess.Popen([sys.executable, SCRIPT, "--out", str(tmp_path / "acc"), "--device", "cpu", "--only",
-                            "grpo_hf", "--grpo-steps", "4", "--mirror", str(tmp_path / "out")], cwd=ROOT, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            "grpo_hf", "--grpo-steps", str(steps), "--mirror", str(tmp_path / "out")], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
     deadline = time.monotonic() + 900
     while not marker.exists() and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -338,14 +357,21 @@ def test_a_stopped_training_check_keeps_its_steps_its_figures_and_its_log(tmp_pa
     report = json.load(open(tmp_path / "out" / "acceptance.json"))
     check = report["checks"]["grpo_hf"]
     rows = {r["figure"]: r for r in check["rows"]}
-    assert check["complete"] is False and check["rows"][0]["value"] == "stopped by its budget"
-    done = rows["grpo hf engine: 4 steps"]
-    assert done["value"].startswith("stopped by the budget after 2 steps") and done["passed"] is False, done
+    assert check["rows"][0]["value"] == "stopped by its budget"
+    done = rows[f"grpo hf engine: {steps} steps"]
+    if steps == 2:
+        assert check["complete"] is True and check["rows"][0]["passed"] is None, check["rows"][0]
+        assert done["value"].startswith("2 steps in") and done["passed"] is True, done
+        assert missing(str(tmp_path / "acc"), ["grpo_hf"]) == []
+    else:
+        assert check["complete"] is False and check["rows"][0]["passed"] is False
+        assert done["value"].startswith("stopped by the budget after 2 steps") and done["passed"] is False, done
+        assert missing(str(tmp_path / "acc"), ["grpo_hf"]) == ["grpo_hf"]
     assert rows["grpo hf engine: rollout/logp_abs_diff (max)"]["passed"] is True
     assert float(rows["grpo hf engine: tokens/s (steps 2 on)"]["value"]) > 0
     assert "to_rollout" in rows["grpo hf engine: step seconds (mean)"]["note"]
     log = (tmp_path / "acc" / "runs" / "grpo_hf_engine.log").read_text()
-    assert "SIGTERM" in log and "step 2/4" in log, log[-2000:]
+    assert "SIGTERM" in log and f"step 2/{steps}" in log, log[-2000:]
     with tarfile.open(tmp_path / "out" / "evidence.tar.gz") as tar:
         assert "runs/grpo_hf_engine.log" in tar.getnames()
 

@@ -189,6 +189,7 @@ def _levers_body(path):
     return out
 
 
+@pytest.mark.slow  # compiles the decoder layers: ~80 s; the GPU session runs it after the update's rows
 def test_the_update_levers_compute_the_plain_paths_numbers_on_a_gpu(tmp_path):
     pytest.importorskip("liger_kernel", reason="actor.model.liger needs liger-kernel (the gpu extra)")
     path = save_tiny_model(str(tmp_path / "m"), "qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)

@@ -27,7 +27,8 @@ SHAPES = {  # name: (hidden, layers, heads, kv heads, intermediate, vocabulary)
     "tiny-teacher": (96, 3, 3, 1, 192, 512),  # a wider, deeper teacher of the same vocabulary (distillation)
 }
 CHECKS = ("correctness", "sleep_wake", "lora_sleep", "rollout", "grpo_vllm", "grpo_hf", "update", "grpo_lora_vllm",
-          "ppo", "distill", "trl", "tools", "vision", "qwen3_5", "gemma4", "moe", "judge", "partial", "levers")
+          "ppo", "distill", "trl", "tools", "agents", "vision", "qwen3_5", "gemma4", "moe", "judge", "partial",
+          "levers")
 GRPO_STEPS = {"cuda": 8, "cpu": 2}  # a GRPO run and TRL's: enough steps after the first to show the steady state
 # GRPO runs in the 0.5B preset's configuration (configs/qwen2.5_0.5b_gsm8k_grpo.yaml: dynamic batching, gradient
 # checkpointing, the k3 KL loss with its reference model), sized for one GPU and a 15-minute lease: prompts per step

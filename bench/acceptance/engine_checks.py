@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bench.acceptance.common import (ENGINE_SETTINGS, PROMPT_LEN, SHAPES, TIMING_ON_CPU, Row, eager, has_vllm,
                                      model_folder, on_cpu, save_folder)
 import bench_rollout  # noqa: E402, I001 (bench/ on the path: bench.acceptance.common puts it there)
-from bench_sync import copy_floor_seconds, engine_parameters  # noqa: E402
+from bench_sync import copy_floor_seconds, engine_parameters, profile_sync  # noqa: E402
 import bench_train  # noqa: E402
 from lib import lora, toy
 from lib.actor import Trainee, compute_log_probs, update_policy
@@ -253,6 +253,14 @@ def _correctness(args, engine_name: str, where: str, path: str = "", timed: bool
     batch.meta_info["seed_key"] = 2
     other = engine.generate(batch)
     exit_rollout(model, engine, topo.device)
+    # the sync twice more, as the floor is timed (best of 3; the first above is a cold sample straight after an
+    # update), then once under the profiler (checks/sync_profile.txt: where its time goes)
+    syncs = [metrics["sync/seconds"]]
+    for _ in range(2 if timed else 0):
+        syncs.append(enter_rollout(model, engine, dtype)["sync/seconds"])
+        exit_rollout(model, engine, topo.device)
+    if timed:
+        profile_sync(model, engine, dtype, topo.device, os.path.join(args.out, "checks", "sync_profile.txt"))
     loader = {}
     if isinstance(engine, VLLMEngine):  # the same sync through vLLM's loader, for the figure beside the plan's
         engine.use_sync_plan(False)
@@ -268,7 +276,7 @@ def _correctness(args, engine_name: str, where: str, path: str = "", timed: bool
     steps_differ = not torch.equal(sampled.batch["responses"], other.batch["responses"])
     gpu = args.device == "cuda"
     engine.close()
-    sync_s, gb = metrics["sync/seconds"], metrics["sync/gb"]
+    sync_s, gb = min(syncs), metrics["sync/gb"]
     ratio = sync_s / max(floor_s, 1e-9)
     return greedy_rows(where, margins, greedy, own, dtype) + [
         Row(f"correctness ({where}): logp_abs_diff on sampled tokens", f"{diff:.2e}", f"< {bound:g}", diff < bound),
@@ -279,7 +287,9 @@ def _correctness(args, engine_name: str, where: str, path: str = "", timed: bool
             f"{sync_s * 1e3 / max(num_tensors, 1):.2f} ms a tensor ({num_tensors} engine tensors), "
             f"{sync_s / max(gb, 1e-9):.3f} s/GB ({gb * 1024:.1f} MiB sent, {floor_bytes / 2**20:.1f} MiB held); "
             f"{metrics.get('sync/plan_tensors', 0):.0f} tensors through the sync plan, "
-            f"{metrics.get('sync/loader_tensors', 0):.0f} through vLLM's loader" + on_cpu(args.device), timed=True)
+            f"{metrics.get('sync/loader_tensors', 0):.0f} through vLLM's loader; best of 3, the first (right after "
+            f"the update) {syncs[0] * 1e3:.2f} ms; {metrics.get('sync/device_allocs', 0):.0f} device allocations in "
+            "the first; a profile of a fourth in sync_profile.txt" + on_cpu(args.device), timed=True)
     ] + ([Row(f"sync ({where}): the same sync through vLLM's loader alone (rollout.sync_plan false)",
               f"{loader['sync/seconds'] / max(floor_s, 1e-9):.1f}x the floor ({loader['sync/seconds'] * 1e3:.2f} ms)",
               "", None, f"the plan {loader['sync/seconds'] / max(sync_s, 1e-9):.2f}x faster" + on_cpu(args.device),
@@ -416,13 +426,16 @@ def check_rollout(args) -> list[Row]:
     topo, model, _, batch, dtype, path = _engine_setup(args, None)
     new_tokens = 256 if args.device == "cuda" else 16
     max_model_len, max_num_seqs = ENGINE_SETTINGS[args.device]  # the GRPO run's, as its compile cache holds
-    r = bench_rollout.bench_vllm(path, model, topo, batch, SamplingConfig(max_new_tokens=new_tokens, seed=0), dtype, 3,
-                                 max(max_model_len, batch.batch["input_ids"].shape[1] + new_tokens),
-                                 enforce_eager=eager(args.device), max_num_seqs=max_num_seqs)
     gpu = args.device == "cuda"
+    r = bench_rollout.bench_vllm(path, model, topo, batch, SamplingConfig(max_new_tokens=new_tokens, seed=0), dtype,
+                                 5 if gpu else 3, max(max_model_len, batch.batch["input_ids"].shape[1] + new_tokens),
+                                 enforce_eager=eager(args.device), max_num_seqs=max_num_seqs)
     return [Row("rollout: engine / bare LLM.generate tokens/s", f"{r['ratio']:.2f}x ({r['ours_tokens_per_s']:.0f} vs "
                 f"{r['bare_tokens_per_s']:.0f})", ">= 0.95x", r["ratio"] >= 0.95 if gpu else None,
-                "" if gpu else TIMING_ON_CPU, timed=True)]
+                f"bare fed our requests (rows without padding, a fresh seed a call); our engine's own work "
+                f"{r['wrapper_ms']:.1f} ms a call; bare on the padded rows with one seed (the baseline before "
+                f"2026-11-30) {r['bare_padded_tokens_per_s']:.0f} tokens/s; every round in checks/rollout.log"
+                + ("" if gpu else "; " + TIMING_ON_CPU), timed=True)]
 
 
 # The models of 2026 (issue 40): a hybrid of Gated DeltaNet and gated attention (Qwen3.5) and Gemma-4 (per-layer

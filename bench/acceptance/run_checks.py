@@ -20,13 +20,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.acceptance.common import (CHILD_GRACE_S, FEATURE_SIZES, GRPO_N, GRPO_SIZES, GRPO_STEPS, PROMPT_LEN,
                                      ROOT, SHORT_STEPS, TIMING_ON_CPU, Row, Stopped, eager, failure_note, has_vllm,
-                                     log_tail, model_folder, on_cpu, save_folder)
+                                     log_tail, model_folder, on_cpu, result_path, save_folder)
 from lib import toy
 
 PRESETS = {name: os.path.join(ROOT, "configs", f"{file}.yaml") for name, file in (
     ("grpo", "qwen2.5_0.5b_gsm8k_grpo"), ("lora", "qwen2.5_1.5b_gsm8k_grpo_lora"), ("ppo", "qwen2.5_0.5b_gsm8k_ppo"),
-    ("opd", "qwen2.5_7b_to_0.5b_gsm8k_opd"), ("tools", "tiny_cpu_grpo_tools"), ("vision", "tiny_cpu_grpo_vision"))}
+    ("opd", "qwen2.5_7b_to_0.5b_gsm8k_opd"), ("tools", "tiny_cpu_grpo_tools"), ("vision", "tiny_cpu_grpo_vision"),
+    ("agent", "tiny_cpu_grpo_agent"))}
 STOPPED: list[str] = []  # the runs a stop ended in this process (a check's later runs do not start)
+WHOLE: list[str] = []  # those of them that had logged every step when the stop came (their figures whole)
 
 
 def run_child(cmd: list[str], log_path: str, env: dict, grace: float) -> tuple[int | None, float]:
@@ -105,7 +107,11 @@ def _train(args, name: str, script: str, preset: str, steps: int, engine: str, *
     sizes = (f"{prompts} prompts x {n} a step, responses up to {response_len} tokens, {os.path.basename(preset)}"
              + (", eager engine" if engine == "vllm" and args.device == "cuda"
                 and (eager_engine or not (timed or compiled)) else ""))
-    if code is None:
+    if code is None and len(train) == steps:  # the stop came in the run's end (its save, the engine's close)
+        WHOLE.append(log_path)
+        done = Row(f"{name}: {steps} steps", f"{steps} steps in {wall:.0f} s (the budget's stop came after the last)",
+                   f"{steps}, no OOM", True, sizes)
+    elif code is None:
         done = Row(f"{name}: {steps} steps", f"stopped by the budget after {len(train)} steps in {wall:.0f} s",
                    f"{steps}, no OOM", False, f"{sizes}; the log's last lines: {log_tail(log_path)}")
         if not train:
@@ -366,6 +372,51 @@ def check_tools(args) -> list[Row]:
         rows.append(Row(f"{name}: tool calls a sample (every step)", ", ".join(f"{c:.2f}" for c in calls), "> 0.5",
                         ok, "observation tokens a sample " + ", ".join(
                             f"{r.get('multi_turn/observation_tokens_mean', 0.0):.1f}" for r in train)))
+    return rows
+
+
+def rollout_samples_per_s(train: list[dict], samples: int) -> float:
+    """Samples a second of the rollout stage (wake, sync, generation, sleep: timing/rollout_s) of a run of
+    ``samples`` a step, steps 2 on."""
+    later = train[1:] or train
+    return samples * len(later) / max(sum(r["timing/rollout_s"] for r in later), 1e-9)
+
+
+def check_agents(args) -> list[Row]:
+    """The agent path (issue 75): the toy tool task played by an agent written with the openai SDK alone
+    (configs/tiny_cpu_grpo_agent.yaml) against the rank's OpenAI endpoint, on the same policy, engine, sizes and steps
+    as the tools check, which ran before it into the same folder: the rollout stage's samples/s of the two (goal
+    >= 0.8x), the agent's calls and the endpoint's cost a call beside it, the canary."""
+    assets = toy.prepare_tool(os.path.join(args.out, "toy_tool_assets"), heads=2, kv_heads=1)
+    engine = "vllm" if has_vllm() else "hf"
+    name = f"agents {engine} engine"
+    rows, train = _train(args, name, "train_grpo.py", PRESETS["agent"], args.grpo_steps or SHORT_STEPS[args.device],
+                         engine, model=assets, response_len=64)
+    if not train:
+        return rows
+    calls = [r.get("agent/calls_mean", 0.0) for r in train]
+    rows.append(Row(f"{name}: endpoint calls a sample (every step)", ", ".join(f"{c:.2f}" for c in calls), "> 1",
+                    min(calls) > 1, "the agent calls the tool, then answers: two calls or more a sample"))
+    tools = os.path.join(args.out, "runs", f"tools_{engine}_engine", "metrics.jsonl")
+    ended = os.path.exists(result_path(args.out, "tools")) and json.load(open(result_path(args.out, "tools")))[
+        "complete"]  # its run whole (on CPU the lanes may run it beside this one)
+    theirs = [json.loads(line) for line in open(tools)] if ended and os.path.exists(tools) else []
+    theirs = [r for r in theirs if "actor/pg_loss" in r]
+    later = train[1:] or train
+    split = (f"engine {sum(r.get('timing/agent_engine_s', 0.0) for r in later) / len(later):.2f} s of a step's "
+             f"agent rollout {sum(r.get('timing/agent_rollout_s', 0.0) for r in later) / len(later):.2f} s, "
+             f"{sum(r.get('perf/agent_overhead_ms_per_call', 0.0) for r in later) / len(later):.1f} ms a call beyond "
+             "the engine" + on_cpu(args.device))
+    if not theirs:
+        rows.append(Row(f"{name}: agent / multi-turn rollout samples/s", "not measured", ">= 0.8x", None,
+                        f"the tools check did not end in this folder before it; {split}"))
+        return rows
+    samples = FEATURE_SIZES[args.device][0] * GRPO_N
+    mine, multi = rollout_samples_per_s(train, samples), rollout_samples_per_s(theirs, samples)
+    ratio = mine / max(multi, 1e-9)
+    rows.append(Row(f"{name}: agent / multi-turn rollout samples/s", f"{ratio:.2f}x ({mine:.0f} vs {multi:.0f})",
+                    ">= 0.8x",
+                    ratio >= 0.8 if args.device == "cuda" else None, split, timed=True))
     return rows
 
 

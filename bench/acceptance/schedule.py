@@ -29,13 +29,13 @@ TIMED = ("correctness", "sleep_wake", "rollout", "grpo_vllm", "grpo_hf", "update
 # MB a sleep and would fail first, at random, looking like an engine bug (review 2026-11-29 (e3)). The cost: the
 # feature rows run one after another (~1100 s, not ~400 s in lanes of four; bench/README.md, the window's schedule).
 VLLM_ENGINE = ("correctness", "sleep_wake", "lora_sleep", "rollout", "grpo_vllm", "grpo_lora_vllm", "ppo", "distill",
-               "trl", "tools", "vision", "qwen3_5", "gemma4", "moe", "judge", "partial")
+               "trl", "tools", "agents", "vision", "qwen3_5", "gemma4", "moe", "judge", "partial")
 # What the others hold on a GPU at most, in GiB (weights, gradients, Adam, the engine's weights and its KV cache
 # sized in bytes by lib.engine.plan_kv_cache, activations), from the 0.5B shape's ~15 GiB a GRPO run on the H100
 # (2026-11-27) and the models' sizes; lanes start a check only where the sum fits --gpu-gib. On a GPU every check
 # below runs a vLLM engine today (VLLM_ENGINE: alone), so there the sizes bind only a check that runs none.
-GPU_GIB = {"lora_sleep": 8, "grpo_lora_vllm": 14, "ppo": 20, "distill": 26, "tools": 3, "vision": 3, "qwen3_5": 8,
-           "gemma4": 10, "moe": 12, "judge": 24}
+GPU_GIB = {"lora_sleep": 8, "grpo_lora_vllm": 14, "ppo": 20, "distill": 26, "tools": 3, "agents": 3, "vision": 3,
+           "qwen3_5": 8, "gemma4": 10, "moe": 12, "judge": 24}
 
 
 def cannot_run(name: str, args) -> list[Row]:
@@ -128,11 +128,14 @@ def collect(name: str, args, run: Running) -> tuple[list[Row], float, bool]:
     rows_file = result_path(args.out, name, child=True)
     stopped = bool(run.termed)
     if os.path.exists(rows_file):
-        rows = [Row(**r) for r in json.load(open(rows_file))]
+        said = json.load(open(rows_file))
+        rows, whole = [Row(**r) for r in said["rows"]], said["whole"] and run.proc.returncode == 0
         if stopped:
-            rows.insert(0, Row(name, "stopped by its budget", f"<= {run.budget:.0f} s", False,
-                               f"SIGTERM after {run.termed - run.started:.0f} s; the rows below are what it measured"))
-        return rows, took, not stopped and run.proc.returncode == 0
+            rows.insert(0, Row(name, "stopped by its budget", f"<= {run.budget:.0f} s", None if whole else False,
+                               f"SIGTERM after {run.termed - run.started:.0f} s; " + (
+                                   "after every step of its runs: its figures are whole" if whole
+                                   else "the rows below are what it measured")))
+        return rows, took, whole
     if stopped:
         return [Row(name, "over budget", f"<= {run.budget:.0f} s", False,
                     f"stopped after {took:.0f} s; its log's last lines: {log_tail(run.log)}")], took, False
