@@ -13,8 +13,10 @@
 #                                        background waited for (stopped if it runs on past WAIT_S), then the vLLM
 #                                        checks in what is left of S seconds; the report, merged with the
 #                                        background's rows, is written into $OUT after every check.
-#   bash bench/gpu_session.sh more S     the fifth call: every check of the two lists above without a complete
-#                                        result (not reached, or stopped by a budget), in S seconds.
+#   bash bench/gpu_session.sh more S     the last call: the slow gpu-marked tests if the background's stop cut their
+#                                        session, then every check of the two lists above without a complete result
+#                                        (not reached, or stopped by a budget before its figures were whole), in S
+#                                        seconds.
 #   bash bench/gpu_session.sh stop       stop the background (SIGTERM to its session: its checks write what they
 #                                        measured; SIGKILL after STOP_GRACE_S), as the finish does after WAIT_S.
 #
@@ -188,6 +190,11 @@ finish)
   ;;
 more)
   limit=${2:?usage: gpu_session.sh more SECONDS}
+  start=$SECONDS
+  # the slow gpu-marked tests, where the background was stopped before their session ended (their verdicts first:
+  # on 2026-11-30 two of them failed with no cause on record)
+  grep -q "^pytest -m 'gpu and slow': exit" "$ACC/pytest_gpu.txt" 2>/dev/null || gpu_tests "gpu and slow"
+  limit=$((limit - (SECONDS - start)))
   acceptance "${VLLM_CHECKS[@]}" "${BG_CHECKS[@]}" -- --mirror "$OUT" --missing --budget-s $((limit - 15)) \
     --check-budget-s "$CHECK_BUDGET_S" --lanes "$LANES"
   bring_back

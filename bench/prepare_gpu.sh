@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run here, on a machine that reaches PyPI, before the first call to the GPU machine: stages what the GPU acceptance session
 # carries (bench/gpu_session.sh; the calls are in bench/README.md) into .vstage/, which git ignores:
-#   .vstage/p00 .. p03   vLLM 0.25.0's wheels for torch 2.11+cu130 (shared/tools/stage_vllm.sh), one folder a call
+#   .vstage/p00 ..       vLLM 0.25.0's wheels for torch 2.11+cu130 (shared/tools/stage_vllm.sh), one folder a call
 #   .vstage/deps         our dependencies that the device image lacks (bench/gpu_deps.txt), Python 3.12 wheels
 # and checks that each call's carried folders plus the working tree fit the 64 MiB a call carries.
 #   STAGE_VLLM   the staging script (default: ../shared/tools/stage_vllm.sh beside this checkout)
@@ -29,6 +29,8 @@ have=$(ls "$DEPS"/*.whl | wc -l)
 tree=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
 # a part as large as fits the first call (the tree, the deps and 1 MiB to spare): fewer calls, each ~6 s of the lease
 fit=$(( (LIMIT - tree - $(du -sb "$DEPS" | cut -f1)) / 1048576 - 1 ))
+[ "$fit" -ge 8 ] || { echo "error: the working tree and the deps leave $fit MiB of a call's 64 for vLLM's parts;" \
+                       "make the tree smaller (git ls-files -co --exclude-standard: what a call sends)" >&2; exit 1; }
 PART_MIB=${PART_MIB:-$fit}
 echo "parts of $PART_MIB MiB (the most a call fits beside the tree and the deps: $fit)"
 PART_MIB=$PART_MIB LAYOUT=.vstage bash "$STAGE_VLLM" /tmp/vstage-build
@@ -58,5 +60,5 @@ for i in "${!parts[@]}"; do
 done
 echo "  call $((last + 2)): carry nothing; bash bench/gpu_session.sh more S5   (T5 s)"
 echo "  T: what the lease leaves after the first $last calls, less 5 minutes (at most 600); S = T - 20."
-echo "  T5: what the lease leaves then, less a minute (the fifth call starts no machine: the one still warm);"
+echo "  T5: what the lease leaves then, less a minute (the last call starts no machine: the one still warm);"
 echo "      S5 = T5 - 10. It runs the checks the finish did not reach or stopped."

@@ -398,10 +398,11 @@ def check_agents(args) -> list[Row]:
     rows.append(Row(f"{name}: endpoint calls a sample (every step)", ", ".join(f"{c:.2f}" for c in calls), "> 1",
                     min(calls) > 1, "the agent calls the tool, then answers: two calls or more a sample"))
     tools = os.path.join(args.out, "runs", f"tools_{engine}_engine", "metrics.jsonl")
-    ended = os.path.exists(result_path(args.out, "tools")) and json.load(open(result_path(args.out, "tools")))[
-        "complete"]  # its run whole (on CPU the lanes may run it beside this one)
-    theirs = [json.loads(line) for line in open(tools)] if ended and os.path.exists(tools) else []
-    theirs = [r for r in theirs if "actor/pg_loss" in r]
+    ended = os.path.exists(result_path(args.out, "tools"))  # its check over (on CPU the lanes may run it beside)
+    with open(tools if ended and os.path.exists(tools) else os.devnull) as f:
+        theirs = [r for r in map(json.loads, f) if "actor/pg_loss" in r]
+    if len(theirs) != len(train):  # the same steps, or no ratio (a run that failed part way is no baseline)
+        theirs = []
     later = train[1:] or train
     split = (f"engine {sum(r.get('timing/agent_engine_s', 0.0) for r in later) / len(later):.2f} s of a step's "
              f"agent rollout {sum(r.get('timing/agent_rollout_s', 0.0) for r in later) / len(later):.2f} s, "
@@ -409,7 +410,7 @@ def check_agents(args) -> list[Row]:
              "the engine" + on_cpu(args.device))
     if not theirs:
         rows.append(Row(f"{name}: agent / multi-turn rollout samples/s", "not measured", ">= 0.8x", None,
-                        f"the tools check did not end in this folder before it; {split}"))
+                        f"the tools check did not end, all its steps made, in this folder before it; {split}"))
         return rows
     samples = FEATURE_SIZES[args.device][0] * GRPO_N
     mine, multi = rollout_samples_per_s(train, samples), rollout_samples_per_s(theirs, samples)
