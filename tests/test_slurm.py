@@ -125,6 +125,23 @@ def test_one_and_two_nodes_complete(reference):
     assert world_two == 2 * world_one  # the second node's ranks joined the first's
 
 
+def test_a_stop_request_left_by_a_former_job_of_the_same_id_stops_nothing(cluster, reference, tmp_path):
+    """A job id repeats (each test session's cluster counts from 1; a controller's reset does too), and a job killed
+    before its launch.sh removed its stop-request file leaves it behind in the node's temporary folder. The template
+    named that file by the job id alone: a new job of the same id read the old job's TERM and stopped after its first
+    step (seen in a CI-like run, job 7, after a former session's cancelled job 7). Files of every id this cluster can
+    have reached, each saying TERM, in the job's own TMPDIR: the job runs its 8 steps as the reference did."""
+    env, _ = cluster
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    for job_id in range(1, 101):
+        (tmpdir / f"spmd-rl-request.{job_id}.0").write_text("TERM\n")
+    job_id = submit({**env, "TMPDIR": str(tmpdir)}, tmp_path)
+    assert int(job_id) <= 100
+    assert wait(env, job_id) == ("COMPLETED", "0:0"), log(tmp_path, job_id)[-4000:]
+    assert "stopped by" not in log(tmp_path, job_id) and rows(tmp_path) == reference[0], log(tmp_path, job_id)[-4000:]
+
+
 @pytest.mark.parametrize("how", ["usr1", "term"])
 def test_scancel_ends_in_a_checkpoint_and_the_same_command_resumes(cluster, reference, tmp_path, how):
     """scancel --signal=USR1 (what the pre-emption warning sends) must end COMPLETED with exit 0; plain scancel

@@ -30,12 +30,16 @@ def test_hangs():
 def test_a_killed_session_leaves_each_ended_tests_verdict_and_a_failures_cause(tmp_path):
     (tmp_path / "test_sample.py").write_text(TESTS)
     stream = tmp_path / "stream.txt"
+    # the session's root is the sample's folder (else pytest picks one from where it runs: the test ids below then
+    # carry a path; under CI's workers they did, and this test waited on a line that never came)
     run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.stream_report",
-                            "--stream-report", str(stream), str(tmp_path / "test_sample.py")],
+                            "--rootdir", str(tmp_path), "--stream-report", str(stream), str(tmp_path / "test_sample.py")],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600  # a guard against a hang, not a time the test asserts
     try:
         while "started test_sample.py::test_hangs" not in (stream.read_text() if stream.exists() else ""):
             assert run.poll() is None, run.stdout.read().decode()  # a session that ended by itself: no hang reached
+            assert time.monotonic() < deadline, stream.read_text() if stream.exists() else "no stream file"
             time.sleep(0.05)
     finally:
         os.killpg(run.pid, signal.SIGKILL)  # as the acceptance run's stop ends it at the last: no summary printed
