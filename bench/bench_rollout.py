@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import os
 import sys
 import tempfile
@@ -136,7 +137,7 @@ def bench_vllm(path, model, topo, prompts, sampling, dtype, rounds, max_len, enf
         return out
 
     engine.llm.generate = counted
-    seeds = iter(range(10**6, 2 * 10**6))
+    seeds = itertools.count(10**6)  # the bare side's call seeds: fresh each call, apart from ours
 
     def ours():
         inside.clear()

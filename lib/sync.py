@@ -81,19 +81,18 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bu
         # every engine parameter written (or a declared alias of one): never a stale tensor
         again = bool(engine.finish_sync())
         passes += 1
-    extra = {}
     if cuda:
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0
+    metrics = {"sync/seconds": elapsed, "sync/gb": sent / 2**30, "sync/s_per_gb": elapsed / max(sent / 2**30, 1e-9),
+               "sync/passes": float(passes),
+               "sync/peak_extra_gb": largest_bucket / 2**30}  # on CPU what the bucketing bounds (no allocator peak)
     if cuda:
-        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+        metrics["sync/peak_extra_gb"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
         # the allocator's calls into the device (cudaMalloc) in the sync, each a host stall (the cache is emptied
         # before the sync)
-        extra["sync/device_allocs"] = float(torch.cuda.memory_stats(device).get("num_device_alloc", 0) - allocs)
-    else:
-        peak = largest_bucket / 2**30  # what the bucketing bounds on CPU, where no allocator peak is kept
-    return {"sync/seconds": elapsed, "sync/gb": sent / 2**30, "sync/peak_extra_gb": peak,
-            "sync/s_per_gb": elapsed / max(sent / 2**30, 1e-9), "sync/passes": float(passes), **extra}
+        metrics["sync/device_allocs"] = float(torch.cuda.memory_stats(device).get("num_device_alloc", 0) - allocs)
+    return metrics
 
 
 def sync_adapter(model: nn.Module, engine: RolloutEngine, adapter: lora.Sync) -> dict[str, float]:

@@ -142,8 +142,10 @@ def log_tail(path: str, lines: int = 6) -> str:
 # ---- the budget's stop: the scheduler sends SIGTERM to a check's process group a grace before its budget ends
 
 
-class Stopped(Exception):
-    """Raised in a check's process by SIGTERM: the check builds its rows from what it measured so far."""
+class Stopped(BaseException):
+    """Raised in a check's process by SIGTERM: the check builds its rows from what it measured so far. Not an
+    Exception (as KeyboardInterrupt is not): a measurement's ``except Exception`` (a lever that may fail on this
+    device) must not take the stop for its own failure and run on."""
 
 
 _HELD = [0]  # blocks a stop waits for (stop_held), nested

@@ -404,9 +404,9 @@ def check_agents(args) -> list[Row]:
     if len(theirs) != len(train):  # the same steps, or no ratio (a run that failed part way is no baseline)
         theirs = []
     later = train[1:] or train
-    split = (f"engine {sum(r.get('timing/agent_engine_s', 0.0) for r in later) / len(later):.2f} s of a step's "
-             f"agent rollout {sum(r.get('timing/agent_rollout_s', 0.0) for r in later) / len(later):.2f} s, "
-             f"{sum(r.get('perf/agent_overhead_ms_per_call', 0.0) for r in later) / len(later):.1f} ms a call beyond "
+    mean = lambda key: sum(r.get(key, 0.0) for r in later) / len(later)  # noqa: E731
+    split = (f"engine {mean('timing/agent_engine_s'):.2f} s of a step's agent rollout "
+             f"{mean('timing/agent_rollout_s'):.2f} s, {mean('perf/agent_overhead_ms_per_call'):.1f} ms a call beyond "
              "the engine" + on_cpu(args.device))
     if not theirs:
         rows.append(Row(f"{name}: agent / multi-turn rollout samples/s", "not measured", ">= 0.8x", None,
@@ -416,8 +416,7 @@ def check_agents(args) -> list[Row]:
     mine, multi = rollout_samples_per_s(train, samples), rollout_samples_per_s(theirs, samples)
     ratio = mine / max(multi, 1e-9)
     rows.append(Row(f"{name}: agent / multi-turn rollout samples/s", f"{ratio:.2f}x ({mine:.0f} vs {multi:.0f})",
-                    ">= 0.8x",
-                    ratio >= 0.8 if args.device == "cuda" else None, split, timed=True))
+                    ">= 0.8x", ratio >= 0.8 if args.device == "cuda" else None, split, timed=True))
     return rows
 
 
