@@ -9,7 +9,7 @@
 #                                        starts the checks that need no vLLM (the gpu-marked tests, update,
 #                                        grpo_hf) in the background, in a session of their own, so that they use the
 #                                        GPU while the other parts travel.
-#   bash bench/gpu_session.sh finish S   the call after the last part: vLLM installed into $SITE, the
+#   bash bench/gpu_session.sh finish S   the call after the last part: vLLM installed into $VLLM_SITE, the
 #                                        background waited for (stopped if it runs on past WAIT_S), then the vLLM
 #                                        checks in what is left of S seconds; the report, merged with the
 #                                        background's rows, is written into $OUT after every check.
@@ -22,6 +22,8 @@
 #
 # A part that fails its checksum, or an install that fails, costs the vLLM rows only: they then say "not run".
 # Settings (defaults for the device machine): STAGE=/tmp/stage SITE=/tmp/site ACC=/tmp/acc VSTAGE=.vstage
+# VLLM_SITE=$SITE-vllm (vLLM's wheel set, apart from our dependencies in $SITE: the background's processes, the
+# gpu-marked tests above all, never see it; only the checks of the finish and the fifth call have it on their path)
 # DEVICE=cuda PY=python3 BG_BUDGET_S=300 (the background's checks together) BG_CHECK_BUDGET_S=300 (one of them)
 # WAIT_S=150 CHECK_BUDGET_S=240 (one vLLM check) LANES=4 (checks that judge neither time nor memory and run no vLLM
 # engine, at once on the GPU: none of the lists below today, bench/acceptance/schedule.py VLLM_ENGINE; on CPU the
@@ -30,6 +32,7 @@
 # finish and the fifth call run only those of their lists named there (the gpu-marked tests still run).
 set -uo pipefail
 STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} ACC=${ACC:-/tmp/acc} VSTAGE=${VSTAGE:-.vstage}
+VLLM_SITE=${VLLM_SITE:-$SITE-vllm}
 DEVICE=${DEVICE:-cuda} PY=${PY:-python3} BG_BUDGET_S=${BG_BUDGET_S:-300} BG_CHECK_BUDGET_S=${BG_CHECK_BUDGET_S:-300}
 WAIT_S=${WAIT_S:-150} CHECK_BUDGET_S=${CHECK_BUDGET_S:-240} LANES=${LANES:-4} STOP_GRACE_S=${STOP_GRACE_S:-50}
 OUT=${OUT:-$ACC/out}
@@ -54,6 +57,9 @@ acceptance() {  # gpu_acceptance.py over the checks named before `--`, the flags
   shift
   [ ${#names[@]} -gt 0 ] || { echo "nothing to run: no check of this call's list is named in ONLY"; return 0; }
   "$PY" bench/gpu_acceptance.py --out "$ACC" --device "$DEVICE" --only "${names[@]}" "$@"
+}
+with_vllm() {  # a command with vLLM's wheel set on its path (the finish's and the fifth call's checks)
+  PYTHONPATH="$VLLM_SITE:$PYTHONPATH" "$@"
 }
 gpu_tests() {  # the gpu-marked tests of GPU_TESTS that the marker expression $1 selects; each verdict streamed
   local t0 code
@@ -165,9 +171,12 @@ finish)
     cat vstage.tar.part?? > vstage.tar
     grep ' vstage.tar$' SHA256SUMS | sha256sum -c -
     rm -f vstage.tar.part?? && rm -rf x && tar -xf vstage.tar && rm vstage.tar
-    SITE=$SITE bash x/remote_install.sh
+    # into a folder of its own: installed into $SITE (2026-11-30), pip wrote into the folder the background's
+    # gpu-marked tests imported from while they ran, and vLLM appeared on their path halfway (a test's engine, auto,
+    # followed when it started; whether that failed the first two is not known: their causes were lost)
+    SITE=$VLLM_SITE bash x/remote_install.sh
   ) > "$ACC/install.log" 2>&1 || { echo "vLLM STAGING FAILED (install.log): the vLLM rows will say not run"
-                                    rm -rf "$SITE/vllm"; }
+                                    rm -rf "$VLLM_SITE/vllm"; }
   grep -E "^(vllm|torch|FAIL|INSTALL_FAILED|IMPORT_FAILED|FA3)" "$ACC/install.log"
   echo "vLLM staged in $((SECONDS - start)) s"
   pid=$(cat "$ACC/background.pid" 2>/dev/null || echo 0)
@@ -184,8 +193,8 @@ finish)
   fi
   left=$((limit - (SECONDS - start) - 15))  # 15 s for the copies below
   echo "vLLM checks: ${left} s"
-  acceptance "${VLLM_CHECKS[@]}" -- --mirror "$OUT" --budget-s "$left" --check-budget-s "$CHECK_BUDGET_S" \
-    --lanes "$LANES"
+  with_vllm acceptance "${VLLM_CHECKS[@]}" -- --mirror "$OUT" --budget-s "$left" --check-budget-s \
+    "$CHECK_BUDGET_S" --lanes "$LANES"
   bring_back
   ;;
 more)
@@ -195,7 +204,7 @@ more)
   # on 2026-11-30 two of them failed with no cause on record)
   grep -q "^pytest -m 'gpu and slow': exit" "$ACC/pytest_gpu.txt" 2>/dev/null || gpu_tests "gpu and slow"
   limit=$((limit - (SECONDS - start)))
-  acceptance "${VLLM_CHECKS[@]}" "${BG_CHECKS[@]}" -- --mirror "$OUT" --missing --budget-s $((limit - 15)) \
+  with_vllm acceptance "${VLLM_CHECKS[@]}" "${BG_CHECKS[@]}" -- --mirror "$OUT" --missing --budget-s $((limit - 15)) \
     --check-budget-s "$CHECK_BUDGET_S" --lanes "$LANES"
   bring_back
   ;;

@@ -641,6 +641,42 @@ def test_on_a_gpu_a_check_with_a_vllm_engine_never_runs_beside_another(monkeypat
     assert engines <= set(schedule.VLLM_ENGINE), engines - set(schedule.VLLM_ENGINE)
 
 
+def test_vllm_is_staged_apart_from_what_the_gpu_marked_tests_import(tmp_path):
+    """The finish installs vLLM's wheel set into a folder of its own (VLLM_SITE), never into SITE, which the
+    background's processes have on their path while it runs: on the H200 of 2026-11-30 pip wrote into SITE under
+    the gpu-marked tests, and vLLM appeared on their path halfway (an engine picked "auto" then followed when a test
+    started). The vLLM checks of the finish and the fifth call have the folder on their path; the gpu-marked tests
+    of the fifth call do not. The install and the run are stand-ins that say where they ran (a state on disk)."""
+    _stage(tmp_path, parts=1)
+    x = tmp_path / "x_install"
+    x.mkdir()
+    # the staged install writes a file where it was told to install, as pip --target does
+    with tarfile.open(tmp_path / "build" / "vstage.tar", "w") as t:
+        script = x / "remote_install.sh"
+        script.write_text('mkdir -p "$SITE" && echo staged > "$SITE/staged_here"\n')
+        t.add(x, arcname="x")
+    data = (tmp_path / "build" / "vstage.tar").read_bytes()
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "vstage.tar.part00").write_bytes(data)
+    (stage / "SHA256SUMS").write_text(f"{hashlib.sha256(data).hexdigest()}  vstage.tar\n")
+    py = tmp_path / "py.sh"  # the run: its path and arguments, one line a call
+    py.write_text('#!/bin/bash\necho "PYTHONPATH=$PYTHONPATH ARGS=$*" >> "$ACC/calls.txt"\n')
+    py.chmod(0o755)
+    site, acc = tmp_path / "site", tmp_path / "acc"
+    env = {**os.environ, "PY": str(py), "DEVICE": "cpu", "STAGE": str(stage), "SITE": str(site), "ACC": str(acc),
+           "OUT": str(tmp_path / "out"), "VSTAGE": str(tmp_path / "vstage"), "PYTHONPATH": ""}
+    for what in (["finish", "100"], ["more", "100"]):
+        subprocess.run(["bash", SESSION, *what], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    vllm_site = f"{site}-vllm"
+    assert (tmp_path / "site-vllm" / "staged_here").exists() and not (site / "staged_here").exists()
+    calls = (acc / "calls.txt").read_text().splitlines()
+    checks = [c for c in calls if "bench/gpu_acceptance.py" in c and "--report-only" not in c]
+    tests = [c for c in calls if "-m pytest" in c]
+    assert len(checks) == 2 and all(c.startswith(f"PYTHONPATH={vllm_site}:{site}") for c in checks), calls
+    assert len(tests) == 1 and vllm_site not in tests[0] and tests[0].startswith(f"PYTHONPATH={site}"), calls
+
+
 def test_a_later_window_runs_only_the_checks_named(tmp_path):
     """The rows one window does not reach (its vLLM checks run one at a time: bench/README.md) run in the next with
     ONLY on every call: the finish and the fifth call pass only those of their lists to the run, and a call whose
