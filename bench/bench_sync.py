@@ -169,8 +169,8 @@ def bare_gather_seconds(model, dtype, device: torch.device, rounds: int) -> floa
 
 
 def trainer_side_seconds(model, dtype, device: torch.device, rounds: int) -> float:
-    """The trainer's side of a sync alone (lib.sync's bucketed gather and cast of every parameter, no engine): the
-    best of ``rounds``."""
+    """The trainer's side of a sync alone (lib.sync's bucketed gather of every parameter, cast where it is gathered,
+    a whole shard uncast; no engine): the best of ``rounds``."""
     from lib.fsdp import iter_full_params_bucketed, iter_persistent_buffers
     from lib.sync import buckets
 
@@ -179,8 +179,8 @@ def trainer_side_seconds(model, dtype, device: torch.device, rounds: int) -> flo
     for _ in range(max(rounds, 1)):
         sync()
         t0 = time.perf_counter()
-        for bucket in buckets(itertools.chain(iter_full_params_bucketed(model, dtype, 512 * 2**20),
-                                              iter_persistent_buffers(model, dtype)), 512 * 2**20):
+        for bucket in buckets(itertools.chain(iter_full_params_bucketed(model, dtype, 512 * 2**20, cast_whole=False),
+                                              iter_persistent_buffers(model, dtype)), 512 * 2**20, dtype):
             del bucket
         sync()
         best = min(best, time.perf_counter() - t0)

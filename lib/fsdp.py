@@ -277,17 +277,17 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iter
             yield hf_name(name), tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def iter_full_params_bucketed(model: nn.Module, dtype: torch.dtype | None, bucket_bytes: int
-                              ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_params_bucketed(model: nn.Module, dtype: torch.dtype | None, bucket_bytes: int,
+                              cast_whole: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """``iter_full_params``'s tensors, bit for bit and in the same order, with one all-gather per bucket of at most
     ``bucket_bytes`` of full tensors instead of one per parameter (290 a sync for the 0.5B shape): each rank lays its
     dim-0 shards of the bucket's parameters side by side in one flat buffer of ``dtype`` (each padded to the largest
     rank's rows; the cast happens inside that copy, on the local shard, never through DTensor's dispatch), one
     ``all_gather_into_tensor`` over the shard group fills every rank's, and each full tensor is cut out of the ranks'
-    blocks. A shard group of one rank holds whole tensors: each is yielded as its local tensor (cast where ``dtype``
-    differs), with no buffer and no collective. A parameter sharded another way (or not a DTensor) is gathered alone,
-    in its place. Extra memory: a bucket's gathered buffer and its cut-out tensors. Every rank must consume it in
-    step.
+    blocks. A shard group of one rank holds whole tensors: each is yielded as its local tensor, cast where ``dtype``
+    differs unless ``cast_whole`` is False (for a consumer whose copy casts: the weight sync), with no buffer and no
+    collective. A parameter sharded another way (or not a DTensor) is gathered alone, in its place. Extra memory: a
+    bucket's gathered buffer and its cut-out tensors. Every rank must consume it in step.
 
     Host work: no DTensor op a parameter. Under no_grad a parameter needs no ``detach()`` (nothing records autograd
     history), and a DTensor's ``detach()`` is one trip through its dispatch: about 47 us a parameter, 13.6 ms for
@@ -303,7 +303,7 @@ def iter_full_params_bucketed(model: nn.Module, dtype: torch.dtype | None, bucke
                 yield from _gather_bucket(pending, dtype)
                 pending, size = [], 0
                 local = _local(param)
-                yield hf_name(name), local if dtype in (None, local.dtype) else local.to(dtype)
+                yield hf_name(name), local if not cast_whole or dtype in (None, local.dtype) else local.to(dtype)
                 continue
             if mesh_dim is None:  # gathered alone (or whole already), after what is pending
                 yield from _gather_bucket(pending, dtype)

@@ -2,7 +2,10 @@
 
 Every rank walks the parameters in the same order, casts its shards to the engine's dtype and gathers them one
 bucket at a time (one all-gather over the FSDP mesh per bucket of at most ``bucket_bytes``: no rank-0-only sends,
-lib.fsdp.iter_full_params_bucketed), and hands the engine buckets of at most ``bucket_bytes``. The extra memory at
+lib.fsdp.iter_full_params_bucketed), and hands the engine buckets of at most ``bucket_bytes`` (counted in the
+engine's dtype). A shard that is the whole tensor (a shard group of one rank: one GPU, a replicated model) goes
+uncast: the engine's copy casts it (the sync plan's foreach, a loader's ``copy_``), with no cast tensor allocated
+and written a tensor at a time first (290 for the 0.5B shape on one H200). The extra memory at
 any moment is about two buckets (the gathered buffer and the tensors cut from it), never the whole model. The order
 of a step (vLLM's sleep-mode rules):
 
@@ -35,12 +38,21 @@ WEIGHTS = {"full": iter_full_params_bucketed, "merged": lora.iter_merged, "base"
 also over bucket_bytes: one all-gather per bucket of shards)."""
 
 
-def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+def engine_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """A sent tensor's bytes in the engine: a floating tensor in ``dtype`` (the engine's copy casts an uncast one),
+    anything else (or without ``dtype``) as it is."""
+    return tensor.numel() * (dtype.itemsize if dtype is not None and tensor.is_floating_point()
+                             else tensor.element_size())
+
+
+def buckets(weights: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a larger tensor goes alone), counted as
+    the engine holds them (``engine_bytes``)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = engine_bytes(tensor, dtype)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -69,11 +81,11 @@ def sync_weights(model: nn.Module, engine: RolloutEngine, dtype: torch.dtype, bu
     passes = 0
     again = True
     while again:  # a second pass only when the engine asks for the same weights again (its sync plan's proof)
-        params = (iter_full_params_bucketed(model, dtype, bucket_bytes) if weights == "full"
+        params = (iter_full_params_bucketed(model, dtype, bucket_bytes, cast_whole=False) if weights == "full"
                   else WEIGHTS[weights](model, dtype))
         # the weights that are not parameters go after the parameters, whatever sent those (full, base or merged)
-        for bucket in buckets(itertools.chain(params, iter_persistent_buffers(model, dtype)), bucket_bytes):
-            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        for bucket in buckets(itertools.chain(params, iter_persistent_buffers(model, dtype)), bucket_bytes, dtype):
+            nbytes = sum(engine_bytes(t, dtype) for _, t in bucket)
             sent += nbytes if not passes else 0
             largest_bucket = max(largest_bucket, nbytes)
             engine.load_weights(bucket)

@@ -1,8 +1,10 @@
 """The trainer's side of a weight sync on one rank as a GPU holds the model (issue 74, 1): with bf16 mixed precision
 one rank's model is FSDP2's one root unit, every parameter a DTensor over a shard group of one rank. The bucketed
 walk must yield iter_full_params's tensors bit for bit without one DTensor op a parameter (a DTensor's ``detach()``
-was about 47 us of dispatch a parameter, 13.6 ms a sync of the 0.5B shape), and leave autograd as it was. Counted,
-never timed: a dispatch mode sees every op the walk runs."""
+was about 47 us of dispatch a parameter, 13.6 ms a sync of the 0.5B shape), and leave autograd as it was. The
+sync itself sends those shards uncast: the engine's copy casts them (on the H200 of 2026-11-30 the sync of the 0.5B
+shape cast its 290 fp32 shards a tensor at a time, an allocation each, before the plan's copies). Counted, never
+timed: a dispatch mode sees every op the walk runs."""
 
 import torch
 
@@ -46,6 +48,28 @@ def _walk(path):
             # dtype None: the shards themselves, no copy
             "shared": all(t.untyped_storage().data_ptr() == p._local_tensor.untyped_storage().data_ptr()
                           for (_, t), p in zip(bucketed, params.values()))}
+    # the sync's walk: the shards themselves, uncast (no op); the sync into an engine in bf16 casts in its copies
+    from lib.engine import SamplingConfig
+    from lib.engine.hf import HFEngine
+    from lib.models import load_config
+    from lib.sync import sync_weights
+
+    with Ops() as ops:
+        uncast = list(fsdp.iter_full_params_bucketed(model, torch.bfloat16, 64 * 2**10, cast_whole=False))
+    out["uncast"] = {"ops": len(ops.all), "dtypes": sorted({str(t.dtype) for _, t in uncast}),
+                     "shared": all(t.untyped_storage().data_ptr() == p._local_tensor.untyped_storage().data_ptr()
+                                   for (_, t), p in zip(uncast, params.values()))}
+    engine = HFEngine(load_config(path), topo.device, 0, [1], SamplingConfig(max_new_tokens=2), dtype=torch.bfloat16)
+    engine.wake_up(["weights"])
+    with Ops() as ops:
+        metrics = sync_weights(model, engine, torch.bfloat16, 64 * 2**10)
+    want = dict(fsdp.iter_full_params(model, torch.bfloat16))
+    held = dict(engine.model.named_parameters())
+    out["sync"] = {"casts": sum(op.startswith("aten._to_copy") for op in ops.all),
+                   "copies": sum(op.startswith("aten.copy_") for op in ops.all),
+                   "equal": all(torch.equal(held[n], t) and held[n].dtype == torch.bfloat16 for n, t in want.items()
+                                if n in held),
+                   "bytes": metrics["sync/gb"] * 2**30, "bf16_bytes": sum(t.numel() * 2 for t in want.values())}
     out["autograd"] = all(p.requires_grad and p.grad is None for p in model.parameters()) and torch.is_grad_enabled()
     return out
 
@@ -59,4 +83,10 @@ def test_one_ranks_root_unit_syncs_without_a_dtensor_op_a_parameter(tmp_path):
         assert x["dtensor_ops"] == [], (dtype, x)  # before: aten.detach.default, one a parameter
     assert r["torch.bfloat16"]["ops"] == r["params"]  # one cast a shard, nothing else
     assert r["None"]["ops"] == 0 and r["None"]["shared"]
+    assert r["uncast"] == {"ops": 0, "dtypes": ["torch.float32"], "shared": True}, r["uncast"]
+    # the engine holds the weights as a cast does, each cast inside its copy (before: a cast tensor a parameter,
+    # then its copy); the sync's bytes are the engine's (bf16), not the fp32 shards'
+    sync = r["sync"]
+    assert sync["equal"] and sync["casts"] == 0 and sync["copies"] >= r["params"], sync
+    assert sync["bytes"] == sync["bf16_bytes"], sync
     assert r["autograd"]

@@ -496,13 +496,13 @@ def inner(top: nn.Module) -> FakeEngineModel:
     return top if isinstance(top, FakeEngineModel) else inner(getattr(top, "language_model", None) or top.model)
 
 
-def engine_sync(top: nn.Module, use_plan: bool = True) -> EngineSync:
+def engine_sync(top: nn.Module, use_plan: bool = True, dtype: torch.dtype | None = None) -> EngineSync:
     """EngineSync over a fake: the reload's close runs the layers' processing, as vLLM's finalize does."""
     def reload(begin: bool, layers) -> None:
         if not begin:
             inner(top).process()
     return EngineSync(lambda fn: fn(top), reload, frozenset(n for n, _ in top.named_parameters()), tied_head=True,
-                      use_plan=use_plan)
+                      use_plan=use_plan, dtype=dtype)
 
 
 def sync(es: EngineSync, top: nn.Module | None, weights, size: int = 5) -> int:
@@ -557,6 +557,32 @@ def test_syncs_of_a_tied_model_as_vllm_lays_it_out_write_every_parameter(layout,
     for step in range(2):
         assert sync(es, top, hf_weights(20 + step)) == 1
         assert_holds(top, hf_weights(20 + step))
+
+
+@pytest.mark.parametrize("head", ["module", "shared"], ids=["head-is-embedding", "head-shares-parameter"])
+def test_fp32_shards_sent_uncast_reach_a_bf16_engine_as_a_cast_does(head):
+    """lib.sync sends a whole fp32 shard uncast: the plan's foreach copy casts it, and whatever goes through vLLM's
+    loader (the record sync, the tied head, a layer that keeps the loader) is cast to the engine's dtype first (its
+    loaders are written for it). Three syncs of fp32 weights into a bf16 engine: the loader sees bf16 only, the plan
+    takes every tensor from the second sync on, and the engine holds, bit for bit, what the loader alone writes from
+    the weights cast to bf16."""
+    top = LanguageModel(head, packed_head_layer=False).to(torch.bfloat16)
+    seen: list[torch.dtype] = []
+    loader = top.load_weights
+    top.load_weights = lambda weights: (seen.extend(t.dtype for _, t in weights), loader(weights))[1]
+    es = engine_sync(top, dtype=torch.bfloat16)
+    for step in range(3):
+        weights = hf_weights(50 + step)
+        assert all(t.dtype == torch.float32 for _, t in weights)
+        assert sync(es, top, weights) == (2 if step == 0 else 1)
+        if step:
+            assert es.counts == {"plan": len(weights), "loader": 0}, es.counts
+        reference = FakeEngineModel(packed_head_layer=False).to(torch.bfloat16)
+        reference.load_weights([(n, t.to(torch.bfloat16)) for n, t in weights])
+        for name, tensor in state(inner(top)).items():
+            assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, state(reference)[name]), (step, name)
+        assert torch.equal(top.lm_head.weight, inner(top).embed_tokens.weight)
+    assert seen and set(seen) == {torch.bfloat16}, set(seen)
 
 
 def test_a_sync_plan_names_nothing_named_parameters_does_not():

@@ -163,7 +163,9 @@ class RolloutEngine(Protocol):
     def wake_up(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Full tensors under Hugging Face names: parameters, then persistent buffers (lib.sync.sync_weights)."""
+        """Full tensors under Hugging Face names: parameters, then persistent buffers (lib.sync.sync_weights). A
+        floating tensor may come in a wider dtype than the engine's (a whole fp32 shard, uncast): the engine's copy
+        casts it, rounding as ``tensor.to(dtype)`` does."""
         ...
 
     def finish_sync(self) -> bool:

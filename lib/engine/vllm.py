@@ -145,7 +145,7 @@ class VLLMEngine:
         self.sync = EngineSync(lambda fn: run_on_model(self.llm, fn),
                                lambda begin, layers: layerwise_reload(self.llm, begin, self._unwrapped, layers),
                                frozenset(n.replace(".base_layer.", ".") for n in names), self.tied_head, sync_plan,
-                               topo.rank, self.metrics)
+                               topo.rank, self.metrics, getattr(torch, dtype))
         self.asleep: set[str] = set()
         self.base_loaded = False
         """Every parameter written since the weights last woke from a level-2 sleep (a level-1 sleep keeps them)."""

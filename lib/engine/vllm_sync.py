@@ -89,11 +89,14 @@ def written_parameters(reported: Iterable[str], params: frozenset[str]) -> set[s
 class EngineSync:
     """The sync state of one engine (module docstring). ``param_names``: the engine's parameters as
     ``named_parameters()`` names them, read before any reload; ``tied_head``: the config ties the head to the
-    embedding; ``use_plan``: record a plan at the first sync (False: vLLM's loader every sync)."""
+    embedding; ``use_plan``: record a plan at the first sync (False: vLLM's loader every sync); ``dtype``: the
+    engine's, which the loader's tensors are cast to (the plan's copies cast inside their foreach: a whole fp32
+    shard comes uncast, lib.sync)."""
 
     def __init__(self, run: RunOnModel, reload: Reload, param_names: frozenset[str], tied_head: bool,
-                 use_plan: bool, rank: int = 0, metrics: dict[str, float] | None = None):
-        self.run, self.reload, self.rank = run, reload, rank
+                 use_plan: bool, rank: int = 0, metrics: dict[str, float] | None = None,
+                 dtype: torch.dtype | None = None):
+        self.run, self.reload, self.rank, self.dtype = run, reload, rank, dtype
         self.param_names, self.tied_head = param_names, tied_head
         self.aliases = reported_aliases(param_names)  # what a release's loader may report instead of a name
         self.metrics = metrics if metrics is not None else {}
@@ -135,6 +138,9 @@ class EngineSync:
             if not batch:
                 return
         self.counts["loader"] += len(batch)
+        batch = [self._in_dtype(w) for w in batch]  # vLLM's loaders are written for the engine's dtype
+        if self.embedding is not None:  # the head's copy the same tensor as the embedding's (the record sync's plan)
+            self.embedding = next((w for w in batch if w[0] == self.embedding[0]), self.embedding)
         if not self.loading:
             self.reload(True, list(self.plan.fallback) if self.state == "ready" else None)
             self.loading = True
@@ -163,6 +169,8 @@ class EngineSync:
             self._prove()
             return False
         if self.loading and self._head_loads():
+            if self.embedding is not None:
+                self.embedding = self._in_dtype(self.embedding)
             with self._recording_mode([self.embedding] if self.embedding is not None else []):
                 self._load_tied_head()
         self.embedding = None
@@ -246,6 +254,12 @@ class EngineSync:
     def _wrote(self, names: Iterable[str]) -> None:
         if self.written is not None:  # an earlier loader of this sync did not say what it wrote: nothing to check
             self.written |= {self.aliases.get(n, n) for n in names}
+
+    def _in_dtype(self, weight: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+        name, tensor = weight
+        if self.dtype is None or not tensor.is_floating_point() or tensor.dtype == self.dtype:
+            return weight
+        return name, tensor.to(self.dtype)
 
     def _recording_mode(self, batch: list[tuple[str, torch.Tensor]]) -> Any:
         if self.recorder is None:
