@@ -559,14 +559,21 @@ def test_syncs_of_a_tied_model_as_vllm_lays_it_out_write_every_parameter(layout,
         assert_holds(top, hf_weights(20 + step))
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["all-bf16", "norm-kept-fp32"])
 @pytest.mark.parametrize("head", ["module", "shared"], ids=["head-is-embedding", "head-shares-parameter"])
-def test_fp32_shards_sent_uncast_reach_a_bf16_engine_as_a_cast_does(head):
+def test_fp32_shards_sent_uncast_reach_a_bf16_engine_as_a_cast_does(head, wide):
     """lib.sync sends a whole fp32 shard uncast: the plan's foreach copy casts it, and whatever goes through vLLM's
     loader (the record sync, the tied head, a layer that keeps the loader) is cast to the engine's dtype first (its
     loaders are written for it). Three syncs of fp32 weights into a bf16 engine: the loader sees bf16 only, the plan
     takes every tensor from the second sync on, and the engine holds, bit for bit, what the loader alone writes from
-    the weights cast to bf16."""
-    top = LanguageModel(head, packed_head_layer=False).to(torch.bfloat16)
+    the weights cast to bf16. An engine tensor kept in fp32 (``wide``: the final norm) gets the bf16-rounded value
+    through the plan as through the loader (else the proof fails and its layer keeps the loader every sync)."""
+    def engine_model(top):
+        if wide:
+            inner(top).norm.weight.data = inner(top).norm.weight.data.float()
+        return top
+
+    top = engine_model(LanguageModel(head, packed_head_layer=False).to(torch.bfloat16))
     seen: list[torch.dtype] = []
     loader = top.load_weights
     top.load_weights = lambda weights: (seen.extend(t.dtype for _, t in weights), loader(weights))[1]
@@ -577,10 +584,11 @@ def test_fp32_shards_sent_uncast_reach_a_bf16_engine_as_a_cast_does(head):
         assert sync(es, top, weights) == (2 if step == 0 else 1)
         if step:
             assert es.counts == {"plan": len(weights), "loader": 0}, es.counts
-        reference = FakeEngineModel(packed_head_layer=False).to(torch.bfloat16)
+        reference = engine_model(FakeEngineModel(packed_head_layer=False).to(torch.bfloat16))
         reference.load_weights([(n, t.to(torch.bfloat16)) for n, t in weights])
         for name, tensor in state(inner(top)).items():
-            assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, state(reference)[name]), (step, name)
+            kept = torch.float32 if wide and name == "norm.weight" else torch.bfloat16
+            assert tensor.dtype == kept and torch.equal(tensor, state(reference)[name]), (step, name)
         assert torch.equal(top.lm_head.weight, inner(top).embed_tokens.weight)
     assert seen and set(seen) == {torch.bfloat16}, set(seen)
 

@@ -165,7 +165,7 @@ class RolloutEngine(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full tensors under Hugging Face names: parameters, then persistent buffers (lib.sync.sync_weights). A
         floating tensor may come in a wider dtype than the engine's (a whole fp32 shard, uncast): the engine's copy
-        casts it, rounding as ``tensor.to(dtype)`` does."""
+        casts it, rounding as ``tensor.to(dtype)`` does, into a tensor it keeps wider too."""
         ...
 
     def finish_sync(self) -> bool:

@@ -179,7 +179,7 @@ class HFEngine:
                                f"sent hold {name!r} as a tensor of its own: the trained model lost the tie")
             if name not in self._params:
                 raise KeyError(f"engine has no parameter {name!r} (renamed, or another architecture?)")
-            self._params[name].copy_(tensor)
+            (p := self._params[name]).copy_(tensor.to(self.dtype) if p.dtype != self.dtype != tensor.dtype else tensor)
             self._written.add(name)
 
     def finish_sync(self) -> bool:

@@ -125,7 +125,7 @@ class EngineSync:
             self.embedding = next(((n, t) for n, t in batch if n.endswith("embed_tokens.weight")), self.embedding)
         if self.state in ("prove", "ready"):  # prove: the second pass, the plan alone into scrambled tensors
             takes = [self.plan.takes(n, t) for n, t in batch]
-            taken = [w for w, take in zip(batch, takes) if take]
+            taken = [self._for_plan(w) for w, take in zip(batch, takes) if take]
             if self.batched:
                 written = self.plan.write_all(taken)
             else:
@@ -258,6 +258,17 @@ class EngineSync:
     def _in_dtype(self, weight: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
         name, tensor = weight
         if self.dtype is None or not tensor.is_floating_point() or tensor.dtype == self.dtype:
+            return weight
+        return name, tensor.to(self.dtype)
+
+    def _for_plan(self, weight: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+        """A sent tensor for the plan's copies, which cast it: as it came, unless a tensor it writes keeps a wider
+        dtype than the engine's (a parameter the engine keeps in fp32): then rounded to the engine's dtype first, as
+        the loader's share is, so that the plan writes what the loader does (its proof compares bit for bit)."""
+        name, tensor = weight
+        if self.dtype is None or tensor.dtype == self.dtype or not tensor.is_floating_point():
+            return weight
+        if all(t.view.dtype == self.dtype for t in self.plan.writes[name] if t.value is None):
             return weight
         return name, tensor.to(self.dtype)
 
