@@ -102,6 +102,7 @@ class EngineSync:
         self.metrics = metrics if metrics is not None else {}
         self.state = "record" if use_plan else "off"
         self.plan: SyncPlan | None = None
+        self.wide: set[str] = set()  # sent names the plan rounds to the engine's dtype first (finish)
         self.recorder: Recorder | None = None
         self.recording = contextlib.ExitStack()  # the processing wrappers of the record sync
         self.syncing = False  # a sync has sent its first bucket
@@ -125,7 +126,8 @@ class EngineSync:
             self.embedding = next(((n, t) for n, t in batch if n.endswith("embed_tokens.weight")), self.embedding)
         if self.state in ("prove", "ready"):  # prove: the second pass, the plan alone into scrambled tensors
             takes = [self.plan.takes(n, t) for n, t in batch]
-            taken = [self._for_plan(w) for w, take in zip(batch, takes) if take]
+            # a tensor the engine keeps wider than its dtype gets the loader's value: the sent one rounded first
+            taken = [self._in_dtype(w) if w[0] in self.wide else w for w, take in zip(batch, takes) if take]
             if self.batched:
                 written = self.plan.write_all(taken)
             else:
@@ -187,6 +189,10 @@ class EngineSync:
         self.recording.close()
         model = self.recorder.model
         self.plan, self.recorder = self.recorder.build(model, tensor_names(model)), None
+        # the names whose copies write a tensor kept wider than the engine's dtype (a parameter kept in fp32): the
+        # plan's copy would keep what the loader rounds, and its proof (bit for bit) would fail
+        self.wide = {n for n, targets in self.plan.writes.items()
+                     if self.dtype is not None and any(t.value is None and t.view.dtype != self.dtype for t in targets)}
         unknown = sorted({t.name for targets in self.plan.writes.values() for t in targets}
                          - self.param_names - {n.replace(".base_layer.", ".") for n, _ in model.named_buffers()})
         if unknown:  # the check below would miss these: a naming rule of ours out of step with torch's
@@ -258,17 +264,6 @@ class EngineSync:
     def _in_dtype(self, weight: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
         name, tensor = weight
         if self.dtype is None or not tensor.is_floating_point() or tensor.dtype == self.dtype:
-            return weight
-        return name, tensor.to(self.dtype)
-
-    def _for_plan(self, weight: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
-        """A sent tensor for the plan's copies, which cast it: as it came, unless a tensor it writes keeps a wider
-        dtype than the engine's (a parameter the engine keeps in fp32): then rounded to the engine's dtype first, as
-        the loader's share is, so that the plan writes what the loader does (its proof compares bit for bit)."""
-        name, tensor = weight
-        if self.dtype is None or tensor.dtype == self.dtype or not tensor.is_floating_point():
-            return weight
-        if all(t.view.dtype == self.dtype for t in self.plan.writes[name] if t.value is None):
             return weight
         return name, tensor.to(self.dtype)
 
