@@ -38,9 +38,10 @@ class AgentConfig:
     worker was playing; a fresh worker takes over."""
     round_wait_s: float = 5.0
     """The endpoint answers in rounds: once every running episode has a request waiting, all of them in one engine
-    call, so that the samples do not depend on timing. An episode that has not asked after this long (its agent is
-    busy elsewhere, or held back by its own concurrency cap) is left out of the round: the run goes on, and the
-    batching depends on timing from then on (counted in agent/late_rounds)."""
+    call, so that the samples do not depend on timing. Once no request has come for this long (counted from the
+    latest, so agents still sending are waited for), an episode that has not asked (its agent is busy elsewhere, or
+    held back by its own concurrency cap) is left out of the round: the run goes on, and the batching depends on
+    timing from then on (counted in agent/late_rounds)."""
     format: str = "hermes"
     """How tool calls are read out of the model's text into the replies' ``tool_calls`` (lib/multi_turn/parsers)."""
     weight: float = 1.0

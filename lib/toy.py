@@ -221,7 +221,7 @@ def lookup(key: str) -> str:
     Args:
         key: The four-digit key from the question.
     """
-    if len(key) != TOOL_KEY_DIGITS or not key.isdigit():
+    if not isinstance(key, str) or len(key) != TOOL_KEY_DIGITS or not key.isdigit():  # JSON may give a list
         raise ValueError(f"a key is {TOOL_KEY_DIGITS} digits, got {key!r}")
     return example(tool_digits(key))[0]
 

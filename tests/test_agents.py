@@ -6,6 +6,7 @@ trainer's (the canary, fp32)."""
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -260,6 +261,17 @@ def _call(prompt, ids, extends=False, start=None):
     from lib.agents.messages import Call
 
     return Call(prompt, ids, [-0.5] * len(ids), True, None, extends, len(prompt) if start is None else start)
+
+
+@pytest.mark.parametrize("key", [[1, 2, 3, 4], {"a": 1, "b": 2, "c": 3, "d": 4}, 1234, "12a4", "123"])
+def test_the_toy_tool_reads_a_malformed_key_as_a_value_error(key):
+    """The model's call may carry any JSON as its key: the toy tool says so as a ValueError, which the examples'
+    agents pass back to the model (as the multi-turn loop passes any tool error); a list of four raised an
+    AttributeError before, an agent's failure (agent/failed_error) where the loop gave an observation."""
+    from lib import toy
+
+    with pytest.raises(ValueError, match="digits"):
+        toy.lookup(key)
 
 
 def test_calls_merge_where_they_continue_and_split_where_the_history_was_rewritten():
@@ -545,7 +557,9 @@ def test_an_openai_sdk_agent_learns_the_tool_task_as_the_multi_turn_loop_does(tm
     assert curve[-1][1] >= curve[0][1] + TOOL_MIN_GAIN, curve
     train = [r for r in rows if "actor/pg_loss" in r]
     assert max(r["rollout/logp_abs_diff"] for r in train) < 1e-5
-    assert all(r["agent/failed_error"] == 0 and r["agent/late_rounds"] == 0 for r in train)
+    assert all(r["agent/failed_error"] == 0 and r["agent/late_rounds"] == 0 for r in train), \
+        [(r["step"], r["agent/failed_error"], r["agent/late_rounds"]) for r in train if r["agent/failed_error"] or
+         r["agent/late_rounds"]]
 
 
 def test_an_agent_of_an_earlier_rollout_is_refused(served):
@@ -612,6 +626,71 @@ def test_a_request_that_came_during_a_round_waited_from_when_it_came(served):
             t.join()
         assert endpoint.batches == [1, 1]
         assert endpoint.waited["9-1"] >= 1.0, endpoint.waited  # before: only its own round's time
+    finally:
+        endpoint.reset(1.0, 1.0)
+
+
+def test_a_round_waits_for_agents_still_asking_and_leaves_out_one_gone_quiet(served, monkeypatch):
+    """agent.round_wait_s counts from the latest request, not the round's first: three agents that ask 4 s apart
+    (a loaded machine's hundreds of agent threads, each slow to send) under a 5 s wait make one round of three (the
+    former wait, from the round's first request, made a round of two at 8 s: a late round, so the batching, and CI's
+    samples, followed the machine's load); an agent that does not ask for 6 s is left out of a late round. The clock
+    is the test's: each step waits for a state (the server holding a request), never for a time."""
+    import types
+
+    import openai
+
+    from lib.agents import endpoint as endpoint_module
+
+    endpoint, engine, _, _ = served
+    now = [0.0]
+    monkeypatch.setattr(endpoint_module, "time", types.SimpleNamespace(
+        monotonic=lambda: now[0], perf_counter=time.perf_counter, time=time.time, sleep=time.sleep))
+
+    def held(name):
+        """Wait until the server holds ``name``'s request (a state)."""
+        while name not in endpoint.asking:
+            time.sleep(0.002)
+
+    def ask(name, before=None):
+        def work():
+            if before is not None:
+                before()
+            client = openai.OpenAI(base_url=endpoint.base_url(name), api_key="none", max_retries=0)
+            client.chat.completions.create(model="toy-tool", messages=[{"role": "user", "content": "1"}],
+                                           max_tokens=1)
+        return work
+
+    def after(name, clock):
+        def step():
+            held(name)
+            now[0] = clock
+        return step
+
+    slow = {"10-0": ask("10-0"), "10-1": ask("10-1", after("10-0", 4.0)), "10-2": ask("10-2", after("10-1", 8.0))}
+    endpoint.reset(1.0, 1.0, list(slow))
+    try:
+        _serve(endpoint, engine, slow)
+        assert endpoint.batches == [1 + 1 + 1] and endpoint.late_rounds == 0, (endpoint.batches, endpoint.late_rounds)
+    finally:
+        endpoint.reset(1.0, 1.0)
+
+    first_round = threading.Event()
+
+    class Counted:
+        """The engine, telling when its first round is done."""
+
+        def generate_ids(self, *args):
+            out = engine.generate_ids(*args)
+            first_round.set()
+            return out
+
+    now[0] = 0.0
+    quiet = {"11-0": ask("11-0"), "11-1": ask("11-1", lambda: (after("11-0", 6.0)(), first_round.wait()))}
+    endpoint.reset(1.0, 1.0, list(quiet))
+    try:
+        _serve(endpoint, Counted(), quiet)
+        assert endpoint.batches == [1, 1] and endpoint.late_rounds == 1, (endpoint.batches, endpoint.late_rounds)
     finally:
         endpoint.reset(1.0, 1.0)
 

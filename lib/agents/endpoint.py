@@ -151,16 +151,17 @@ class Endpoint:
     def serve(self, engine: Any, live: Callable[[], list[str]], key: Any, validate: bool = False,
               wait_s: float = 5.0, poll_s: float = 0.002) -> None:
         """Answer in rounds until no episode is live and nothing waits. ``live()``: the episodes whose agents still
-        run, in order; a round starts once each of them has a request waiting (or ``wait_s`` after its first request
-        came, without those that have not asked: ``late_rounds``), and its requests go to the engine in that order.
+        run, in order; a round starts once each of them has a request waiting (or once no request has come for
+        ``wait_s``, without those that have not asked: ``late_rounds``), and its requests go to the engine in that
+        order. The wait counts from the latest request, not the round's first: agents that are still sending (a loaded
+        machine's hundreds of threads) are waited for, and only an episode whose agent went quiet is left out.
         ``key``: the sampling key of this serving (a step's), each round numbered under it."""
         waiting: dict[str, list] = {}
         since = 0.0
         while True:
             try:
                 episode, prompt, cap, answer, asked = self._queue.get(timeout=poll_s)
-                if not waiting:
-                    since = time.monotonic()
+                since = time.monotonic()  # the wait counts from the latest request: agents still asking are waited for
                 waiting.setdefault(episode, []).append((prompt, cap, answer))
                 # from when the server queued it: the time it waited for this thread (a round in the engine) is not
                 # the agent's
