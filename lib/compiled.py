@@ -14,7 +14,6 @@ updated weights of a packed GRPO update against the eager layers). Ground: impor
 
 from __future__ import annotations
 
-import torch._dynamo
 from torch import nn
 
 RECOMPILE_LIMIT = 8
@@ -22,6 +21,8 @@ RECOMPILE_LIMIT = 8
 
 def compile_layers(layers: list[nn.Module]) -> int:
     """Replace each layer's forward by ``torch.compile(forward, dynamic=True)``; returns the layers compiled."""
+    import torch._dynamo  # here, not at the top: dynamo's import (~1 s of a core, inductor's too) only where it compiles
+
     config = torch._dynamo.config
     setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", RECOMPILE_LIMIT)
     for layer in layers:
