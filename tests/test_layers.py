@@ -104,3 +104,21 @@ if __name__ == "__main__":
     t, i = graph()
     for number, names in enumerate(layers({n: t[n] | i[n] for n in t})):
         print(number, " ".join(n.removeprefix("lib.") for n in names))
+
+
+def test_dynamo_is_imported_only_where_something_compiles():
+    """torch._dynamo (and inductor with it) costs every process that imports it ~1 s of a core: no module of lib/
+    and no script imports it at module level, so a rank that compiles nothing (actor.model.compile_layers off, the
+    default) never does; lib/compiled.py imports it inside the function that compiles."""
+    heavy = ("torch._dynamo", "torch._inductor")
+    paths = list(modules().values()) + [os.path.join(ROOT, f) for f in ("train_grpo.py", "train_ppo.py")]
+    found = []
+    for path in paths:
+        for node in ast.parse(open(path).read()).body:  # module level only (an if or try there is module level too)
+            for child in ast.walk(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    break
+                names = [a.name for a in child.names] if isinstance(child, ast.Import) else \
+                    [child.module or ""] if isinstance(child, ast.ImportFrom) else []
+                found += [(os.path.relpath(path, ROOT), n) for n in names if n.startswith(heavy)]
+    assert not found, found
