@@ -71,6 +71,14 @@ def _serve(endpoint, engine, agents):
     return out
 
 
+def _ask_once(endpoint, name):
+    """One chat call of the openai SDK for episode ``name``: a one-token reply."""
+    import openai
+
+    client = openai.OpenAI(base_url=endpoint.base_url(name), api_key="none", max_retries=0)
+    client.chat.completions.create(model="toy-tool", messages=[{"role": "user", "content": "1"}], max_tokens=1)
+
+
 def _logps(model, ids, start):
     """The trainer's log-probs (temperature 1) of ids[start:] given what comes before."""
     with torch.no_grad():
@@ -586,10 +594,6 @@ def test_a_request_that_came_during_a_round_waited_from_when_it_came(served):
     """The time an episode's request waits for the rank is not its agent's (agent.timeout_s counts the agent's own
     time): a request that came while a round was in the engine waited from when the server queued it, not from when
     the rank's thread took it after the round (CI's loaded machine ran 20 of 64 agents past a 3 s limit so)."""
-    import time
-
-    import openai
-
     endpoint, engine, _, _ = served
     endpoint.reset(1.0, 1.0, ["9-0", "9-1"])
     second = threading.Event()
@@ -611,8 +615,7 @@ def test_a_request_that_came_during_a_round_waited_from_when_it_came(served):
     def ask(name, after=None):
         if after is not None:
             after.wait()
-        client = openai.OpenAI(base_url=endpoint.base_url(name), api_key="none", max_retries=0)
-        client.chat.completions.create(model="toy-tool", messages=[{"role": "user", "content": "1"}], max_tokens=1)
+        _ask_once(endpoint, name)
 
     threads = {"9-0": threading.Thread(target=ask, args=("9-0",)),
                "9-1": threading.Thread(target=ask, args=("9-1", second))}
@@ -638,8 +641,6 @@ def test_a_round_waits_for_agents_still_asking_and_leaves_out_one_gone_quiet(ser
     is the test's: each step waits for a state (the server holding a request), never for a time."""
     import types
 
-    import openai
-
     from lib.agents import endpoint as endpoint_module
 
     endpoint, engine, _, _ = served
@@ -656,9 +657,7 @@ def test_a_round_waits_for_agents_still_asking_and_leaves_out_one_gone_quiet(ser
         def work():
             if before is not None:
                 before()
-            client = openai.OpenAI(base_url=endpoint.base_url(name), api_key="none", max_retries=0)
-            client.chat.completions.create(model="toy-tool", messages=[{"role": "user", "content": "1"}],
-                                           max_tokens=1)
+            _ask_once(endpoint, name)
         return work
 
     def after(name, clock):

@@ -18,8 +18,9 @@ def modules() -> dict[str, str]:
     return found
 
 
-def imports(path: str, known: dict) -> tuple[set[str], set[str]]:
-    """(lib modules imported at module level, lib modules imported inside a function or method)."""
+def imports(path: str, known: dict | None = None) -> tuple[set[str], set[str]]:
+    """(lib modules imported at module level, lib modules imported inside a function or method); ``known`` None:
+    every module imported, whosever."""
     top, inner = set(), set()
 
     def visit(node, in_function):
@@ -31,10 +32,10 @@ def imports(path: str, known: dict) -> tuple[set[str], set[str]]:
             if isinstance(child, ast.Import):
                 names = [a.name for a in child.names]
             elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                names = [f"{child.module}.{a.name}" if f"{child.module}.{a.name}" in known else child.module
-                         for a in child.names]
+                names = [f"{child.module}.{a.name}" if known is None or f"{child.module}.{a.name}" in known
+                         else child.module for a in child.names]
             for name in names:
-                if name in known:
+                if known is None or name in known:
                     (inner if nested else top).add(name)
             visit(child, nested)
 
@@ -110,15 +111,8 @@ def test_dynamo_is_imported_only_where_something_compiles():
     """torch._dynamo (and inductor with it) costs every process that imports it ~1 s of a core: no module of lib/
     and no script imports it at module level, so a rank that compiles nothing (actor.model.compile_layers off, the
     default) never does; lib/compiled.py imports it inside the function that compiles."""
-    heavy = ("torch._dynamo", "torch._inductor")
     paths = list(modules().values()) + [os.path.join(ROOT, f) for f in ("train_grpo.py", "train_ppo.py")]
-    found = []
-    for path in paths:
-        for node in ast.parse(open(path).read()).body:  # module level only (an if or try there is module level too)
-            for child in ast.walk(node):
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                    break
-                names = [a.name for a in child.names] if isinstance(child, ast.Import) else \
-                    [child.module or ""] if isinstance(child, ast.ImportFrom) else []
-                found += [(os.path.relpath(path, ROOT), n) for n in names if n.startswith(heavy)]
-    assert not found, found
+    found = {os.path.relpath(p, ROOT): sorted(n for n in imports(p)[0] if n.startswith(("torch._dynamo",
+                                                                                        "torch._inductor")))
+             for p in paths}
+    assert not any(found.values()), {p: n for p, n in found.items() if n}

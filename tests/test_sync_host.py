@@ -62,7 +62,7 @@ def _walk(path):
     engine = HFEngine(load_config(path), topo.device, 0, [1], SamplingConfig(max_new_tokens=2), dtype=torch.bfloat16)
     engine.wake_up(["weights"])
     wide = "model.layers.0.mlp.down_proj.weight"  # a parameter the engine keeps in fp32: a cast's value all the same
-    dict(engine.model.named_parameters())[wide].data = dict(engine.model.named_parameters())[wide].data.float()
+    engine.model.get_parameter(wide).data = engine.model.get_parameter(wide).data.float()
     with Ops() as ops:
         metrics = sync_weights(model, engine, torch.bfloat16, 64 * 2**10)
     want = dict(fsdp.iter_full_params(model, torch.bfloat16))
@@ -94,3 +94,21 @@ def test_one_ranks_root_unit_syncs_without_a_dtensor_op_a_parameter(tmp_path):
     assert sync["casts"] == 1, sync  # the fp32-kept parameter's alone: rounded to bf16 before its copy
     assert sync["bytes"] == sync["bf16_bytes"], sync
     assert r["autograd"]
+
+
+def test_a_bf16_hf_engine_takes_an_integer_buffer_exactly(tmp_path):
+    """Where the engine keeps a tensor in another dtype than its own, only a floating one is rounded to the engine's
+    dtype first (lib.engine.in_engine_dtype): an integer persistent buffer is copied as sent (rounded through bf16,
+    1001 came back 1000)."""
+    from lib.engine import SamplingConfig
+    from lib.engine.hf import HFEngine
+    from lib.models import load_config
+
+    engine = HFEngine(load_config(save_tiny_model(str(tmp_path / "m"), "qwen2")), torch.device("cpu"), 0, [1],
+                      SamplingConfig(max_new_tokens=2), dtype=torch.bfloat16)
+    engine.wake_up(["weights"])
+    engine.model.model.register_buffer("counted", torch.zeros(2, dtype=torch.long))  # persistent
+    engine.sleep(1)  # the engine lists its weights anew as it moves
+    engine.wake_up(["weights"])
+    engine.load_weights([("model.counted", torch.tensor([1001, 70001]))])
+    assert engine.model.model.counted.tolist() == [1001, 70001]

@@ -54,6 +54,13 @@ def filtering(sp: SamplingConfig) -> bool:
     return sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0)
 
 
+def in_engine_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` as an engine in ``dtype`` takes it (``load_weights``): a floating tensor of another dtype cast,
+    rounded as ``.to`` rounds (also where the engine keeps the target wider, so that it holds what a cast gives);
+    an integer tensor, or any with ``dtype`` None, as it is."""
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype else tensor
+
+
 def stop_ids(eos_ids: list[int], sp: SamplingConfig) -> list[int]:
     """Every id that ends a response: the model's eos ids and the sampling config's extra stop ids."""
     return sorted(set(eos_ids) | set(sp.stop_token_ids))

@@ -23,7 +23,7 @@ from lib.data import left_pad
 from lib.engine import awake
 from lib.engine.kv import reserve
 from lib.engine import (PromptImages, SamplingConfig, Turn, build_output, call_seed, expand_samples, filtering,
-                        rollout_columns, stop_ids, turns_from)
+                        in_engine_dtype, rollout_columns, stop_ids, turns_from)
 from lib.logprobs import kept_mask
 from lib.lora import base_name, check_engine_load, inject, is_adapter_param, peft_name
 from lib.models import padded_attention, persistent_buffers, retie, tied_aliases
@@ -179,7 +179,7 @@ class HFEngine:
                                f"sent hold {name!r} as a tensor of its own: the trained model lost the tie")
             if name not in self._params:
                 raise KeyError(f"engine has no parameter {name!r} (renamed, or another architecture?)")
-            (p := self._params[name]).copy_(tensor.to(self.dtype) if p.dtype != self.dtype != tensor.dtype else tensor)
+            (p := self._params[name]).copy_(tensor if p.dtype == self.dtype else in_engine_dtype(tensor, self.dtype))
             self._written.add(name)
 
     def finish_sync(self) -> bool:

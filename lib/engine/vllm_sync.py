@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lib.engine import in_engine_dtype
 from lib.engine.plan import Recorder, SyncPlan
 
 log = logging.getLogger("lib.engine.vllm")  # the engine's logger: what users filter on
@@ -191,8 +192,9 @@ class EngineSync:
         self.plan, self.recorder = self.recorder.build(model, tensor_names(model)), None
         # the names whose copies write a tensor kept wider than the engine's dtype (a parameter kept in fp32): the
         # plan's copy would keep what the loader rounds, and its proof (bit for bit) would fail
-        self.wide = {n for n, targets in self.plan.writes.items()
-                     if self.dtype is not None and any(t.value is None and t.view.dtype != self.dtype for t in targets)}
+        self.wide = set() if self.dtype is None else {
+            n for n, targets in self.plan.writes.items()
+            if any(t.value is None and t.view.dtype != self.dtype for t in targets)}
         unknown = sorted({t.name for targets in self.plan.writes.values() for t in targets}
                          - self.param_names - {n.replace(".base_layer.", ".") for n, _ in model.named_buffers()})
         if unknown:  # the check below would miss these: a naming rule of ours out of step with torch's
@@ -262,10 +264,7 @@ class EngineSync:
             self.written |= {self.aliases.get(n, n) for n in names}
 
     def _in_dtype(self, weight: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
-        name, tensor = weight
-        if self.dtype is None or not tensor.is_floating_point() or tensor.dtype == self.dtype:
-            return weight
-        return name, tensor.to(self.dtype)
+        return weight[0], in_engine_dtype(weight[1], self.dtype)
 
     def _recording_mode(self, batch: list[tuple[str, torch.Tensor]]) -> Any:
         if self.recorder is None:
