@@ -12,6 +12,7 @@ before each run names the one it was.
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,9 +29,12 @@ def main(argv: list[str]) -> None:
         plan = json.load(f)
     destroy, dist.destroy_process_group = dist.destroy_process_group, lambda *args, **kwargs: None
     for name, script, args in plan:
+        began = time.monotonic()
         if os.environ.get("RANK", "0") == "0":
             print(f"== run {name}", flush=True)
         SCRIPTS[script](args)
+        if os.environ.get("RANK", "0") == "0":  # what each run of a launch costs, in its log
+            print(f"== run {name} ended after {time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
     destroy()
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lib.testing import run_distributed
-from tests.helpers import EOS_IDS, rl_batch, save_tiny_model
+from tests.helpers import EOS_IDS, forked_torchrun, rl_batch, save_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -322,9 +322,8 @@ def test_a_plain_config_has_no_problem(tmp_path, model_dir):
 
 def _torchrun(tmp_path, name, *args, nproc=2, check=True):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-           str(nproc), os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path),
-           "--trainer.run_name", name, *args]
+    cmd = forked_torchrun(nproc, os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path),
+                          "--trainer.run_name", name, *args)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if check:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]

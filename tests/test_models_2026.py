@@ -12,14 +12,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from lib.testing import run_distributed
 from tests import zoo
-from tests.helpers import launch_runs
+from tests.helpers import forked_torchrun, launch_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,8 +84,7 @@ def test_without_dropout_turns_every_rate_off_and_names_it():
 
 def _train(model_path: str, tmp_path, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           os.path.join(ROOT, "train_grpo.py"), *zoo.grpo_args(model_path, str(tmp_path)), *flags]
+    cmd = forked_torchrun(2, os.path.join(ROOT, "train_grpo.py"), *zoo.grpo_args(model_path, str(tmp_path)), *flags)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

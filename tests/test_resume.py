@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import link_assets
-from tests.helpers import launch_runs
+from tests.helpers import forked_torchrun, launch_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cosine schedule with warm-up, dynamic sampling, several mini-batches: every piece of resumable state matters
@@ -25,6 +25,13 @@ def command(tmp_path, *args, name="run"):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
             os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path), "--trainer.run_name", name,
             *args]
+
+
+def forked(tmp_path, *args, name="run"):
+    """``command``'s run with its ranks forked from one interpreter (tests/forked_torchrun.py): the runs whose subject
+    is what they compute or resume, not the launch (a rank killed or signalled is torchrun's)."""
+    return forked_torchrun(2, os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path),
+                           "--trainer.run_name", name, *args)
 
 
 def env():
@@ -151,7 +158,7 @@ def test_killed_rank_resumes_to_the_bit(tmp_path, mode, whole_root):
     os.kill(max(ranks), signal.SIGKILL)
     proc.communicate(timeout=300)
     assert proc.returncode != 0
-    again = subprocess.run(command(tmp_path, "--trainer.total_steps", "4", *args), cwd=ROOT, env=env(),
+    again = subprocess.run(forked(tmp_path, "--trainer.total_steps", "4", *args), cwd=ROOT, env=env(),
                            capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resumed from step 2" in again.stdout
@@ -202,7 +209,7 @@ def test_stop_signal_saves_a_checkpoint_and_exits_0(tmp_path):
     step = int(open(tmp_path / "run" / "checkpoints" / "latest").read())
     assert step >= 2 and os.path.isdir(tmp_path / "run" / "checkpoints" / f"step_{step}")
     assert not os.path.exists(tmp_path / "run" / "hf_final")  # not finished: no final export
-    again = subprocess.run(command(tmp_path, "--trainer.total_steps", str(step + 1), "--trainer.val_every", "0"),
+    again = subprocess.run(forked(tmp_path, "--trainer.total_steps", str(step + 1), "--trainer.val_every", "0"),
                            cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     assert f"resumed from step {step}" in again.stdout
@@ -221,10 +228,10 @@ def test_non_finite_updates_stop_the_run_naming_the_last_checkpoint(tmp_path):
                       "    calls += 1\n"
                       "    good = float(solution_str.strip() == ground_truth)\n"
                       "    return good if calls <= 512 else (1e30 if len(solution_str) % 2 else -1e30)\n")
-    out = subprocess.run(command(tmp_path, "--trainer.total_steps", "20", "--trainer.val_every", "0",
-                                 "--trainer.save_every", "1", "--reward.custom_fn", f"{reward}:score",
-                                 "--reward.num_workers", "1", "--algorithm.no-norm-adv-by-std",
-                                 "--trainer.max_bad_steps", "2", "--trainer.log_samples", "0"),
+    out = subprocess.run(forked(tmp_path, "--trainer.total_steps", "20", "--trainer.val_every", "0",
+                                "--trainer.save_every", "1", "--reward.custom_fn", f"{reward}:score",
+                                "--reward.num_workers", "1", "--algorithm.no-norm-adv-by-std",
+                                "--trainer.max_bad_steps", "2", "--trainer.log_samples", "0"),
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     assert out.returncode != 0 and "exitcode  : 3" in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("2 steps in a row skipped their update") == 1
@@ -243,8 +250,8 @@ def test_faulty_reward_costs_its_samples_and_is_reported_once(tmp_path):
                       "    if solution_str.startswith('1'): raise ValueError('cannot parse')\n"
                       "    if solution_str.startswith('2'): return math.nan\n"
                       "    return float(solution_str.strip() == ground_truth)\n")
-    out = subprocess.run(command(tmp_path, "--trainer.total_steps", "3", "--trainer.val_every", "0",
-                                 "--reward.custom_fn", f"{reward}:score", "--trainer.log_samples", "0"),
+    out = subprocess.run(forked(tmp_path, "--trainer.total_steps", "3", "--trainer.val_every", "0",
+                                "--reward.custom_fn", f"{reward}:score", "--trainer.log_samples", "0"),
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("warning: reward/errors: the scorer raised ValueError: cannot parse") == 1

@@ -342,13 +342,11 @@ def _grpo(model_path: str, out, *flags: str, **hooks: str):
     import json
     import os
     import subprocess
-    import sys
 
-    from tests.helpers import ROOT, child_env
+    from tests.helpers import ROOT, child_env, forked_torchrun
 
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           os.path.join(ROOT, "train_grpo.py"), *zoo.grpo_args(model_path, str(out)), *flags]
+    cmd = forked_torchrun(2, os.path.join(ROOT, "train_grpo.py"), *zoo.grpo_args(model_path, str(out)), *flags)
     done = subprocess.run(cmd, cwd=ROOT, env=child_env(**hooks), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]

@@ -174,14 +174,12 @@ def test_falcon_h1_trains_with_the_default_settings(tmp_path, flags):
     run ended at its first forward ("does not use its LM head as a plain last layer")."""
     import json
     import subprocess
-    import sys
 
-    from tests.helpers import child_env
+    from tests.helpers import child_env, forked_torchrun
     from tests.test_e2e import ROOT
 
     path = falcon_h1(str(tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           "train_grpo.py", *zoo.grpo_args(path, str(tmp_path)), *flags]
+    cmd = forked_torchrun(2, "train_grpo.py", *zoo.grpo_args(path, str(tmp_path)), *flags)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=child_env())
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]

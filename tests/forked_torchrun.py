@@ -1,0 +1,57 @@
+"""torchrun for the tests whose subject is the training rather than the launch: torchrun's own argument parsing,
+launch configuration, elastic agent and rendezvous (``python -m torch.distributed.run``'s), each rank set up by the
+agent with the same environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), but forked from this process once it has
+imported the scripts, where torchrun starts each rank as a fresh interpreter that imports torch, transformers and
+lib again. On the 2-core machine CI runs on that import is ~10 s of a core a rank, and torchrun's own ~4 s more: a
+2-step run of the default preset took 37 CPU-s under torchrun and 19 forked (2026-12-01), its metrics the same to the
+bit (tests/test_e2e.py::test_golden_run_is_reproduced runs both).
+
+The tests of the launch itself (signals to torchrun or a rank, killed and hung ranks, restarts, launch.sh, SLURM,
+what bad input prints) run the real torchrun. CPU ranks only: a process that has touched CUDA cannot be forked, so
+with a GPU visible this refuses (the callers use torchrun there).
+
+    python tests/forked_torchrun.py --standalone --nnodes 1 --nproc-per-node 2 train_grpo.py ARGS...
+    (tests/helpers.py: forked_torchrun(nproc, script, *args) is that command line)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from torch.distributed import run as torchrun  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+from torch.distributed.launcher.api import elastic_launch  # noqa: E402
+
+import train_grpo  # noqa: E402
+import train_ppo  # noqa: E402
+from tests import runs_driver  # noqa: E402
+
+MAINS = {"train_grpo.py": train_grpo.main, "train_ppo.py": train_ppo.main, "runs_driver.py": runs_driver.main}
+
+
+def rank(script: str, args: list[str]) -> None:
+    """A rank: the script's main, with the command line a rank of torchrun's sees (run folders are named from it)."""
+    sys.argv = [script, *args]
+    MAINS[os.path.basename(script)](args)
+
+
+@record
+def main(argv: list[str]) -> None:
+    if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+        raise SystemExit("tests/forked_torchrun.py forks CPU ranks only: set CUDA_VISIBLE_DEVICES='' (with a GPU, "
+                         "run python -m torch.distributed.run)")
+    args = torchrun.parse_args(argv)
+    if args.standalone:  # what torchrun's own run() does with --standalone
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = torchrun.config_from_args(args)
+    config.start_method = "fork"
+    elastic_launch(config, rank)(args.training_script, list(args.training_script_args))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
