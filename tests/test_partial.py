@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import VOCAB, tiny_config
-from tests.test_resume import ROOT, children, command, env, pause_at, rows, wait_for_pause
+from tests.test_resume import ROOT, children, command, env, forked, pause_at, rows, wait_for_pause
 
 EOS = 1
 
@@ -78,7 +78,7 @@ def test_a_partial_run_stopped_or_killed_resumes_to_the_bit(tmp_path):
     step 3 and resumed from step 2's checkpoint: both log exactly the uninterrupted run's figures, no step twice, none
     missing. The carried samples train (partial/resumed_share, staleness 1 tokens) and the canary over the fresh
     tokens stays at fp32's floor while the carried tokens' engine log-probs are an older policy's."""
-    whole = subprocess.run(command(tmp_path, *PARTIAL, name="whole"), cwd=ROOT, env=env(), capture_output=True,
+    whole = subprocess.run(forked(tmp_path, *PARTIAL, name="whole"), cwd=ROOT, env=env(), capture_output=True,
                            text=True, timeout=900)
     assert whole.returncode == 0, whole.stderr[-4000:]
     want = rows(tmp_path, "whole")
@@ -104,7 +104,7 @@ def test_a_partial_run_stopped_or_killed_resumes_to_the_bit(tmp_path):
             os.kill(pid, how)
         proc.communicate(timeout=300)
         assert (proc.returncode == 0) == (how == signal.SIGTERM), proc.returncode
-        again = subprocess.run(command(tmp_path, *PARTIAL, name=name), cwd=ROOT, env=env(), capture_output=True,
+        again = subprocess.run(forked(tmp_path, *PARTIAL, name=name), cwd=ROOT, env=env(), capture_output=True,
                                text=True, timeout=900)
         assert again.returncode == 0, again.stderr[-4000:]
         assert f"resumed from step {resumed_from}" in again.stdout, again.stdout[-2000:]
@@ -116,7 +116,7 @@ def test_a_partial_run_stopped_or_killed_resumes_to_the_bit(tmp_path):
 
 def _train_rows(tmp_path, *args) -> list[dict]:
     """One run of train_grpo.py on 2 ranks with ``args``: its training steps' metric rows."""
-    done = subprocess.run(command(tmp_path, *args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(forked(tmp_path, *args), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return [r for r in rows(tmp_path) if "actor/lr" in r]
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from lib.runlog import offline_wandb_steps, wandb_log_records
-from tests.test_resume import ROOT, children, command, env, pause_at, wait_for_pause
+from tests.test_resume import ROOT, children, command, env, forked, pause_at, wait_for_pause
 
 ARGS = ("--trainer.total_steps", "5", "--trainer.save_every", "2", "--trainer.val_every", "0",
         "--trainer.logger", "console", "jsonl", "wandb", "--trainer.train_batch_size", "16",
@@ -73,7 +73,7 @@ def test_wandb_offline_run_resumes_without_a_step_twice(tmp_path):
     for pid in children(proc.pid):  # kill -9 every rank: checkpoint 2 is the latest
         os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=300)
-    again = subprocess.run(command(tmp_path, *ARGS), cwd=ROOT, env=e, capture_output=True, text=True, timeout=900)
+    again = subprocess.run(forked(tmp_path, *ARGS), cwd=ROOT, env=e, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resumed from step 2" in again.stdout
     got = sessions(str(run))
@@ -150,7 +150,7 @@ def test_trackio_run_resumes_without_a_step_twice_and_holds_the_samples_table(tm
     for pid in children(proc.pid):
         os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=300)
-    again = subprocess.run(command(tmp_path, *args), cwd=ROOT, env=e, capture_output=True, text=True, timeout=900)
+    again = subprocess.run(forked(tmp_path, *args), cwd=ROOT, env=e, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resumed from step 2" in again.stdout
     read = subprocess.run([sys.executable, "-c", "import json, sys; from trackio.sqlite_storage import SQLiteStorage; "
