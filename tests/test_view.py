@@ -20,7 +20,7 @@ from lib import toy
 from lib.samples import store
 from lib.view import read
 from tests.conftest import shared_assets
-from tests.helpers import apt_install
+from tests.helpers import apt_install, forked_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("chromium", "chromium-driver")
@@ -195,10 +195,10 @@ def test_the_page_follows_a_default_run_filters_its_samples_and_colours_their_to
         _until(browser, lambda d: "waiting for the run's first step" in _text(d, ".view-status"), "the waiting page")
         marker = tmp_path / "paused"
         train = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-             os.path.join(ROOT, "train_grpo.py"), "--actor.model.path", digits["model"], "--data.train_files",
-             digits["train"], "--data.val_files", digits["val"], "--trainer.output_root", str(tmp_path),
-             "--trainer.run_name", "run", "--trainer.total_steps", "4", "--trainer.val_every", "2"], cwd=ROOT,
+            forked_torchrun(2, os.path.join(ROOT, "train_grpo.py"), "--actor.model.path", digits["model"],
+                            "--data.train_files", digits["train"], "--data.val_files", digits["val"],
+                            "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run",
+                            "--trainer.total_steps", "4", "--trainer.val_every", "2"), cwd=ROOT,
             env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
                  "SPMD_RL_TEST_PAUSE": f"2:{marker}"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
