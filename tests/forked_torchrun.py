@@ -7,8 +7,10 @@ lib again. On the 2-core machine CI runs on that import is ~10 s of a core a ran
 bit (tests/test_e2e.py::test_golden_run_is_reproduced runs both).
 
 The tests of the launch itself (signals to torchrun or a rank, killed and hung ranks, restarts, launch.sh, SLURM,
-what bad input prints) run the real torchrun. CPU ranks only: a process that has touched CUDA cannot be forked, so
-with a GPU visible this refuses (the callers use torchrun there).
+what bad input prints) run the real torchrun, and so does whatever a fork could hide: the ranks here share the
+launcher's string hash seed (torchrun's draw one each), so an order of a set that differs between ranks shows only
+there. CPU ranks only: a process that has touched CUDA cannot be forked, so with a GPU visible this refuses (the
+callers use torchrun there).
 
     python tests/forked_torchrun.py --standalone --nnodes 1 --nproc-per-node 2 train_grpo.py ARGS...
     (tests/helpers.py: forked_torchrun(nproc, script, *args) is that command line)
@@ -17,11 +19,14 @@ with a GPU visible this refuses (the callers use torchrun there).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# torchrun sets this for its ranks before they import torch; here torch is imported once, below, for all of them
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from torch.distributed import run as torchrun  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
@@ -35,9 +40,24 @@ MAINS = {"train_grpo.py": train_grpo.main, "train_ppo.py": train_ppo.main, "runs
 
 
 def rank(script: str, args: list[str]) -> None:
-    """A rank: the script's main, with the command line a rank of torchrun's sees (run folders are named from it)."""
+    """A rank as torchrun starts one: the script's main with the command line its rank sees (run folders are named
+    from it), the signals' default handlers (a forked child inherits the agent's, which raise an exception where a
+    fresh interpreter would end), an uncaught error through sys.excepthook (the run's own, which names the rank and
+    stage and keeps the fault: multiprocessing would print it in the launcher instead), and once main returns, SIGTERM
+    ending the process (the launcher holds a finished rank until its peers end, and a peer's failure ends it so)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [script, *args]
-    MAINS[os.path.basename(script)](args)
+    try:
+        MAINS[os.path.basename(script)](args)
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - what an uncaught error does to a script: its excepthook, then exit 1
+        error = sys.exc_info()[1]
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(130 if isinstance(error, KeyboardInterrupt) else 1) from None
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @record
