@@ -53,9 +53,8 @@ def rank(script: str, args: list[str]) -> None:
         MAINS[os.path.basename(script)](args)
     except SystemExit:
         raise
-    except BaseException:  # noqa: BLE001 - what an uncaught error does to a script: its excepthook, then exit 1
-        error = sys.exc_info()[1]
-        sys.excepthook(*sys.exc_info())
+    except BaseException as error:  # noqa: BLE001 - what an uncaught error does to a script: its excepthook, exit 1
+        sys.excepthook(type(error), error, error.__traceback__)
         raise SystemExit(130 if isinstance(error, KeyboardInterrupt) else 1) from None
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

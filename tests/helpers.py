@@ -97,6 +97,14 @@ def apt_install(packages: tuple[str, ...]) -> str:
     return f"apt-get install {' '.join(packages)} failed: {out.stderr.strip()[-300:]}" if out.returncode else ""
 
 
+def torchrun_command(nproc: int, script: str, *args: str) -> list[str]:
+    """The command line that runs ``script`` with ``args`` on ``nproc`` local ranks under torchrun itself."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+            str(nproc), script, *args]
+
+
 def forked_torchrun(nproc: int, script: str, *args: str) -> list[str]:
     """The command line that runs ``script`` (train_grpo.py, train_ppo.py or tests/runs_driver.py, a path) with
     ``args`` on ``nproc`` CPU ranks forked from one interpreter that imported them (tests/forked_torchrun.py: the
@@ -115,13 +123,12 @@ def launch_runs(plan: list[tuple[str, str, list[str]]], folder, timeout: int = 1
     import json
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.path.join(str(folder), plan_name)
     with open(path, "w") as f:
         json.dump([[name, script, list(args)] for name, script, args in plan], f)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = forked_torchrun(nproc, os.path.join(root, "tests", "runs_driver.py"), path)
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = forked_torchrun(nproc, os.path.join(ROOT, "tests", "runs_driver.py"), path)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     with open(path[:-len(".json")] + ".log", "w") as f:  # the launch's output beside its plan, each run's time in it
         f.write(done.stdout + done.stderr)
     return done

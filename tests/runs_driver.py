@@ -28,12 +28,13 @@ def main(argv: list[str]) -> None:
     with open(argv[0]) as f:
         plan = json.load(f)
     destroy, dist.destroy_process_group = dist.destroy_process_group, lambda *args, **kwargs: None
+    lead = os.environ.get("RANK", "0") == "0"
     for name, script, args in plan:
         began = time.monotonic()
-        if os.environ.get("RANK", "0") == "0":
+        if lead:
             print(f"== run {name}", flush=True)
         SCRIPTS[script](args)
-        if os.environ.get("RANK", "0") == "0":  # what each run of a launch costs, in its log
+        if lead:  # what each run of a launch costs, in its log
             print(f"== run {name} ended after {time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
     destroy()
 

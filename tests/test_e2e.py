@@ -4,11 +4,10 @@ run under torchrun itself as well) on the embedded toy task; reward must rise.""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import forked_torchrun
+from tests.helpers import forked_torchrun, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,13 +21,10 @@ def torchrun(script, tmp_path, *args, timeout=900, gpu=False, forked=True):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     args = (os.path.join(ROOT, script), "--trainer.output_root", str(tmp_path), "--trainer.run_name", "run", *args)
     if gpu and torch.cuda.is_available():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-               str(min(2, torch.cuda.device_count())), *args]
+        cmd = torchrun_command(min(2, torch.cuda.device_count()), *args)
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
-        cmd = (forked_torchrun(2, *args) if forked else
-               [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-                *args])
+        cmd = (forked_torchrun if forked else torchrun_command)(2, *args)
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out.stdout

@@ -5,13 +5,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.conftest import link_assets
-from tests.helpers import forked_torchrun, launch_runs
+from tests.helpers import forked_torchrun, launch_runs, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cosine schedule with warm-up, dynamic sampling, several mini-batches: every piece of resumable state matters
@@ -21,17 +20,17 @@ ARGS = ("--trainer.val_every", "3", "--trainer.save_every", "2", "--actor.optim.
 TIMING = ("timing/", "perf/", "memory/", "sync/seconds", "sync/s_per_gb")  # wall-clock and RSS: not compared
 
 
-def command(tmp_path, *args, name="run"):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-            os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path), "--trainer.run_name", name,
-            *args]
+def command(tmp_path, *args, name="run", fork=False):
+    """train_grpo.py on 2 CPU ranks under torchrun, or with ``fork`` forked from one interpreter
+    (tests/forked_torchrun.py): the runs whose subject is what they compute or resume, not the launch (a rank killed or
+    signalled is torchrun's)."""
+    launch = forked_torchrun if fork else torchrun_command
+    return launch(2, os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path), "--trainer.run_name",
+                  name, *args)
 
 
 def forked(tmp_path, *args, name="run"):
-    """``command``'s run with its ranks forked from one interpreter (tests/forked_torchrun.py): the runs whose subject
-    is what they compute or resume, not the launch (a rank killed or signalled is torchrun's)."""
-    return forked_torchrun(2, os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path),
-                           "--trainer.run_name", name, *args)
+    return command(tmp_path, *args, name=name, fork=True)
 
 
 def env():
