@@ -355,7 +355,7 @@ def test_export_round_trips_through_peft_and_merges_in_fp32(tmp_path):
     shutil.copytree(zoo.build("qwen2_tied", str(tmp_path / "zoo")), base_dir)
     train, _ = zoo.write_data(str(tmp_path))
     args = ("--actor.model.path", base_dir, "--data.train_files", train, "--trainer.val_every", "0",
-            "--reward.custom_fn", os.path.join(ROOT, "tests", "zoo.py") + ":reward", "--trainer.total_steps", "2",
+            "--reward.custom_fn", zoo.REWARD, "--trainer.total_steps", "2",
             "--trainer.train_batch_size", "4", "--rollout.n", "4", "--rollout.max_response_length", "8",
             "--data.max_prompt_length", "160", "--actor.lora.rank", "4", "--actor.optim.lr", "0.05",
             "--actor.mini_batch_size", "16", "--trainer.save_every", "2")

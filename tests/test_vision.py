@@ -234,7 +234,7 @@ def image_config(vision_root, tmp_path):
     cfg = Config()
     cfg.actor.model.path, cfg.data.train_files, cfg.data.val_files = model, [data], [data]
     cfg.data.max_prompt_length, cfg.rollout.n, cfg.trainer.train_batch_size = 256, 2, 2
-    cfg.reward.custom_fn = os.path.join(ROOT, "tests", "zoo.py") + ":reward"
+    cfg.reward.custom_fn = zoo.REWARD
     return cfg
 
 
@@ -550,7 +550,7 @@ def two_step_runs(tmp_path_factory, shared_assets_dir, vision_root):
     plan += [(name, ["--actor.model.path", zoo.build_vision(name, vision_root), "--data.train_files", data,
                      "--data.max_prompt_length", "400", "--rollout.n", "2", "--trainer.train_batch_size", "2",
                      "--actor.mini_batch_size", "4", "--reward.custom_fn",
-                     os.path.join(ROOT, "tests", "zoo.py") + ":reward", *STEPS_2, "--trainer.device", "cpu"])
+                     zoo.REWARD, *STEPS_2, "--trainer.device", "cpu"])
              for name in GEMMAS]
     out = launch_runs([(name, "train_grpo.py", [*args, "--trainer.output_root", str(root), "--trainer.run_name", name])
                        for name, args in plan], root)

@@ -23,6 +23,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attention_dropout=0.0,
               pad_token_id=0, bos_token_id=None, eos_token_id=2)
 ALTERNATING = ["sliding_attention", "full_attention"]
+REWARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo_reward.py") + ":reward"
+"""The zoo runs' reward (tests/zoo_reward.py: a file that imports nothing, for the reward workers to load)."""
 
 # name: (config class in transformers, overrides)
 CASES: dict[str, tuple[str, dict]] = {
@@ -377,7 +379,7 @@ def grpo_args(model_path: str, out: str, run_name: str = "run", data: str = "") 
             "--rollout.max_response_length", "8", "--trainer.total_steps", "2", "--trainer.val_every", "0",
             "--trainer.train_batch_size", "4", "--rollout.n", "2", "--actor.mini_batch_size", "8",
             "--actor.batching.micro_batch_size_per_rank", "4",
-            "--reward.custom_fn", os.path.abspath(__file__) + ":reward"]
+            "--reward.custom_fn", REWARD]
 
 
 def plan(zoo_root: str, out: str, names: list[str], *flags: str) -> list[tuple[str, str, list[str]]]:
@@ -385,9 +387,3 @@ def plan(zoo_root: str, out: str, names: list[str], *flags: str) -> list[tuple[s
     the run folders ``out``/NAME, with ``flags``."""
     return [(name, "train_grpo.py", [*grpo_args(os.path.join(zoo_root, name), out, name, zoo_root), *flags])
             for name in names]
-
-
-def reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """A score that differs between the samples of a prompt even for a random model (so that the advantages, and
-    the update, are not zero): the response's characters hashed to [0, 1)."""
-    return sum(map(ord, solution_str)) % 10 / 10
