@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.helpers import forked_torchrun
 from tests.test_resume import ROOT, TIMING, children, pause_at, wait_for_pause
 
 ARGS = ("--trainer.total_steps", "4", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "64",
@@ -40,7 +41,10 @@ def descendants(pid):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("whole")
-    out = subprocess.run(launch(root, "whole"), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    # the run never interrupted, on forked ranks (tests/forked_torchrun.py): its launch is not what the file tests
+    whole = forked_torchrun(2, os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(root),
+                            "--trainer.run_name", "whole", *ARGS)
+    out = subprocess.run(whole, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return rows(root / "whole" / "metrics.jsonl")
 
