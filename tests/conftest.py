@@ -21,19 +21,18 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // WORKERS)))
 
 
-# The files' seconds in a fresh clone's run of the test command as CI runs it (2026-11-30, 2 workers, 2 cores;
-# 83.6 min with a 10-min hang of the stream report's test, left out here; the SLURM file's with its pre-emption
-# test whole), the heaviest: test.sh hands whole files to its pytest-xdist workers in collection order
-# (--no-loadscope-reorder), so the longest go first and the short ones fill in at the end (xdist's own order, by the
-# number of tests, left the SLURM file among the last: ~2.4 min longer in a replay of those durations). A file not
-# listed weighs 2 s a test.
-FILE_SECONDS = {"test_resume.py": 976, "test_acceptance.py": 834, "test_judges.py": 756, "test_slurm.py": 640,
-                "test_envs.py": 631, "test_stops.py": 622, "test_model_zoo.py": 478, "test_agents.py": 471,
-                "test_vision.py": 399, "test_bad_input.py": 352, "test_lora.py": 337, "test_multi_turn.py": 309,
-                "test_e2e.py": 278, "test_partial.py": 274, "test_distill.py": 199, "test_recipes.py": 189,
-                "test_paths.py": 185, "test_routing.py": 146, "test_wandb.py": 135, "test_models_2026.py": 133,
-                "test_truncation.py": 125, "test_checkpoint_faults.py": 98, "test_compiled.py": 97,
-                "test_view.py": 89, "test_selfcheck.py": 82}  # the view's: +~75 s of apt-get for the browser on CI
+# The files' seconds in a fresh clone's run of the test command as CI runs it (2026-12-01, 2 workers, 2 cores, 37.4
+# min; the zoo's runs no longer wait for reward workers importing torch), the heaviest: test.sh hands whole files to
+# its pytest-xdist workers in collection order (--no-loadscope-reorder), so the longest go first and the short ones
+# fill in at the end (xdist's own order, by the number of tests, left the SLURM file among the last: ~2.4 min longer
+# in a replay of those durations). A file not listed weighs 2 s a test.
+FILE_SECONDS = {"test_resume.py": 514, "test_envs.py": 461, "test_slurm.py": 425, "test_acceptance.py": 420,
+                "test_judges.py": 303, "test_agents.py": 276, "test_vision.py": 236, "test_e2e.py": 162,
+                "test_bad_input.py": 159, "test_multi_turn.py": 148, "test_stops.py": 130, "test_lora.py": 121,
+                "test_partial.py": 115, "test_paths.py": 94, "test_recipes.py": 88, "test_distill.py": 88,
+                "test_model_zoo.py": 73, "test_wandb.py": 73, "test_checkpoint_faults.py": 60, "test_compiled.py": 54,
+                "test_view.py": 50, "test_routing.py": 50, "test_selfcheck.py": 45, "test_models_2026.py": 35,
+                "test_truncation.py": 32, "test_samples.py": 29}  # test_view.py's: +~75 s of apt-get for the browser on CI
 
 
 def _heaviest_files_first(items) -> None:

@@ -181,6 +181,6 @@ def test_a_whole_checkpoint_trained_text_only_with_the_vllm_engine_is_refused_be
     cfg = Config()
     cfg.actor.model.path, cfg.data.train_files, cfg.data.val_files = path, [str(data)], [str(data)]
     cfg.rollout.n, cfg.trainer.train_batch_size, cfg.rollout.engine = 2, 2, "vllm"
-    cfg.reward.custom_fn = os.path.join(os.path.dirname(__file__), "zoo.py") + ":reward"
+    cfg.reward.custom_fn = zoo.REWARD
     with pytest.raises(ValueError, match="whole vision-language checkpoint .* no images.* use --rollout.engine hf"):
         check_inputs(cfg, 2, False, str(tmp_path / "run"))
