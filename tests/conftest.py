@@ -32,7 +32,7 @@ FILE_SECONDS = {"test_resume.py": 514, "test_envs.py": 461, "test_slurm.py": 425
                 "test_partial.py": 115, "test_paths.py": 94, "test_recipes.py": 88, "test_distill.py": 88,
                 "test_model_zoo.py": 73, "test_wandb.py": 73, "test_checkpoint_faults.py": 60, "test_compiled.py": 54,
                 "test_view.py": 50, "test_routing.py": 50, "test_selfcheck.py": 45, "test_models_2026.py": 35,
-                "test_truncation.py": 32, "test_samples.py": 29}  # test_view.py's on CI: +~75 s of apt-get (the browser)
+                "test_truncation.py": 32, "test_samples.py": 29}  # test_view.py's on CI: +~75 s of apt-get
 
 
 def _heaviest_files_first(items) -> None:
