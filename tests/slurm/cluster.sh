@@ -26,7 +26,8 @@ SlurmctldPort=16817
 SlurmdPort=16818
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$D/munge/munge.socket
+# a requeued job may start again cred_expire + 1 s after its requeue (default 120 s: 2 of the pre-emption test's 4 min)
+AuthInfo=socket=$D/munge/munge.socket,cred_expire=30
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$D/state
@@ -40,6 +41,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# pending jobs tried every 5 s (defaults: backfill 30 s, the main loop 60 s): a requeued job starts once it may
+SchedulerParameters=bf_interval=5,sched_interval=5
 MpiDefault=none
 ReturnToService=2
 KillWait=30
