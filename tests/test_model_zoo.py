@@ -103,6 +103,19 @@ def logits_of(model, ids):
         return model(input_ids=ids).logits
 
 
+def test_the_zoo_runs_reward_loads_without_torch():
+    """Each reward worker of a zoo run (two a rank) loads the file ``zoo.REWARD`` names as lib.rewards does; when it
+    was tests/zoo.py, each imported torch (1.75 CPU-s) while its 2-step run waited: 6-8 s a run, 2 s without."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from lib.rewards import load_custom; score = load_custom(sys.argv[1]); "
+            "print(score('zoo', 'abc', '', None), sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code, zoo.REWARD], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["0.4", "[]"], out.stdout + out.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_two_grpo_steps_train_the_model_that_samples(mode, zoo_root, tmp_path):
