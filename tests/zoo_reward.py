@@ -1,6 +1,6 @@
-"""The zoo runs' reward (tests/zoo.py grpo_args: ``--reward.custom_fn`` with ``zoo.REWARD``), in a file of its own: every
-reward worker of every such run (two a rank) imports the file it names, and tests/zoo.py imports torch (~1.8 CPU-s
-a worker, more than a 2-step zoo run's own CPU); this file imports nothing."""
+"""The zoo runs' reward (tests/zoo.py grpo_args: ``--reward.custom_fn`` with ``zoo.REWARD``), in a file of its
+own: every reward worker of every such run (two a rank) imports the file it names, and tests/zoo.py imports torch
+(~1.8 CPU-s a worker, more than a 2-step zoo run's own CPU); this file imports nothing."""
 
 
 def reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
