@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from lib.runlog import offline_wandb_steps, wandb_log_records
+from lib.runlog import wandb_log_records
 from tests.test_resume import ROOT, children, command, env, forked, pause_at, wait_for_pause
 
 ARGS = ("--trainer.total_steps", "5", "--trainer.save_every", "2", "--trainer.val_every", "0",
