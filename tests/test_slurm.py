@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 
@@ -38,19 +39,71 @@ def _why_not() -> str:
     return apt_install(PACKAGES)
 
 
+def free_ports(n: int) -> list[int]:
+    """n ports no process listens on now, each from the system (bound together, so they differ)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def start_cluster(d: str) -> dict:
+    """A cluster whose files are under d, on ports free now; the environment its commands take."""
+    script = os.path.join(ROOT, "tests", "slurm", "cluster.sh")
+    out = subprocess.run(["bash", script, d], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PORTS": " ".join(map(str, free_ports(4)))})
+    if out.returncode != 0 or "ready" not in out.stdout:
+        stop_cluster(d)  # what started of it (munged at least) ends with the test
+        pytest.fail(out.stdout[-3000:] + out.stderr[-3000:])
+    return {**os.environ, "SLURM_CONF": os.path.join(d, "slurm.conf"), "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def stop_cluster(d: str) -> None:
+    subprocess.run(["bash", os.path.join(ROOT, "tests", "slurm", "cluster.sh"), d, "stop"], timeout=120)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     why = _why_not()
     if why:
         pytest.skip(why)
     d = str(tmp_path_factory.mktemp("slurm"))
-    out = subprocess.run(["bash", os.path.join(ROOT, "tests", "slurm", "cluster.sh"), d], capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0 and "ready" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
-    env = {**os.environ, "SLURM_CONF": os.path.join(d, "slurm.conf"), "CUDA_VISIBLE_DEVICES": "",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = start_cluster(d)
     yield env, d
-    subprocess.run(["bash", os.path.join(ROOT, "tests", "slurm", "cluster.sh"), d, "stop"], timeout=120)
+    stop_cluster(d)
+
+
+def test_a_former_clusters_ports_still_held_stop_no_new_cluster(cluster, tmp_path):
+    """A test session killed part way leaves its cluster's daemons running (pytest's teardown never came); the next
+    session's cluster was on the same fixed ports, so its controller could not listen and sinfo reached the former
+    one ("slurm_load_partitions: Zero Bytes were transmitted or received": every test of the file an error). Here
+    the former ports (16817-16822, what the cluster took before) held by listeners, as such daemons hold them: a
+    second cluster starts, runs a job step and stops."""
+    held = []
+    for port in range(16817, 16823):
+        s = socket.socket()
+        try:
+            s.bind(("", port))  # every address, as slurmctld and slurmd listen
+            s.listen()
+            held.append(s)
+        except OSError:  # a former session's daemon holds it already
+            s.close()
+    try:
+        d = str(tmp_path / "second")
+        env = start_cluster(d)
+        try:
+            out = subprocess.run(["srun", "-N1", "true"], env=env, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+        finally:
+            stop_cluster(d)
+    finally:
+        for s in held:
+            s.close()
 
 
 def submit(env, root, *sbatch_args, args=ARGS):

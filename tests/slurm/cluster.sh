@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # A local SLURM cluster for tests/test_slurm.py: munged, slurmctld and two slurmd (nodes n1 and n2, one host; Debian's
-# slurm-wlm build allows several), every file under DIR, nothing under /etc. Ports 16817-16822.
+# slurm-wlm build allows several), every file under DIR, nothing under /etc. PORTS: four ports, the controller's,
+# slurmd's default and the two nodes' (16817-16820 if unset; tests/test_slurm.py gives four the system found free, so a
+# former cluster's daemons still on theirs, as a killed test session leaves them, stop nothing).
 #   bash tests/slurm/cluster.sh DIR        # start; prints "ready" once both nodes are idle
 #   bash tests/slurm/cluster.sh DIR stop   # stop
 set -euo pipefail
 D="$1"
+read -r ctld_port slurmd_port n1_port n2_port <<< "${PORTS:-16817 16818 16819 16820}"
 if [ "${2:-}" = stop ]; then
   SLURM_CONF="$D/slurm.conf" scontrol shutdown 2>/dev/null || true
   sleep 1
@@ -22,8 +25,8 @@ munged --key-file "$D/munge/munge.key" --socket "$D/munge/munge.socket" --pid-fi
 cat > "$D/slurm.conf" <<CONF
 ClusterName=local
 SlurmctldHost=localhost
-SlurmctldPort=16817
-SlurmdPort=16818
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
 AuthType=auth/munge
 CredType=cred/munge
 # a requeued job may start again cred_expire + 1 s after its requeue (default 120 s: 2 of the pre-emption test's 4 min)
@@ -50,8 +53,8 @@ InactiveLimit=0
 MinJobAge=300
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
-NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=16821 CPUs=$cpus RealMemory=$mem State=UNKNOWN
-NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=16822 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n1_port CPUs=$cpus RealMemory=$mem State=UNKNOWN
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$n2_port CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=local Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 CONF
 export SLURM_CONF="$D/slurm.conf"
