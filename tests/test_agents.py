@@ -338,7 +338,14 @@ def test_group_estimators_count_an_episode_once_however_many_rows_it_has(estimat
     assert not torch.allclose(rows, adv)
 
 
-AGENT = ("--config", "configs/tiny_cpu_grpo_agent.yaml", "--trainer.val_every", "0", "--trainer.save_every", "0")
+# The agent preset as the tests run it. ROUND_WAIT: a round waits a minute for an episode that has not asked (the
+# preset's 5 s, agent.round_wait_s, is a user's bound): the tests' agents never go quiet on purpose, so a round cut
+# short would follow the machine's load alone, and with it the batching, the samples and the verdict (the whole command
+# with two busy processes beside it: the learning run's step 20 had a late round, load 6-9 on 2 cores, 256 agent
+# threads a rank). The rounds' waiting has a test of its own on a test clock.
+ROUND_WAIT = ("--agent.round_wait_s", "60")
+AGENT = ("--config", "configs/tiny_cpu_grpo_agent.yaml", "--trainer.val_every", "0", "--trainer.save_every", "0",
+         *ROUND_WAIT)
 NOT_COMPARED = ("timing/", "perf/", "memory/", "sync/seconds", "sync/s_per_gb")
 
 
@@ -465,7 +472,7 @@ def agent_runs(tmp_path_factory, shared_assets_dir):
         ("command", ("--agent.entry", "", "--agent.command",
                      f"{sys.executable} examples/agent_programs/toy_tool_command.py", *small)),
         *((name, ("--agent.entry", "tests/data/agents_mixed.py:agent", "--agent.timeout_s", "3",
-                  "--agent.round_wait_s", "60", "--agent.max_failed_share", "1", *small,
+                  "--agent.max_failed_share", "1", *small,
                   "--data.max_prompt_length", "48",  # room for the rewritten history's row to start
                   "--agent.workers", workers)) for name, workers in (("mixed", "0"), ("mixed_workers", "2"))))]
     return root, launch_runs(plan, root)
@@ -558,8 +565,8 @@ def test_an_openai_sdk_agent_learns_the_tool_task_as_the_multi_turn_loop_does(tm
 
     assets = toy.prepare_tool(str(shared_assets(shared_assets_dir, "toy_tool_assets")))
     torchrun("train_grpo.py", tmp_path, "--config", "configs/tiny_cpu_grpo_agent.yaml", "--trainer.total_steps", "30",
-             "--trainer.val_every", "30", "--actor.model.path", assets["model"], "--data.train_files", assets["train"], "--data.val_files",
-             assets["val"])
+             "--trainer.val_every", "30", "--actor.model.path", assets["model"], "--data.train_files", assets["train"],
+             "--data.val_files", assets["val"], *ROUND_WAIT)
     curve, rows = val_curve(tmp_path)
     assert [s for s, _ in curve] == [0, 30]
     assert curve[-1][1] >= curve[0][1] + TOOL_MIN_GAIN, curve
@@ -707,7 +714,7 @@ def test_the_agent_preset_through_the_vllm_engine(tmp_path, shared_assets_dir):
     common = ("--config", "configs/tiny_cpu_grpo_agent.yaml", "--actor.model.path", assets["model"],
               "--data.train_files", assets["train"], "--data.val_files", assets["val"], "--trainer.total_steps", "2",
               "--trainer.val_every", "2", "--algorithm.rollout_correction", "token", "--rollout.enforce_eager",
-              "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32")
+              "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "32", *ROUND_WAIT)
     torchrun("train_grpo.py", tmp_path / "hf", *common, "--rollout.engine", "hf", gpu=True)
     torchrun("train_grpo.py", tmp_path / "vllm", *common, "--rollout.engine", "vllm", gpu=True)
     h, _ = val_curve(tmp_path / "hf")
