@@ -18,11 +18,13 @@ import time
 
 import pytest
 
+from lib.dist import free_port
 from tests.helpers import apt_install
 from tests.test_resume import ROOT, TIMING
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 PACKAGES = ("slurmd", "slurmctld", "slurm-client", "munge")
+CLUSTER = os.path.join(ROOT, "tests", "slurm", "cluster.sh")
 ARGS = ("--trainer.total_steps", "8", "--trainer.train_batch_size", "16", "--actor.mini_batch_size", "128",
         "--trainer.val_every", "0", "--trainer.save_every", "0")
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
@@ -39,23 +41,16 @@ def _why_not() -> str:
     return apt_install(PACKAGES)
 
 
-def free_ports(n: int) -> list[int]:
-    """n ports no process listens on now, each from the system (bound together, so they differ)."""
-    held = [socket.socket() for _ in range(n)]
-    try:
-        for s in held:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in held]
-    finally:
-        for s in held:
-            s.close()
-
-
 def start_cluster(d: str) -> dict:
-    """A cluster whose files are under d, on ports free now; the environment its commands take."""
-    script = os.path.join(ROOT, "tests", "slurm", "cluster.sh")
-    out = subprocess.run(["bash", script, d], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PORTS": " ".join(map(str, free_ports(4)))})
+    """A cluster whose files are under d, on four ports the system finds free now; the environment its commands
+    take."""
+    ports: list[int] = []
+    while len(ports) < 4:  # the controller's, slurmd's default, the two nodes'
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    out = subprocess.run(["bash", CLUSTER, d], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PORTS": " ".join(map(str, ports))})
     if out.returncode != 0 or "ready" not in out.stdout:
         stop_cluster(d)  # what started of it (munged at least) ends with the test
         pytest.fail(out.stdout[-3000:] + out.stderr[-3000:])
@@ -64,7 +59,7 @@ def start_cluster(d: str) -> dict:
 
 
 def stop_cluster(d: str) -> None:
-    subprocess.run(["bash", os.path.join(ROOT, "tests", "slurm", "cluster.sh"), d, "stop"], timeout=120)
+    subprocess.run(["bash", CLUSTER, d, "stop"], timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,13 @@
 #   bash tests/slurm/cluster.sh DIR stop   # stop
 set -euo pipefail
 D="$1"
-read -r ctld_port slurmd_port n1_port n2_port <<< "${PORTS:-16817 16818 16819 16820}"
 if [ "${2:-}" = stop ]; then
   SLURM_CONF="$D/slurm.conf" scontrol shutdown 2>/dev/null || true
   sleep 1
   [ -f "$D/munge/munged.pid" ] && kill "$(cat "$D/munge/munged.pid")" 2>/dev/null || true
   exit 0
 fi
+read -r ctld_port slurmd_port n1_port n2_port <<< "${PORTS:-16817 16818 16819 16820}"
 mkdir -p "$D"/{state,spool,log,munge}
 chmod 700 "$D/munge"
 cpus=$(nproc)
