@@ -504,6 +504,11 @@ def env_rows(src: str, dst: str, reset) -> str:
     return dst
 
 
+VERIFIERS_TOOL_STEPS = 3
+"""The verifiers tool run's steps: it is tool_env's run, step for step, so its first steps show it."""
+TIMING = ("timing/", "perf/", "memory/", "sync/")  # wall-clock and memory: not compared
+
+
 @pytest.fixture(scope="module")
 def env_runs(tmp_path_factory, shared_assets_dir):
     for module in ("reasoning_gym", "verifiers.v1", "openenv.core.env_server"):
@@ -548,12 +553,13 @@ def env_runs(tmp_path_factory, shared_assets_dir):
                                        "--data.train_files", tool_train, "--data.val_files", tool_val,
                                        "--env.app", f"{APPS}:tool_app", "--env.observation_role", "tool",
                                        "--env.max_turns", "3", "--env.max_tokens_per_turn", "32"]),
-        # the same task as a multi-turn verifiers environment: its run() answers the lookup, the policy plays its turns
+        # the same task as a multi-turn verifiers environment: its run() answers the lookup, the policy plays its turns;
+        # the same episodes as tool_env's, so its first steps, not 30
         ("verifiers_tool", "train_grpo.py", [*tool_preset, "--trainer.run_name", "verifiers_tool", "--multi_turn.tools",
                                              "", "--data.train_files", "verifiers:toy-verifiers-tool:split=train",
                                              "--data.val_files", "verifiers:toy-verifiers-tool:split=val",
                                              "--env.verifiers", "--env.max_turns", "3", "--env.max_tokens_per_turn",
-                                             "32"]),
+                                             "32", "--trainer.total_steps", str(VERIFIERS_TOOL_STEPS)]),
         # the modes, two steps each: FSDP over both ranks with Ulysses SP 2, a LoRA adapter and dynamic sampling in
         # one run; PPO with its critic
         ("sp2_lora_dynamic", "train_grpo.py", [*toy_url, *small, "--trainer.run_name", "sp2_lora_dynamic",
@@ -678,22 +684,38 @@ def test_the_toy_task_served_as_an_environment_trains_like_the_default_run(env_r
         assert r["rollout/logp_abs_diff"] < 1e-5, r
 
 
-@pytest.mark.parametrize("name", ["tool_env", "verifiers_tool"])
-def test_the_tool_task_as_an_environment_trains_like_the_tool_preset(env_runs, name):
-    """The toy tool task as an environment, 30 steps of the tool preset: served by openenv-core (tool_env: the server
-    answers the lookup, rendered as a tool message), and as a verifiers environment (verifiers_tool,
-    tests/envs/toy_verifiers_tool: its run() answers the lookup call with a tool message, its reward scores the
-    answer; env.verifiers). Held-out greedy reward rises by what the preset's own test asks (tests/test_multi_turn.py
-    TOOL_MIN_GAIN); the lookup is called, no episode fails, the canary at fp32's floor."""
+def test_the_tool_task_as_an_environment_trains_like_the_tool_preset(env_runs):
+    """The toy tool task served by openenv-core as an environment (tool_env: the server answers the lookup, rendered
+    as a tool message), 30 steps of the tool preset: held-out greedy reward rises by what the preset's own test asks
+    (tests/test_multi_turn.py TOOL_MIN_GAIN); the lookup is called, no episode fails, the canary at fp32's floor."""
     from tests.test_multi_turn import TOOL_MIN_GAIN
 
-    rows = run_rows(env_runs, name)
+    rows = run_rows(env_runs, "tool_env")
     curve = [(r["step"], r["val/score_mean"]) for r in rows if "val/score_mean" in r]
     assert [s for s, _ in curve] == [0, 30], env_runs[1].stdout[-3000:] + env_runs[1].stderr[-3000:]
     assert curve[-1][1] >= curve[0][1] + TOOL_MIN_GAIN, curve
     train = _train(rows)
     assert all(r["env/turns_mean"] > 1 and r["env/finish_failed"] == 0 for r in train)
     assert max(r["rollout/logp_abs_diff"] for r in train) < 1e-5
+
+
+def test_the_tool_task_as_a_verifiers_environment_is_the_openenv_run(env_runs):
+    """The same task as a multi-turn verifiers environment (verifiers_tool, tests/envs/toy_verifiers_tool: its run()
+    answers the lookup call with a tool message, its reward scores the answer; env.verifiers): the same observations,
+    the same tokens and the same rewards as tool_env's server, so the same run, step for step, held-out greedy
+    episodes included: tool_env's learning is its learning (measured whole, 30 steps: equal on every step; 3 here)."""
+    if importlib.util.find_spec("verifiers") is None:
+        pytest.skip("verifiers is not installed (the envs-test extra: test.sh adds it)")
+    theirs, ours = run_rows(env_runs, "verifiers_tool"), run_rows(env_runs, "tool_env")
+    steps = VERIFIERS_TOOL_STEPS
+    assert [r["step"] for r in _train(theirs)] == list(range(1, steps + 1)), env_runs[1].stdout[-3000:]
+    val = [r for r in theirs if "val/score_mean" in r]
+    assert val[0]["step"] == 0 and val[0]["val/score_mean"] == ours[0]["val/score_mean"], (val[0], ours[0])
+    for a, b in zip(_train(ours)[:steps], _train(theirs)):
+        same = [k for k in a if not k.startswith(TIMING)]
+        assert sorted(same) == sorted(k for k in b if not k.startswith(TIMING)), (a, b)
+        assert all(a[k] == b[k] for k in same), {k: (a[k], b[k]) for k in same if a[k] != b[k]}
+        assert b["env/turns_mean"] > 1 and b["env/finish_failed"] == 0 and b["rollout/logp_abs_diff"] < 1e-5, b
 
 
 @pytest.mark.parametrize("name", ["sp2_lora_dynamic", "ppo"])
