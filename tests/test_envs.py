@@ -703,7 +703,7 @@ def test_the_tool_task_as_a_verifiers_environment_is_the_openenv_run(env_runs):
     """The same task as a multi-turn verifiers environment (verifiers_tool, tests/envs/toy_verifiers_tool: its run()
     answers the lookup call with a tool message, its reward scores the answer; env.verifiers): the same observations,
     the same tokens and the same rewards as tool_env's server, so the same run, step for step, held-out greedy
-    episodes included: tool_env's learning is its learning (measured whole, 30 steps: equal on every step; 3 here)."""
+    episodes included: tool_env's learning is its learning (3 steps: every figure but time and memory equal)."""
     if importlib.util.find_spec("verifiers") is None:
         pytest.skip("verifiers is not installed (the envs-test extra: test.sh adds it)")
     theirs, ours = run_rows(env_runs, "verifiers_tool"), run_rows(env_runs, "tool_env")
