@@ -36,9 +36,18 @@ workers=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 # the embedded tasks' builds (tests/conftest.py): made once for both passes, in a folder removed at the end
 if [ -z "${TEST_ASSETS:-}" ]; then
   TEST_ASSETS="$(mktemp -d "${TMPDIR:-/tmp}/test_assets.XXXXXX")"
-  trap 'rm -rf "$TEST_ASSETS"' EXIT
+  ASSETS_MADE="$TEST_ASSETS"
+  trap 'rm -rf "$ASSETS_MADE"' EXIT
 fi
 export TEST_ASSETS
+# the forked launches' warm parents (tests/fork_server.py: a launch forked from an interpreter that imported the
+# trainer, not one that imports it again, ~6 CPU-s each): their sockets in a folder of their own, the servers ended
+# with the command; FORK_SERVER_DIR= (empty) starts every launch in its own interpreter
+if [ -z "${FORK_SERVER_DIR+x}" ]; then
+  FORK_SERVER_DIR="$(mktemp -d "${TMPDIR:-/tmp}/fork_servers.XXXXXX")"
+  trap 'pkill -f "$FORK_SERVER_DIR/" 2>/dev/null; rm -rf "$FORK_SERVER_DIR" "${ASSETS_MADE:-}"' EXIT
+fi
+export FORK_SERVER_DIR
 vllm_pass=0
 if [ "${SKIP_VLLM_CPU:-0}" != 1 ] && ! has_gpu && [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ]; then
   vllm_pass=1

@@ -27,6 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # torchrun sets this for its ranks before they import torch; here torch is imported once, below, for all of them
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if __name__ == "__main__" and os.environ.get("FORK_SERVER_DIR"):  # a warm parent forks the launch (tests/fork_server.py)
+    from tests import fork_server
+
+    fork_server.launch(sys.argv[1:])  # exits with the launch's status; returns where no server could start
 
 from torch.distributed import run as torchrun  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
