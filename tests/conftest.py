@@ -21,18 +21,19 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // WORKERS)))
 
 
-# The files' seconds in a fresh clone's run of the test command as CI runs it (2026-12-01, 2 workers, 2 cores, 37.4
-# min; the zoo's runs no longer wait for reward workers importing torch), the heaviest: test.sh hands whole files to
-# its pytest-xdist workers in collection order (--no-loadscope-reorder), so the longest go first and the short ones
-# fill in at the end (xdist's own order, by the number of tests, left the SLURM file among the last: ~2.4 min longer
-# in a replay of those durations). A file not listed weighs 2 s a test.
-FILE_SECONDS = {"test_resume.py": 514, "test_envs.py": 461, "test_slurm.py": 425, "test_acceptance.py": 420,
-                "test_judges.py": 303, "test_agents.py": 276, "test_vision.py": 236, "test_e2e.py": 162,
-                "test_bad_input.py": 159, "test_multi_turn.py": 148, "test_stops.py": 130, "test_lora.py": 121,
-                "test_partial.py": 115, "test_paths.py": 94, "test_recipes.py": 88, "test_distill.py": 88,
-                "test_model_zoo.py": 73, "test_wandb.py": 73, "test_checkpoint_faults.py": 60, "test_compiled.py": 54,
-                "test_view.py": 50, "test_routing.py": 50, "test_selfcheck.py": 45, "test_models_2026.py": 35,
-                "test_truncation.py": 32, "test_samples.py": 29}  # test_view.py's on CI: +~75 s of apt-get
+# The files' seconds in a run of the test command as CI runs it (2026-12-02, 2 workers, 2 cores, 33.9 min; the forked
+# launches from warm parents, tests/fork_server.py), the heaviest: test.sh hands whole files to its pytest-xdist workers
+# in collection order (--no-loadscope-reorder), so the longest go first and the short ones fill in at the end (xdist's
+# own order, by the number of tests, left the SLURM file among the last: ~2.4 min longer in a replay of those
+# durations). A file not listed weighs 2 s a test.
+FILE_SECONDS = {"test_resume.py": 535, "test_acceptance.py": 516, "test_slurm.py": 363, "test_agents.py": 311,
+                "test_envs.py": 295, "test_judges.py": 273, "test_stops.py": 203, "test_bad_input.py": 162,
+                "test_vision.py": 142, "test_multi_turn.py": 121, "test_e2e.py": 119, "test_model_zoo.py": 109,
+                "test_forked_torchrun.py": 100, "test_lora.py": 99, "test_recipes.py": 97, "test_paths.py": 87,
+                "test_distill.py": 67, "test_partial.py": 66, "test_wandb.py": 63, "test_checkpoint_faults.py": 53,
+                "test_compiled.py": 43, "test_routing.py": 40, "test_view.py": 28, "test_metrics.py": 22,
+                "test_longrun.py": 22, "test_truncation.py": 18, "test_models_2026.py": 18}  # test_view.py's on CI:
+# +~75 s of apt-get
 
 
 def _heaviest_files_first(items) -> None:

@@ -2,7 +2,9 @@
 ranks compute: tests/test_e2e.py::test_golden_run_is_reproduced."""
 
 import os
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -26,3 +28,94 @@ def test_a_rank_that_raises_shows_its_rank_and_stage_and_the_launch_fails(tmp_pa
     assert "[rank 1 in stage step/update] " in out.stderr, text[-4000:]  # then torch's own "[rank1]: " on each line
     assert "RuntimeError: a fault injected by SPMD_RL_TEST_FAULT" in out.stderr, text[-4000:]
     assert "ChildFailedError" in out.stderr and "exitcode  : 1" in out.stderr, text[-4000:]
+
+
+def _launch_env(server_dir, **extra) -> dict:
+    """The launches' environment, through the fork server in ``server_dir`` ("": each launch imports for itself)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+            "FORK_SERVER_DIR": str(server_dir), **extra}
+
+
+def _grpo(tmp_path, name, *args):
+    return forked_torchrun(2, os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path),
+                           "--trainer.run_name", name, "--trainer.val_every", "0", *args)
+
+
+def _served(server_dir) -> list[str]:
+    """The server logs' lines that name a launch, one log a server."""
+    logs = [os.path.join(server_dir, f) for f in os.listdir(server_dir) if f.endswith(".sock.log")]
+    return [[line for line in open(p) if line.startswith("launch ")] for p in logs]
+
+
+@pytest.mark.slow
+def test_launches_through_the_fork_server_compute_the_launch_forked_here(tmp_path):
+    """Two launches through one fork server (tests/fork_server.py: the second forked from the same warm parent) and one
+    that imports for itself: the same metrics to the bit, each launch's output on its own streams, exit 0."""
+    from tests.test_resume import rows
+
+    fs = tmp_path / "fs"
+    outs = {}
+    for name, server in (("first", fs), ("second", fs), ("alone", "")):
+        out = subprocess.run(_grpo(tmp_path, name, "--trainer.total_steps", "2"), cwd=ROOT, env=_launch_env(server),
+                             capture_output=True, text=True, timeout=900)  # a hang's guard
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        outs[name] = out.stdout
+    assert all(f"done: {tmp_path / name} " in outs[name] for name in outs), outs
+    (served,) = _served(fs)  # one server, both launches
+    assert [line.split(":")[0] for line in served] == ["launch 1", "launch 2"], served
+    first, second, alone = (rows(tmp_path, n) for n in ("first", "second", "alone"))  # but times and memory
+    assert first == second == alone and len(first) == 2
+
+
+@pytest.mark.slow
+def test_a_launch_through_the_fork_server_fails_as_it_fails_alone(tmp_path):
+    """Rank 1 raises (tests/test_forked_torchrun.py's first test, through the server): the client exits 1 with the
+    rank's traceback and the launcher's report on its own stderr."""
+    env = _launch_env(tmp_path / "fs", SPMD_RL_TEST_FAULT="raise:step/update:1:1:0")
+    out = subprocess.run(_grpo(tmp_path, "run", "--trainer.total_steps", "2"), cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[rank 1 in stage step/update] " in out.stderr and "ChildFailedError" in out.stderr, out.stderr[-4000:]
+    assert len(_served(tmp_path / "fs")) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+def test_a_signal_to_the_fork_servers_client_reaches_its_launch(tmp_path, how):
+    """A run held after step 1 (lib.resume.PAUSE: a state, not a time) through the fork server. SIGTERM to the client
+    (as to torchrun): relayed to the launch, whose agent stops the ranks: a checkpoint of step 1, as under
+    torchrun. SIGKILL (nothing to relay): the client's socket closes and the launch's whole session (its agent and
+    ranks) ends."""
+    from tests.test_resume import pause_at, wait_for_pause
+
+    marker = tmp_path / "paused"
+    env = _launch_env(tmp_path / "fs", **pause_at(1, marker))
+    proc = subprocess.Popen(_grpo(tmp_path, "run", "--trainer.total_steps", "50", "--trainer.save_every", "0"),
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_pause(marker, proc)
+    (served,) = _served(tmp_path / "fs")
+    session = int(served[0].split(": pid ")[1].split(":")[0])  # the launch's child: its own session
+    proc.send_signal(how)
+    out, err = proc.communicate(timeout=600)
+    if how == signal.SIGTERM:  # the agent ends on it as torchrun's does (exit 1), the ranks stopped and saved first
+        assert "got signal: 15" in err and "stopped by SIGTERM after step 1" in out, (out[-3000:], err[-3000:])
+        assert open(tmp_path / "run" / "checkpoints" / "latest").read().strip() == "1"
+        return
+    assert proc.returncode == -signal.SIGKILL
+
+    def in_session() -> list[int]:
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[3]) == session and fields[0] != "Z":
+                found.append(int(entry))
+        return found
+
+    t0 = time.monotonic()
+    while in_session():  # a state: every process of the launch gone
+        assert time.monotonic() - t0 < 300, in_session()  # a hang's guard
+        time.sleep(0.2)
