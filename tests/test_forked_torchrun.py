@@ -30,6 +30,13 @@ def test_a_rank_that_raises_shows_its_rank_and_stage_and_the_launch_fails(tmp_pa
     assert "ChildFailedError" in out.stderr and "exitcode  : 1" in out.stderr, text[-4000:]
 
 
+@pytest.fixture
+def fs(tmp_path):
+    """A folder for the test's fork servers, which end with the test (not a minute idle after it)."""
+    yield tmp_path / "fs"
+    subprocess.run(["pkill", "-f", f"{tmp_path / 'fs'}/"], check=False)
+
+
 def _launch_env(server_dir, **extra) -> dict:
     """The launches' environment, through the fork server in ``server_dir`` ("": each launch imports for itself)."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
@@ -48,12 +55,11 @@ def _served(server_dir) -> list[str]:
 
 
 @pytest.mark.slow
-def test_launches_through_the_fork_server_compute_the_launch_forked_here(tmp_path):
+def test_launches_through_the_fork_server_compute_the_launch_forked_here(tmp_path, fs):
     """Two launches through one fork server (tests/fork_server.py: the second forked from the same warm parent) and one
     that imports for itself: the same metrics to the bit, each launch's output on its own streams, exit 0."""
     from tests.test_resume import rows
 
-    fs = tmp_path / "fs"
     outs = {}
     for name, server in (("first", fs), ("second", fs), ("alone", "")):
         out = subprocess.run(_grpo(tmp_path, name, "--trainer.total_steps", "2"), cwd=ROOT, env=_launch_env(server),
@@ -68,20 +74,20 @@ def test_launches_through_the_fork_server_compute_the_launch_forked_here(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_launch_through_the_fork_server_fails_as_it_fails_alone(tmp_path):
+def test_a_launch_through_the_fork_server_fails_as_it_fails_alone(tmp_path, fs):
     """Rank 1 raises (tests/test_forked_torchrun.py's first test, through the server): the client exits 1 with the
     rank's traceback and the launcher's report on its own stderr."""
-    env = _launch_env(tmp_path / "fs", SPMD_RL_TEST_FAULT="raise:step/update:1:1:0")
+    env = _launch_env(fs, SPMD_RL_TEST_FAULT="raise:step/update:1:1:0")
     out = subprocess.run(_grpo(tmp_path, "run", "--trainer.total_steps", "2"), cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[rank 1 in stage step/update] " in out.stderr and "ChildFailedError" in out.stderr, out.stderr[-4000:]
-    assert len(_served(tmp_path / "fs")) == 1
+    assert len(_served(fs)) == 1
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
-def test_a_signal_to_the_fork_servers_client_reaches_its_launch(tmp_path, how):
+def test_a_signal_to_the_fork_servers_client_reaches_its_launch(tmp_path, fs, how):
     """A run held after step 1 (lib.resume.PAUSE: a state, not a time) through the fork server. SIGTERM to the client
     (as to torchrun): relayed to the launch, whose agent stops the ranks: a checkpoint of step 1, as under
     torchrun. SIGKILL (nothing to relay): the client's socket closes and the launch's whole session (its agent and
@@ -89,11 +95,11 @@ def test_a_signal_to_the_fork_servers_client_reaches_its_launch(tmp_path, how):
     from tests.test_resume import pause_at, wait_for_pause
 
     marker = tmp_path / "paused"
-    env = _launch_env(tmp_path / "fs", **pause_at(1, marker))
+    env = _launch_env(fs, **pause_at(1, marker))
     proc = subprocess.Popen(_grpo(tmp_path, "run", "--trainer.total_steps", "50", "--trainer.save_every", "0"),
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_pause(marker, proc)
-    (served,) = _served(tmp_path / "fs")
+    (served,) = _served(fs)
     session = int(served[0].split(": pid ")[1].split(":")[0])  # the launch's child: its own session
     proc.send_signal(how)
     out, err = proc.communicate(timeout=600)
