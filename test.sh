@@ -34,6 +34,7 @@ set +e
 # whole files to a worker, in collection order: tests/conftest.py puts the longest first
 workers=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 # the embedded tasks' builds (tests/conftest.py): made once for both passes, in a folder removed at the end
+ASSETS_MADE=
 if [ -z "${TEST_ASSETS:-}" ]; then
   TEST_ASSETS="$(mktemp -d "${TMPDIR:-/tmp}/test_assets.XXXXXX")"
   ASSETS_MADE="$TEST_ASSETS"

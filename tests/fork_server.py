@@ -2,8 +2,8 @@
 so that a launch no longer pays the imports (~6 CPU-s on the 2-core machine: torch, transformers, lib) before its
 ranks fork. Opt-in: with ``FORK_SERVER_DIR`` set, ``python tests/forked_torchrun.py ARGS`` hands its command line, its
 working folder, its environment and its standard streams to the server for that environment (started on first use,
-one a distinct environment and folder, so that whatever a library reads from the environment at import is what the
-launch set), and the server forks a child that runs the launch on those streams.
+one a distinct environment, folder and state of the code, so that whatever a library reads from the environment at
+import is what the launch set; its socket in Linux's abstract namespace), and the server forks a child that runs the launch on those streams.
 
 The launch's process stays what the test started: a thin client (standard library only) that relays the signals a test
 sends it (TERM, INT, HUP, QUIT, USR1, USR2) to the child, and exits with the child's status (its exit code, or the
@@ -38,10 +38,28 @@ OWN = ("PYTEST_CURRENT_TEST",)
 launch's own values."""
 
 
+def _code_stamp() -> list:
+    """The scripts' and lib's newest modification: a server never runs code older than the tree's."""
+    newest = 0.0
+    for folder in ("lib", "tests"):
+        for dirpath, _, names in os.walk(os.path.join(ROOT, folder)):
+            newest = max([newest, *(os.stat(os.path.join(dirpath, n)).st_mtime for n in names if n.endswith(".py"))])
+    for name in ("train_grpo.py", "train_ppo.py"):
+        newest = max(newest, os.stat(os.path.join(ROOT, name)).st_mtime)
+    return [newest]
+
+
 def address(env: dict, cwd: str) -> str:
-    """The socket of the server for this environment (but OWN) and folder."""
-    key = json.dumps([sys.executable, cwd, sorted((k, v) for k, v in env.items() if k not in OWN)])
-    return os.path.join(env["FORK_SERVER_DIR"], hashlib.sha256(key.encode()).hexdigest()[:20] + ".sock")
+    """Where the server for this environment (but OWN), folder, interpreter and code keeps its lock and log (``.lock``,
+    ``.log`` beside this path); its socket is ``_socket_name`` of it."""
+    key = json.dumps([sys.executable, cwd, sorted((k, v) for k, v in env.items() if k not in OWN), _code_stamp()])
+    return os.path.join(env["FORK_SERVER_DIR"], hashlib.sha256(key.encode()).hexdigest()[:20])
+
+
+def _socket_name(path: str) -> str:
+    """The server's socket: in Linux's abstract namespace (no file, no length limit from the folder's path, gone with
+    the server)."""
+    return "\0spmd-fork-server-" + hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:40]
 
 
 def _read_line(conn: socket.socket) -> str:
@@ -60,7 +78,7 @@ def _read_line(conn: socket.socket) -> str:
 def _connect(path: str) -> socket.socket | None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(path)
+        conn.connect(_socket_name(path))
         return conn
     except OSError:
         conn.close()
@@ -76,8 +94,6 @@ def _server(path: str) -> socket.socket | None:
         conn = _connect(path)
         if conn is not None:
             return conn
-        if os.path.exists(path):
-            os.unlink(path)  # a server that ended without removing it
         with open(path + ".log", "a") as log:
             server = subprocess.Popen([sys.executable, os.path.abspath(__file__), path], stdin=subprocess.DEVNULL,
                                       stdout=log, stderr=log, start_new_session=True)
@@ -92,6 +108,8 @@ def _server(path: str) -> socket.socket | None:
 def launch(argv: list[str]) -> None:
     """Runs ``argv`` (forked_torchrun.py's arguments) in a child of the server and exits with its status; returns
     where no server could take it (the caller then launches in this process)."""
+    if not sys.platform.startswith("linux") or sys.warnoptions or sys._xoptions or sys.flags.optimize:
+        return  # the socket is Linux's (abstract namespace); a server runs without the interpreter's options
     path = address(dict(os.environ), os.getcwd())
     for _ in range(3):  # a server that ended while this one connected: the next start serves
         conn = _server(path)
@@ -99,8 +117,11 @@ def launch(argv: list[str]) -> None:
             return
         request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
         try:
-            conn.sendmsg([len(request).to_bytes(8, "big"), request],
-                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+            sent = conn.sendmsg([len(request).to_bytes(8, "big")],
+                                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+            if sent != 8:
+                raise OSError("the request's head was cut short")
+            conn.sendall(request)
             ack = _read_line(conn)
         except OSError:
             ack = ""
@@ -120,7 +141,8 @@ def launch(argv: list[str]) -> None:
     status = _read_line(conn)
     if status.startswith("K"):  # ended by a signal: so does this process
         sig = int(status[1:])
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two cannot be handled, nor their handling reset)
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         raise SystemExit(128 + sig)
     raise SystemExit(int(status[1:]) if status.startswith("X") else 1)
@@ -155,8 +177,15 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     code = 0
     try:
         forked_torchrun.main(request["argv"])
-    except SystemExit as e:
+    except SystemExit as e:  # as the interpreter ends on it: a message to stderr and 1, a number, or 0
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:  # as the interpreter ends on it: by SIGINT
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # noqa: BLE001 - what an uncaught error does to a script
         import traceback
 
@@ -168,18 +197,26 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    """A request and its three streams (closed here where the request is not whole)."""
     fds = array.array("i")
     head, ancillary, _, _ = conn.recvmsg(8, socket.CMSG_SPACE(3 * fds.itemsize))
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-    size, body = int.from_bytes(head, "big"), b""
-    while len(body) < size:
-        part = conn.recv(size - len(body))
-        if not part:
-            raise ConnectionError("the request was cut short")
-        body += part
-    return json.loads(body), list(fds)
+    try:
+        size, body = int.from_bytes(head, "big"), b""
+        while len(body) < size:
+            part = conn.recv(size - len(body))
+            if not part:
+                raise ConnectionError("the request was cut short")
+            body += part
+        if len(head) != 8 or len(fds) != 3:
+            raise ConnectionError(f"a request of {len(head)} head bytes and {len(fds)} streams")
+        return json.loads(body), list(fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def serve(path: str) -> None:
@@ -189,7 +226,7 @@ def serve(path: str) -> None:
     from tests import forked_torchrun  # noqa: F401 - the imports every child inherits
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(_socket_name(path))
     listener.listen(16)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
@@ -216,7 +253,10 @@ def serve(path: str) -> None:
                 _child(conn, request, fds)
             for fd in fds:
                 os.close(fd)
-            conn.sendall(f"P{pid}\n".encode())
+            try:
+                conn.sendall(f"P{pid}\n".encode())
+            except OSError:
+                pass  # the client is gone: the child sees its socket closed and ends
             children[pid] = conn
             served += 1
             last = time.monotonic()
@@ -237,7 +277,6 @@ def serve(path: str) -> None:
             last = time.monotonic()
     with open(path + ".lock", "w") as lock:  # where clients look for a server: none from now
         fcntl.flock(lock, fcntl.LOCK_EX)
-        os.unlink(path)
         listener.close()
     print(f"idle for {IDLE_S:.0f} s after {served} launches: ended", flush=True)
 

@@ -18,7 +18,7 @@ def test_a_rank_that_raises_shows_its_rank_and_stage_and_the_launch_fails(tmp_pa
     left waiting in the update's collective, ends too. Before, the launcher's multiprocessing caught the error: no
     prefix, the traceback only in the launcher's report."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-           "SPMD_RL_TEST_FAULT": "raise:step/update:1:1:0"}
+           "SPMD_RL_TEST_FAULT": "raise:step/update:1:1:0", "FORK_SERVER_DIR": ""}  # (this launcher alone)
     out = subprocess.run(forked_torchrun(2, os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root",
                                          str(tmp_path), "--trainer.run_name", "run", "--trainer.total_steps", "2",
                                          "--trainer.val_every", "0"),
@@ -50,7 +50,7 @@ def _grpo(tmp_path, name, *args):
 
 def _served(server_dir) -> list[str]:
     """The server logs' lines that name a launch, one log a server."""
-    logs = [os.path.join(server_dir, f) for f in os.listdir(server_dir) if f.endswith(".sock.log")]
+    logs = [os.path.join(server_dir, f) for f in os.listdir(server_dir) if f.endswith(".log")]
     return [[line for line in open(p) if line.startswith("launch ")] for p in logs]
 
 
@@ -82,16 +82,17 @@ def test_a_launch_through_the_fork_server_fails_as_it_fails_alone(tmp_path, fs):
                          text=True, timeout=900)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[rank 1 in stage step/update] " in out.stderr and "ChildFailedError" in out.stderr, out.stderr[-4000:]
-    assert len(_served(fs)) == 1
+    assert [len(s) for s in _served(fs)] == [1]  # the server ran it
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL, "child"], ids=["TERM", "KILL", "child-KILL"])
 def test_a_signal_to_the_fork_servers_client_reaches_its_launch(tmp_path, fs, how):
     """A run held after step 1 (lib.resume.PAUSE: a state, not a time) through the fork server. SIGTERM to the client
     (as to torchrun): relayed to the launch, whose agent stops the ranks: a checkpoint of step 1, as under
     torchrun. SIGKILL (nothing to relay): the client's socket closes and the launch's whole session (its agent and
-    ranks) ends."""
+    ranks) ends. The launch's process killed (SIGKILL to the server's child): the client ends by the same signal, as a
+    launch's own process would."""
     from tests.test_resume import pause_at, wait_for_pause
 
     marker = tmp_path / "paused"
@@ -101,10 +102,16 @@ def test_a_signal_to_the_fork_servers_client_reaches_its_launch(tmp_path, fs, ho
     wait_for_pause(marker, proc)
     (served,) = _served(fs)
     session = int(served[0].split(": pid ")[1].split(":")[0])  # the launch's child: its own session
+    if how == "child":
+        os.kill(session, signal.SIGKILL)
+        proc.communicate(timeout=600)
+        assert proc.returncode == -signal.SIGKILL
+        os.killpg(session, signal.SIGKILL)  # its ranks, left held in the pause
+        return
     proc.send_signal(how)
     out, err = proc.communicate(timeout=600)
     if how == signal.SIGTERM:  # the agent ends on it as torchrun's does (exit 1), the ranks stopped and saved first
-        assert "got signal: 15" in err and "stopped by SIGTERM after step 1" in out, (out[-3000:], err[-3000:])
+        assert proc.returncode == 1 and "got signal: 15" in err and "stopped by SIGTERM after step 1" in out, (out[-3000:], err[-3000:])
         assert open(tmp_path / "run" / "checkpoints" / "latest").read().strip() == "1"
         return
     assert proc.returncode == -signal.SIGKILL
