@@ -34,11 +34,12 @@ set +e
 # whole files to a worker, in collection order: tests/conftest.py puts the longest first
 workers=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 # the embedded tasks' builds (tests/conftest.py): made once for both passes, in a folder removed at the end
-ASSETS_MADE=
+# (what this command made is removed at its end, the fork servers below ended)
+ASSETS_MADE= SERVERS_MADE=
+trap 'if [ -n "$SERVERS_MADE" ]; then pkill -f "$SERVERS_MADE/"; fi; rm -rf "$ASSETS_MADE" "$SERVERS_MADE"' EXIT
 if [ -z "${TEST_ASSETS:-}" ]; then
   TEST_ASSETS="$(mktemp -d "${TMPDIR:-/tmp}/test_assets.XXXXXX")"
   ASSETS_MADE="$TEST_ASSETS"
-  trap 'rm -rf "$ASSETS_MADE"' EXIT
 fi
 export TEST_ASSETS
 # the forked launches' warm parents (tests/fork_server.py: a launch forked from an interpreter that imported the
@@ -46,7 +47,7 @@ export TEST_ASSETS
 # with the command; FORK_SERVER_DIR= (empty) starts every launch in its own interpreter
 if [ -z "${FORK_SERVER_DIR+x}" ]; then
   FORK_SERVER_DIR="$(mktemp -d "${TMPDIR:-/tmp}/fork_servers.XXXXXX")"
-  trap 'pkill -f "$FORK_SERVER_DIR/" 2>/dev/null; rm -rf "$FORK_SERVER_DIR" "${ASSETS_MADE:-}"' EXIT
+  SERVERS_MADE="$FORK_SERVER_DIR"
 fi
 export FORK_SERVER_DIR
 vllm_pass=0

@@ -3,7 +3,8 @@ so that a launch no longer pays the imports (~6 CPU-s on the 2-core machine: tor
 ranks fork. Opt-in: with ``FORK_SERVER_DIR`` set, ``python tests/forked_torchrun.py ARGS`` hands its command line, its
 working folder, its environment and its standard streams to the server for that environment (started on first use,
 one a distinct environment, folder and state of the code, so that whatever a library reads from the environment at
-import is what the launch set; its socket in Linux's abstract namespace), and the server forks a child that runs the launch on those streams.
+import is what the launch set; its socket in Linux's abstract namespace), and the server forks a child that runs the
+launch on those streams.
 
 The launch's process stays what the test started: a thin client (standard library only) that relays the signals a test
 sends it (TERM, INT, HUP, QUIT, USR1, USR2) to the child, and exits with the child's status (its exit code, or the
@@ -38,7 +39,7 @@ OWN = ("PYTEST_CURRENT_TEST",)
 launch's own values."""
 
 
-def _code_stamp() -> list:
+def _code_stamp() -> float:
     """The scripts' and lib's newest modification: a server never runs code older than the tree's."""
     newest = 0.0
     for folder in ("lib", "tests"):
@@ -46,7 +47,7 @@ def _code_stamp() -> list:
             newest = max([newest, *(os.stat(os.path.join(dirpath, n)).st_mtime for n in names if n.endswith(".py"))])
     for name in ("train_grpo.py", "train_ppo.py"):
         newest = max(newest, os.stat(os.path.join(ROOT, name)).st_mtime)
-    return [newest]
+    return newest
 
 
 def address(env: dict, cwd: str) -> str:
@@ -110,12 +111,13 @@ def launch(argv: list[str]) -> None:
     where no server could take it (the caller then launches in this process)."""
     if not sys.platform.startswith("linux") or sys.warnoptions or sys._xoptions or sys.flags.optimize:
         return  # the socket is Linux's (abstract namespace); a server runs without the interpreter's options
-    path = address(dict(os.environ), os.getcwd())
+    env, cwd = dict(os.environ), os.getcwd()
+    path = address(env, cwd)
     for _ in range(3):  # a server that ended while this one connected: the next start serves
         conn = _server(path)
         if conn is None:
             return
-        request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+        request = json.dumps({"argv": argv, "cwd": cwd, "env": env}).encode()
         try:
             sent = conn.sendmsg([len(request).to_bytes(8, "big")],
                                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
@@ -130,6 +132,7 @@ def launch(argv: list[str]) -> None:
         conn.close()
     else:
         return
+
     def relay(n: int, _frame) -> None:
         try:
             conn.sendall(f"S{n}\n".encode())

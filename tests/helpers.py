@@ -97,6 +97,17 @@ def apt_install(packages: tuple[str, ...]) -> str:
     return f"apt-get install {' '.join(packages)} failed: {out.stderr.strip()[-300:]}" if out.returncode else ""
 
 
+def processes():
+    """Every process's pid and the fields of its /proc stat after the command's name (state, ppid, pgrp, session,
+    ...); a process gone while read is left out."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        yield int(entry), stat.rsplit(")", 1)[1].split()
+
+
 def torchrun_command(nproc: int, script: str, *args: str) -> list[str]:
     """The command line that runs ``script`` with ``args`` on ``nproc`` local ranks under torchrun itself."""
     import sys

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from tests.helpers import launch_runs, run_rows
+from tests.test_resume import TIMING
 
 
 
@@ -506,7 +507,6 @@ def env_rows(src: str, dst: str, reset) -> str:
 
 VERIFIERS_TOOL_STEPS = 3
 """The verifiers tool run's steps: it is tool_env's run, step for step, so its first steps show it."""
-TIMING = ("timing/", "perf/", "memory/", "sync/")  # wall-clock and memory: not compared
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, forked_torchrun
+from tests.helpers import ROOT, forked_torchrun, processes
 
 
 @pytest.mark.slow
@@ -39,13 +39,9 @@ def fs(tmp_path):
 
 def _launch_env(server_dir, **extra) -> dict:
     """The launches' environment, through the fork server in ``server_dir`` ("": each launch imports for itself)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
-            "FORK_SERVER_DIR": str(server_dir), **extra}
+    from tests.test_resume import env
 
-
-def _grpo(tmp_path, name, *args):
-    return forked_torchrun(2, os.path.join(ROOT, "train_grpo.py"), "--trainer.output_root", str(tmp_path),
-                           "--trainer.run_name", name, "--trainer.val_every", "0", *args)
+    return {**env(), "FORK_SERVER_DIR": str(server_dir), **extra}
 
 
 def _served(server_dir) -> list[str]:
@@ -58,11 +54,12 @@ def _served(server_dir) -> list[str]:
 def test_launches_through_the_fork_server_compute_the_launch_forked_here(tmp_path, fs):
     """Two launches through one fork server (tests/fork_server.py: the second forked from the same warm parent) and one
     that imports for itself: the same metrics to the bit, each launch's output on its own streams, exit 0."""
-    from tests.test_resume import rows
+    from tests.test_resume import forked, rows
 
     outs = {}
     for name, server in (("first", fs), ("second", fs), ("alone", "")):
-        out = subprocess.run(_grpo(tmp_path, name, "--trainer.total_steps", "2"), cwd=ROOT, env=_launch_env(server),
+        out = subprocess.run(forked(tmp_path, "--trainer.total_steps", "2", "--trainer.val_every", "0", name=name),
+                             cwd=ROOT, env=_launch_env(server),
                              capture_output=True, text=True, timeout=900)  # a hang's guard
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         outs[name] = out.stdout
@@ -77,9 +74,11 @@ def test_launches_through_the_fork_server_compute_the_launch_forked_here(tmp_pat
 def test_a_launch_through_the_fork_server_fails_as_it_fails_alone(tmp_path, fs):
     """Rank 1 raises (tests/test_forked_torchrun.py's first test, through the server): the client exits 1 with the
     rank's traceback and the launcher's report on its own stderr."""
+    from tests.test_resume import forked
+
     env = _launch_env(fs, SPMD_RL_TEST_FAULT="raise:step/update:1:1:0")
-    out = subprocess.run(_grpo(tmp_path, "run", "--trainer.total_steps", "2"), cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=900)
+    out = subprocess.run(forked(tmp_path, "--trainer.total_steps", "2", "--trainer.val_every", "0"), cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[rank 1 in stage step/update] " in out.stderr and "ChildFailedError" in out.stderr, out.stderr[-4000:]
     assert [len(s) for s in _served(fs)] == [1]  # the server ran it
@@ -93,12 +92,13 @@ def test_a_signal_to_the_fork_servers_client_reaches_its_launch(tmp_path, fs, ho
     torchrun. SIGKILL (nothing to relay): the client's socket closes and the launch's whole session (its agent and
     ranks) ends. The launch's process killed (SIGKILL to the server's child): the client ends by the same signal, as a
     launch's own process would."""
-    from tests.test_resume import pause_at, wait_for_pause
+    from tests.test_resume import forked, pause_at, wait_for_pause
 
     marker = tmp_path / "paused"
     env = _launch_env(fs, **pause_at(1, marker))
-    proc = subprocess.Popen(_grpo(tmp_path, "run", "--trainer.total_steps", "50", "--trainer.save_every", "0"),
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(forked(tmp_path, "--trainer.total_steps", "50", "--trainer.save_every", "0",
+                                   "--trainer.val_every", "0"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     wait_for_pause(marker, proc)
     (served,) = _served(fs)
     session = int(served[0].split(": pid ")[1].split(":")[0])  # the launch's child: its own session
@@ -106,27 +106,22 @@ def test_a_signal_to_the_fork_servers_client_reaches_its_launch(tmp_path, fs, ho
         os.kill(session, signal.SIGKILL)
         proc.communicate(timeout=600)
         assert proc.returncode == -signal.SIGKILL
-        os.killpg(session, signal.SIGKILL)  # its ranks, left held in the pause
+        try:
+            os.killpg(session, signal.SIGKILL)  # its ranks, where still held in the pause
+        except ProcessLookupError:
+            pass  # gone with their agent already
         return
     proc.send_signal(how)
     out, err = proc.communicate(timeout=600)
     if how == signal.SIGTERM:  # the agent ends on it as torchrun's does (exit 1), the ranks stopped and saved first
-        assert proc.returncode == 1 and "got signal: 15" in err and "stopped by SIGTERM after step 1" in out, (out[-3000:], err[-3000:])
+        assert proc.returncode == 1 and "got signal: 15" in err and "stopped by SIGTERM after step 1" in out, \
+            (out[-3000:], err[-3000:])
         assert open(tmp_path / "run" / "checkpoints" / "latest").read().strip() == "1"
         return
     assert proc.returncode == -signal.SIGKILL
 
     def in_session() -> list[int]:
-        found = []
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[3]) == session and fields[0] != "Z":
-                found.append(int(entry))
-        return found
+        return [pid for pid, fields in processes() if int(fields[3]) == session and fields[0] != "Z"]
 
     t0 = time.monotonic()
     while in_session():  # a state: every process of the launch gone

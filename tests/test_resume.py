@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import link_assets
-from tests.helpers import forked_torchrun, launch_runs, torchrun_command
+from tests.helpers import forked_torchrun, launch_runs, processes, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cosine schedule with warm-up, dynamic sampling, several mini-batches: every piece of resumable state matters
@@ -75,16 +75,7 @@ def wait_for_pause(marker, proc, limit=600):
 
 
 def children(pid):
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
+    return [child for child, fields in processes() if int(fields[1]) == pid]
 
 
 # a LoRA policy with its base as the KL reference: the checkpoint holds the adapter and its optimizer state only
