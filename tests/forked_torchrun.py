@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # torchrun sets this for its ranks before they import torch; here torch is imported once, below, for all of them
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-if __name__ == "__main__" and os.environ.get("FORK_SERVER_DIR"):  # a warm parent forks the launch (tests/fork_server.py)
+if __name__ == "__main__" and os.environ.get("FORK_SERVER_DIR"):  # a warm parent forks it (tests/fork_server.py)
     from tests import fork_server
 
     fork_server.launch(sys.argv[1:])  # exits with the launch's status; returns where no server could start
@@ -48,19 +48,34 @@ def rank(script: str, args: list[str]) -> None:
     from it), the signals' default handlers (a forked child inherits the agent's, which raise an exception where a
     fresh interpreter would end), an uncaught error through sys.excepthook (the run's own, which names the rank and
     stage and keeps the fault: multiprocessing would print it in the launcher instead), and once main returns, SIGTERM
-    ending the process (the launcher holds a finished rank until its peers end, and a peer's failure ends it so)."""
+    ending the process (the launcher holds a finished rank until its peers end, and a peer's failure ends it so), as
+    does the agent's death."""
+    agent = os.getppid()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [script, *args]
     try:
         MAINS[os.path.basename(script)](args)
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        if e.code:
+            raise
     except BaseException as error:  # noqa: BLE001 - what an uncaught error does to a script: its excepthook, exit 1
         sys.excepthook(type(error), error, error.__traceback__)
         raise SystemExit(130 if isinstance(error, KeyboardInterrupt) else 1) from None
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _held_while_the_agent_lives(agent)
+
+
+def _held_while_the_agent_lives(agent: int) -> None:
+    """A rank that returned waits until the agent has read its result (torch's fork start). An agent killed outright
+    never does: its ranks (told by torch's parent-death signal, SIGINT, to stop and save) would wait for ever, holding
+    the launch's streams. From here the agent's death ends the rank (SIGTERM), and an agent already gone ends it now."""
+    from torch.multiprocessing import _prctl_pr_set_pdeathsig
+
+    _prctl_pr_set_pdeathsig(signal.SIGTERM)
+    if os.getppid() != agent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @record

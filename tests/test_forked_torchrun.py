@@ -4,6 +4,7 @@ ranks compute: tests/test_e2e.py::test_golden_run_is_reproduced."""
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -28,6 +29,42 @@ def test_a_rank_that_raises_shows_its_rank_and_stage_and_the_launch_fails(tmp_pa
     assert "[rank 1 in stage step/update] " in out.stderr, text[-4000:]  # then torch's own "[rank1]: " on each line
     assert "RuntimeError: a fault injected by SPMD_RL_TEST_FAULT" in out.stderr, text[-4000:]
     assert "ChildFailedError" in out.stderr and "exitcode  : 1" in out.stderr, text[-4000:]
+
+
+AGENT_AND_RANK = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from tests.forked_torchrun import _held_while_the_agent_lives
+gone_first = sys.argv[2] == "gone"
+agent = os.fork()
+if agent == 0:  # the agent: forks its rank, then dies outright (at once, or once the rank is held)
+    r, w = os.pipe()
+    if os.fork() == 0:  # the rank: its main returned; held as torch holds it
+        me = os.getppid()
+        while gone_first and os.getppid() == me:
+            time.sleep(0.01)
+        _held_while_the_agent_lives(me)
+        os.write(w, b"held")
+        time.sleep(600)  # torch's wait for the agent's reading
+        os._exit(0)
+    print(os.getpid(), flush=True)
+    if not gone_first:
+        os.read(r, 4)  # the rank held: its agent's death is what must end it
+    os.kill(os.getpid(), signal.SIGKILL)
+os.waitpid(agent, 0)
+"""
+
+
+@pytest.mark.parametrize("when", ["gone", "later"])
+def test_a_rank_held_after_its_main_ends_with_its_killed_agent(when):
+    """A forked rank whose main returned is held until the agent reads its result (torch's fork start); an agent
+    killed outright never reads it. The rank ends by SIGTERM, whether the agent was gone when it returned or dies
+    while it is held. Before, it waited for ever, holding the launch's streams (stop 89's CI: the child-KILL case below
+    timed out so, its ranks stopped by one parent-death SIGINT, saved, and held; where two came, as the agent's threads
+    died one after another, the second raised KeyboardInterrupt in the pause and the ranks ended)."""
+    proc = subprocess.run([sys.executable, "-c", AGENT_AND_RANK, ROOT, when], capture_output=True, text=True,
+                          timeout=300)  # a hang's guard: a held rank never ends and keeps stdout open
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
 
 
 @pytest.fixture
