@@ -197,7 +197,8 @@ def test_a_multi_turn_verifiers_environment_plays_its_turns_token_in_token_out(t
     toy_verifiers_tool): the policy's turns are sampled in our loop, the environment's tool message rendered after
     the call (response_mask 0), the answer; the sample's score is the environment's own reward of the played trace.
     An episode the loop ends (env.max_turns) ends the environment's exchange (a terminated turn) and is scored on what
-    was played; an environment that raises fails its episode, counted, never scored 0."""
+    was played (its last reply a call: no answer, 0); an environment that raises fails its episode, counted, never
+    scored 0."""
     pytest.importorskip("verifiers.v1", reason="the envs-test extra (test.sh adds it)")
     from lib import toy
     from lib.multi_turn.render import ObservationRenderer, tool_message
@@ -209,7 +210,11 @@ def test_a_multi_turn_verifiers_environment_plays_its_turns_token_in_token_out(t
     right, wrong, looping = val[:3]
     answer = toy.example(toy.tool_digits(right))[1]
     call = toy.tool_call_text(right)
-    script = {right: [call, answer], wrong: ["9,9,"], looping: [toy.tool_call_text(looping)] * 2}
+    # looping's second turn opens as its answer does, then calls again: a call, so no answer (the toy rule would give
+    # its first digit credit; tool_app scores such a turn 0, and so does the environment)
+    again = toy.tool_call_text(looping)
+    first_digit = toy.example(toy.tool_digits(looping))[1][0]
+    script = {right: [call, answer], wrong: ["9,9,"], looping: [again, first_digit + again]}
     out, engine, running = verifiers_rollout(tok, "verifiers:toy-verifiers-tool:split=val", [right, wrong, looping],
                                              tmp_path, script, max_turns=2)
     assert running == 0
@@ -227,8 +232,7 @@ def test_a_multi_turn_verifiers_environment_plays_its_turns_token_in_token_out(t
     assert [ids for ids, _ in engine.seen if ids[:len(prompt)] == prompt] == [prompt, prompt + enc(call) + end + obs]
     scores = out.non_tensor_batch["env_score"]
     wrong_score = toy_rule("9,9,", toy.example(toy.tool_digits(wrong))[1])["score"]
-    looping_score = toy_rule(toy.tool_call_text(looping), toy.example(toy.tool_digits(looping))[1])["score"]
-    assert list(scores) == [(1.0, "", ""), (wrong_score, "", ""), (looping_score, "", "")]
+    assert list(scores) == [(1.0, "", ""), (wrong_score, "", ""), (0.0, "", "")]
     assert list(out.non_tensor_batch["num_turns"]) == [2, 1, 2]
     m = out.meta_info["multi_turn"]
     assert m["env/finish_done"] == 2 / 3 and m["env/finish_max_turns"] == 1 / 3, m
@@ -238,10 +242,10 @@ def test_a_multi_turn_verifiers_environment_plays_its_turns_token_in_token_out(t
     kind, message = out.non_tensor_batch["env_score"][0][1:]
     assert kind == "step" and "failed on purpose" in message, message
     # an observation that does not fit the budget ends the episode there, and the environment's exchange with it:
-    # scored on the call it saw last
+    # scored on the call it saw last (no answer: 0)
     out, _, running = verifiers_rollout(tok, "verifiers:toy-verifiers-tool:split=val", [right], tmp_path / "b",
                                         {right: [call]}, budget=len(enc(call)) + 2)
-    assert out.non_tensor_batch["env_score"][0] == (toy_rule(call, answer)["score"], "", "") and running == 0
+    assert out.non_tensor_batch["env_score"][0] == (0.0, "", "") and running == 0
     m = out.meta_info["multi_turn"]
     assert m["env/finish_budget"] == 1.0 and m["env/observation_too_long"] == 1, m
 

@@ -10,12 +10,19 @@ import verifiers.v1 as vf
 from toy_verifiers import ToyData, ToyTask  # the toy task's data and reward (tests/envs/toy_verifiers)
 
 from lib import toy
+from lib.rewards.builtin import toy as toy_rule
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
 class ToolTask(ToyTask):
-    """The toy task's reward on the last reply (the answer), and a count of the lookups."""
+    """The toy task's reward on the last reply where it is the answer (a reply with a call is none: an episode ended on
+    a call scores 0, as tests/envs/toy_openenv.py's tool_app scores it), and a count of the lookups."""
+
+    @vf.reward(weight=1.0)
+    async def reversed_digits(self, task: ToyData, trace: vf.Trace) -> float:
+        reply = trace.last_reply or ""
+        return 0.0 if CALL.search(reply) else toy_rule(reply, task.answer)["score"]
 
     @vf.metric
     async def lookups(self, task: ToyData, trace: vf.Trace) -> float:
